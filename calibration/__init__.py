@@ -1,0 +1,1 @@
+"""calibration: HF model + text -> OSCAR rotations file. Never imports sglang."""

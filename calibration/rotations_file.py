@@ -1,0 +1,228 @@
+"""The rotations file: the only contract between calibration and serving.
+
+safetensors (never pickle). Tensors, per layer l (float32):
+    k_rot.{l}, v_rot.{l}                [num_kv_heads, head_dim, head_dim]  (x' = x @ R)
+    k_clip_min.{l}, k_clip_max.{l},
+    v_clip_min.{l}, v_clip_max.{l}      [num_kv_heads, head_dim]  per-channel clip of the
+                                        rotated values (-inf / +inf = no clip)
+Metadata (strings): format, version, architecture, model_name, num_layers, num_q_heads,
+num_kv_heads, head_dim, group_size, bits, scale_dtype, recipe, recipe_detail (JSON),
+calib_data, calib_tokens, created.
+
+:func:`load_rotations` validates everything and raises :class:`RotationsFileError` with a
+one-line reason; nothing is half-loaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+
+import torch
+
+from .model_shape import ModelShape, kv_heads_for_rank
+
+FORMAT = "oscar-rotations"
+VERSION = "1"
+SUPPORTED_VERSIONS = (VERSION,)
+RECIPES = ("oscar", "hadamard", "naive")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+ORTHOGONALITY_TOL = 1e-3
+_TENSOR_KINDS = ("k_rot", "v_rot", "k_clip_min", "k_clip_max", "v_clip_min", "v_clip_max")
+_INT_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "group_size", "bits",
+               "calib_tokens")
+
+
+class RotationsFileError(ValueError):
+    """A rotations file that cannot be served; the message is one line."""
+
+
+@dataclass
+class RotationsMeta:
+    architecture: str
+    model_name: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    recipe: str
+    recipe_detail: dict = field(default_factory=dict)
+    calib_data: str = ""
+    calib_tokens: int = 0
+    scale_dtype: str = "float16"
+    bits: int = 2
+    created: str = ""
+    version: str = VERSION
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.architecture, self.num_layers, self.num_q_heads,
+                          self.num_kv_heads, self.head_dim)
+
+
+@dataclass
+class LayerRotation:
+    k_rot: torch.Tensor  # [H, D, D]
+    v_rot: torch.Tensor
+    k_clip_min: torch.Tensor  # [H, D]
+    k_clip_max: torch.Tensor
+    v_clip_min: torch.Tensor
+    v_clip_max: torch.Tensor
+
+
+@dataclass
+class Rotations:
+    meta: RotationsMeta
+    layers: list[LayerRotation]
+
+    def for_kv_heads(self, heads: list[int]) -> "Rotations":
+        idx = torch.tensor(heads, dtype=torch.long)
+        layers = [LayerRotation(*(getattr(lr, f).index_select(0, idx) for f in _TENSOR_KINDS))
+                  for lr in self.layers]
+        return Rotations(replace(self.meta, num_kv_heads=len(heads)), layers)
+
+    def for_tp_rank(self, tp_rank: int, tp_size: int) -> "Rotations":
+        """The slice that one attention-TP rank serves (see kv_heads_for_rank)."""
+        return self.for_kv_heads(kv_heads_for_rank(self.meta.num_kv_heads, tp_size, tp_rank))
+
+
+def make_meta(shape: ModelShape, model_name: str, group_size: int, recipe: str, **kw) -> RotationsMeta:
+    return RotationsMeta(architecture=shape.architecture, model_name=model_name,
+                         num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
+                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         group_size=group_size, recipe=recipe, **kw)
+
+
+def save_rotations(path: str, rotations: Rotations) -> None:
+    from safetensors.torch import save_file
+
+    _validate(rotations, path)  # never write a file we would refuse to load
+    meta = rotations.meta
+    tensors = {}
+    for l, lr in enumerate(rotations.layers):
+        for kind in _TENSOR_KINDS:
+            tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone()
+    md = {
+        "format": FORMAT, "version": meta.version, "architecture": meta.architecture,
+        "model_name": meta.model_name, "recipe": meta.recipe,
+        "recipe_detail": json.dumps(meta.recipe_detail, sort_keys=True),
+        "calib_data": meta.calib_data, "scale_dtype": meta.scale_dtype,
+        "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    md.update({k: str(getattr(meta, k)) for k in _INT_FIELDS})
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata=md)
+    os.replace(tmp, path)
+
+
+def _fail(path: str, why: str) -> RotationsFileError:
+    return RotationsFileError(f"oscar rotations file {path}: {why}")
+
+
+def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
+    if not md or md.get("format") != FORMAT:
+        raise _fail(path, f"not an OSCAR rotations file (metadata 'format' is not '{FORMAT}')")
+    if md.get("version") not in SUPPORTED_VERSIONS:
+        raise _fail(path, f"unsupported format version {md.get('version')!r} "
+                          f"(this oscar-sglang reads {', '.join(SUPPORTED_VERSIONS)})")
+    missing = [k for k in ("architecture", "recipe", *_INT_FIELDS) if k not in md]
+    if missing:
+        raise _fail(path, f"metadata lacks {', '.join(missing)}")
+    ints = {}
+    for k in _INT_FIELDS:
+        try:
+            ints[k] = int(md[k])
+        except ValueError:
+            raise _fail(path, f"metadata {k}={md[k]!r} is not an integer") from None
+    try:
+        detail = json.loads(md.get("recipe_detail") or "{}")
+    except json.JSONDecodeError:
+        raise _fail(path, "metadata recipe_detail is not valid JSON") from None
+    return RotationsMeta(architecture=md["architecture"], model_name=md.get("model_name", ""),
+                         recipe=md["recipe"], recipe_detail=detail,
+                         calib_data=md.get("calib_data", ""), scale_dtype=md.get("scale_dtype", "float16"),
+                         created=md.get("created", ""), version=md["version"], **ints)
+
+
+def _validate(rot: Rotations, path: str) -> None:
+    m = rot.meta
+    if m.bits != 2:
+        raise _fail(path, f"bits={m.bits}, only 2-bit files are served")
+    if m.recipe not in RECIPES:
+        raise _fail(path, f"unknown recipe {m.recipe!r} (expected one of {', '.join(RECIPES)})")
+    if m.scale_dtype not in SCALE_DTYPES:
+        raise _fail(path, f"unknown scale_dtype {m.scale_dtype!r}")
+    if min(m.num_layers, m.num_kv_heads, m.head_dim, m.num_q_heads) < 1 or m.head_dim % 4:
+        raise _fail(path, "num_layers/num_kv_heads/num_q_heads must be >= 1 and head_dim a multiple of 4")
+    g = m.group_size
+    if g < 1 or g & (g - 1) or m.head_dim % g:
+        raise _fail(path, f"group_size {g} must be a power of two dividing head_dim {m.head_dim}")
+    if len(rot.layers) != m.num_layers:
+        raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {m.num_layers}")
+    h, d = m.num_kv_heads, m.head_dim
+    for l, lr in enumerate(rot.layers):
+        for kind in _TENSOR_KINDS:
+            t = getattr(lr, kind)
+            want = (h, d, d) if kind.endswith("rot") else (h, d)
+            if tuple(t.shape) != want:
+                raise _fail(path, f"{kind}.{l} has shape {tuple(t.shape)}, expected {want}")
+            if torch.isnan(t).any():
+                raise _fail(path, f"{kind}.{l} contains NaN")
+            if kind.endswith("rot") and not torch.isfinite(t).all():
+                raise _fail(path, f"{kind}.{l} contains Inf")
+        for kind in ("k_rot", "v_rot"):
+            r = getattr(lr, kind).double()
+            err = float((r @ r.transpose(-1, -2) - torch.eye(d, dtype=torch.float64)).abs().amax())
+            if not err <= ORTHOGONALITY_TOL:
+                raise _fail(path, f"{kind}.{l} is not orthogonal (max |R R^T - I| = {err:.2e} "
+                                  f"> {ORTHOGONALITY_TOL:g})")
+        for x in ("k", "v"):
+            lo, hi = getattr(lr, f"{x}_clip_min"), getattr(lr, f"{x}_clip_max")
+            if not (lo < hi).all():
+                raise _fail(path, f"{x}_clip_min.{l} is not below {x}_clip_max.{l} everywhere")
+
+
+def check_matches_model(meta: RotationsMeta, shape: ModelShape, path: str = "") -> None:
+    """Refuse a file made for another model (one line naming the first mismatch)."""
+    for name in ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+        have, want = getattr(meta, name), getattr(shape, name)
+        if have != want:
+            raise _fail(path, f"made for {name}={have} ({meta.model_name or 'unknown model'}), "
+                              f"but the served model has {name}={want}")
+
+
+def load_rotations(path: str, expect: ModelShape | None = None) -> Rotations:
+    """Load and validate a rotations file; with ``expect`` also check it fits that model."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise _fail(path, "no such file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = _parse_meta(path, f.metadata())
+            keys = set(f.keys())
+            want = {f"{k}.{l}" for k in _TENSOR_KINDS for l in range(meta.num_layers)}
+            if keys != want:
+                extra, lack = sorted(keys - want), sorted(want - keys)
+                raise _fail(path, f"tensor set does not match metadata (missing {lack[:3]}, "
+                                  f"unexpected {extra[:3]})")
+            layers = [LayerRotation(*(f.get_tensor(f"{k}.{l}").to(torch.float32) for k in _TENSOR_KINDS))
+                      for l in range(meta.num_layers)]
+    except RotationsFileError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _fail(path, f"not a readable safetensors file (truncated or corrupt?): {first}") from None
+    rot = Rotations(meta, layers)
+    _validate(rot, path)
+    if expect is not None:
+        check_matches_model(meta, expect, path)
+    return rot
+
+
+def no_clip(num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clip_min, clip_max) that clip nothing."""
+    return (torch.full((num_kv_heads, head_dim), -math.inf), torch.full((num_kv_heads, head_dim), math.inf))

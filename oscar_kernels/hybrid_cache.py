@@ -1,0 +1,132 @@
+"""Storage of the hybrid BF16/INT2 KV cache (plain tensors, no sglang).
+
+Every token slot holds the token's INT2 K and V (rotated, clipped, packed; see
+:mod:`oscar_kernels.int2`). BF16 copies (rotated, *not* clipped) exist only in two side
+caches:
+
+- **sinks**, positions ``p < S`` of a sequence. They live on the sequence's first page
+  (``slot % page_size == p`` and ``S <= page_size``), so they are keyed by that page:
+  ``sink_slot_of_page[page] = c`` and ``page_of_sink_slot[c] = page``; slot ``c`` of
+  ``k_sink/v_sink [C, S, H, D]`` is valid for ``page`` only while both agree. Slots are
+  handed out round-robin when a sequence starts at position 0 (:func:`assign_sink_slots`),
+  so an evicted sink silently falls back to INT2 and a page shared by a prefix hit keeps
+  the sinks of whoever computed it (a shared first page means identical tokens < S).
+- **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``,
+  valid for positions ``p >= ring_valid_from[row]`` (where the request began computing).
+
+Read rule for position j of a sequence of cached length n (row r, first page f):
+    j < S and sink valid for f      -> sink[c, j]
+    j >= max(n - W, valid_from[r])  -> ring[r, j % W]
+    otherwise                       -> INT2 at the slot of j
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .int2 import check_group_size, packed_dim
+
+
+@dataclass
+class HybridLayerCache:
+    """One layer's buffers, all in the rotated space."""
+
+    k_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
+    v_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
+    k_scales: torch.Tensor  # scale dtype [num_slots, H, D/G, 2]  (scale, min)
+    v_scales: torch.Tensor
+    k_sink: torch.Tensor  # bf16 [num_sink_slots, S, H, D]
+    v_sink: torch.Tensor
+    k_ring: torch.Tensor  # bf16 [num_rows, W, H, D]
+    v_ring: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_ring.shape[-1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_packed.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.head_dim // self.k_scales.shape[2]
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.k_sink.shape[1]
+
+    @property
+    def recent_window(self) -> int:
+        return self.k_ring.shape[1]
+
+
+@dataclass
+class HybridCacheIndex:
+    """Bookkeeping shared by all layers (int32 tensors on the cache's device)."""
+
+    page_size: int
+    sink_slot_of_page: torch.Tensor  # int32 [num_pages], -1 = none
+    page_of_sink_slot: torch.Tensor  # int32 [num_sink_slots], -1 = free
+    ring_valid_from: torch.Tensor  # int32 [num_rows]
+    sink_cursor: int = 0  # next sink slot handed out (host-side counter, no sync)
+
+
+def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size: int,
+                   sink_tokens: int, recent_window: int, num_sink_slots: int, num_rows: int,
+                   scale_dtype: torch.dtype = torch.float16, device="cpu") -> HybridLayerCache:
+    check_group_size(head_dim, group_size)
+    h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
+
+    def z(*shape, dtype):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return HybridLayerCache(
+        k_packed=z(num_slots, h, q, dtype=torch.uint8),
+        v_packed=z(num_slots, h, q, dtype=torch.uint8),
+        k_scales=z(num_slots, h, d // group_size, 2, dtype=scale_dtype),
+        v_scales=z(num_slots, h, d // group_size, 2, dtype=scale_dtype),
+        k_sink=z(num_sink_slots, sink_tokens, h, d, dtype=torch.bfloat16),
+        v_sink=z(num_sink_slots, sink_tokens, h, d, dtype=torch.bfloat16),
+        k_ring=z(num_rows, recent_window, h, d, dtype=torch.bfloat16),
+        v_ring=z(num_rows, recent_window, h, d, dtype=torch.bfloat16),
+    )
+
+
+def allocate_index(num_slots: int, page_size: int, num_sink_slots: int, num_rows: int,
+                   device="cpu") -> HybridCacheIndex:
+    num_pages = -(-num_slots // page_size)
+    return HybridCacheIndex(
+        page_size=page_size,
+        sink_slot_of_page=torch.full((num_pages,), -1, dtype=torch.int32, device=device),
+        page_of_sink_slot=torch.full((max(num_sink_slots, 1),), -1, dtype=torch.int32, device=device),
+        ring_valid_from=torch.zeros(num_rows, dtype=torch.int32, device=device),
+    )
+
+
+def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_sink_slots: int) -> None:
+    """Give each sequence that starts at position 0 a sink slot (round-robin).
+
+    first_slots: slot of position 0 of each such sequence (any int tensor, on device).
+    Pure tensor ops + a host counter: no host synchronisation, CUDA-graph friendly.
+    """
+    k = first_slots.numel()
+    if k == 0 or num_sink_slots == 0:
+        return
+    if k > num_sink_slots:  # more new sequences than slots: only the last ones keep sinks
+        first_slots = first_slots[-num_sink_slots:]
+        k = num_sink_slots
+    pages = (first_slots.long() // index.page_size)
+    slots = (index.sink_cursor + torch.arange(k, device=pages.device)) % num_sink_slots
+    index.sink_slot_of_page[pages] = slots.to(torch.int32)
+    index.page_of_sink_slot[slots] = pages.to(torch.int32)
+    index.sink_cursor = (index.sink_cursor + k) % num_sink_slots
+
+
+def sink_slot_for(index: HybridCacheIndex, first_slot: torch.Tensor) -> torch.Tensor:
+    """Sink slot valid for sequences whose position 0 is at ``first_slot`` (-1 if none)."""
+    page = first_slot.long() // index.page_size
+    c = index.sink_slot_of_page[page].long()
+    owner = index.page_of_sink_slot[c.clamp(min=0)]
+    return torch.where((c >= 0) & (owner.long() == page), c, torch.full_like(c, -1))

@@ -1,0 +1,135 @@
+"""Pure-PyTorch twins of the kernels: the oracle every Triton kernel is tested against.
+
+Shapes: T new tokens, B requests, H KV heads, Hq query heads (Hq % H == 0, query head h
+reads KV head h // (Hq // H)), D head_dim. All attention runs in the rotated space:
+callers pass q' = q R_K and get o' (un-rotate with o = o' R_V^T, see :func:`rotate`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .hybrid_cache import HybridCacheIndex, HybridLayerCache, sink_slot_for
+from .int2 import dequantise, quantise_rotated, unpack
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] @ rotation [H, D, D] per head (float32). Use rotation.transpose(-1, -2)
+    to undo a rotation. For query heads, repeat the KV-head rotations GQA-wise first."""
+    return torch.einsum("thd,hde->the", x.float(), rotation.float())
+
+
+def expand_gqa(per_kv_head: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[H, ...] -> [Hq, ...]: the KV head's tensor for every query head that reads it."""
+    return per_kv_head.repeat_interleave(num_q_heads // per_kv_head.shape[0], dim=0)
+
+
+def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, rot_k: torch.Tensor, rot_v: torch.Tensor,
+                    clip_k: tuple, clip_v: tuple, slots: torch.Tensor, positions: torch.Tensor,
+                    rows: torch.Tensor, seq_ends: torch.Tensor, write_int2: bool = True,
+                    write_ring: bool = True):
+    """Write T new tokens (k, v unrotated [T, H, D]) into the hybrid cache.
+
+    write_int2: INT2 codes+scales at ``slots`` and BF16 sinks for positions < S (when the
+    sequence's first page owns a sink slot). write_ring: BF16 ring cells for positions
+    ``>= seq_ends - W`` (seq_ends = the request's length after this batch). Extend must
+    write the ring *after* attention (cells of the prefix window would be clobbered).
+    clip_k/clip_v: (clip_min, clip_max), each [H, D] or None.
+    Returns the rotated (unclipped) k', v' as float32 [T, H, D].
+    """
+    group = layer.group_size
+    sdt = layer.k_scales.dtype
+    k_rot, k_packed, k_scales = quantise_rotated(k, rot_k, *clip_k, group, sdt)
+    v_rot, v_packed, v_scales = quantise_rotated(v, rot_v, *clip_v, group, sdt)
+    slots, positions, rows = slots.long(), positions.long(), rows.long()
+    s, w = layer.sink_tokens, layer.recent_window
+    if write_int2:
+        layer.k_packed[slots] = k_packed
+        layer.v_packed[slots] = v_packed
+        layer.k_scales[slots] = k_scales
+        layer.v_scales[slots] = v_scales
+        if s > 0:
+            c = sink_slot_for(index, req_to_token[rows, 0])
+            m = (positions < s) & (c >= 0)
+            layer.k_sink[c[m], positions[m]] = k_rot[m].to(layer.k_sink.dtype)
+            layer.v_sink[c[m], positions[m]] = v_rot[m].to(layer.v_sink.dtype)
+    if write_ring and w > 0:
+        m = positions >= seq_ends.long() - w
+        layer.k_ring[rows[m], positions[m] % w] = k_rot[m].to(layer.k_ring.dtype)
+        layer.v_ring[rows[m], positions[m] % w] = v_rot[m].to(layer.v_ring.dtype)
+    return k_rot, v_rot
+
+
+def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
+              row: int, n: int):
+    """Keys and values (float32 [n, H, D], rotated space) of positions 0..n-1 of the
+    request in ``row`` as the kernels must read them (read rule in hybrid_cache)."""
+    slots = req_to_token[row, :n].long()
+    k = dequantise(unpack(layer.k_packed[slots]), layer.k_scales[slots])
+    v = dequantise(unpack(layer.v_packed[slots]), layer.v_scales[slots])
+    if n == 0:
+        return k, v
+    pos = torch.arange(n, device=slots.device)
+    s, w = layer.sink_tokens, layer.recent_window
+    if w > 0:
+        start = max(n - w, int(index.ring_valid_from[row]))
+        m = pos >= start
+        k[m] = layer.k_ring[row, pos[m] % w].float()
+        v[m] = layer.v_ring[row, pos[m] % w].float()
+    if s > 0:
+        c = int(sink_slot_for(index, slots[:1])[0])
+        if c >= 0:
+            m = pos < s
+            k[m] = layer.k_sink[c, pos[m]].float()
+            v[m] = layer.v_sink[c, pos[m]].float()
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] softmax attention, GQA, float32."""
+    hq = q.shape[1]
+    k = expand_gqa(k.transpose(0, 1), hq)  # [Hq, Tk, D]
+    v = expand_gqa(v.transpose(0, 1), hq)
+    logits = torch.einsum("qhd,hkd->hqk", q.float(), k.float()) * sm_scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    return torch.einsum("hqk,hkd->qhd", p, v.float())
+
+
+def reference_decode(q_rot: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
+                     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                     sm_scale: float) -> torch.Tensor:
+    """One query token per request (q' [B, Hq, D]) over its n = seq_lens[b] cached
+    positions (the new token already stored). Returns o' [B, Hq, D] float32."""
+    out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
+    for b in range(q_rot.shape[0]):
+        k, v = hybrid_kv(layer, index, req_to_token, int(rows[b]), int(seq_lens[b]))
+        out[b] = _attend(q_rot[b:b + 1], k, v, sm_scale)[0]
+    return out
+
+
+def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
+                     layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
+                     sm_scale: float) -> torch.Tensor:
+    """Prefill / chunked prefill. New tokens (q', k', v' [T, *, D], request b owns rows
+    qo_indptr[b]:qo_indptr[b+1]) attend to the hybrid prefix of length prefix_lens[b]
+    (read rule with n = prefix length) and causally to the new BF16 tokens themselves.
+    Returns o' [T, Hq, D] float32."""
+    out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
+    for b in range(rows.shape[0]):
+        lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if hi == lo:
+            continue
+        n_pre = int(prefix_lens[b])
+        kp, vp = hybrid_kv(layer, index, req_to_token, int(rows[b]), n_pre)
+        k = torch.cat([kp, k_rot[lo:hi].float()])
+        v = torch.cat([vp, v_rot[lo:hi].float()])
+        e = hi - lo
+        qi = torch.arange(e, device=q_rot.device).unsqueeze(1)
+        kj = torch.arange(n_pre + e, device=q_rot.device).unsqueeze(0)
+        mask = kj <= qi + n_pre  # [e, n_pre + e]
+        out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0))
+    return out

@@ -1,0 +1,35 @@
+"""oscar-sglang: SGLang 0.5.17 serving with a 2-bit OSCAR KV cache."""
+from setuptools import setup
+
+SGLANG = "sglang==0.5.17"  # pins torch==2.11.0 and transformers==5.12.1
+
+setup(
+    name="oscar-sglang",
+    version="0.1.0",
+    description="Drop-in SGLang 0.5.17 with an OSCAR INT2 KV cache (offline attention-aware rotations)",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=["calibration", "oscar_kernels", "sglang_ext"],
+    package_data={"sglang_ext": ["patches/*.diff"]},
+    install_requires=[
+        "torch==2.11.0",
+        "transformers==5.12.1",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        "numpy",
+    ],
+    extras_require={
+        "serve": [SGLANG, "openai>=1.40"],
+        "bench": ["matplotlib>=3.8", "openai>=1.40"],
+        "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40"],
+    },
+    entry_points={
+        "console_scripts": [
+            "oscar-calibrate=calibration.cli:main",
+            "oscar-eval=calibration.fidelity.cli:main",
+            "oscar-sglang=sglang_ext.launcher:main",
+        ],
+        "sglang.srt.plugins": ["oscar=sglang_ext.plugin:register"],
+    },
+)

@@ -1,0 +1,33 @@
+"""Shared test fixtures: paths to ../shared assets, GPU skipping, interpreter mode."""
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("OSCAR_SHARED", ROOT.parent / "shared"))
+TINYLM = Path(os.environ.get("OSCAR_TINYLM", SHARED / "models" / "tinylm-A"))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (GPU test; run with -m gpu on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tinylm_dir() -> Path:
+    if not (TINYLM / "config.json").is_file():
+        pytest.skip(f"tinylm-A not found at {TINYLM} (needs ../shared/models/tinylm-A)")
+    return TINYLM
