@@ -22,6 +22,8 @@ from datetime import datetime, timezone
 
 import torch
 
+from oscar_kernels.hybrid_cache import LayerRotation
+
 from .model_shape import ModelShape, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
@@ -30,7 +32,7 @@ SUPPORTED_VERSIONS = (VERSION,)
 RECIPES = ("oscar", "hadamard", "naive")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 ORTHOGONALITY_TOL = 1e-3
-_TENSOR_KINDS = ("k_rot", "v_rot", "k_clip_min", "k_clip_max", "v_clip_min", "v_clip_max")
+_TENSOR_KINDS = LayerRotation.FIELDS
 _INT_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "group_size", "bits",
                "calib_tokens")
 
@@ -61,16 +63,6 @@ class RotationsMeta:
     def shape(self) -> ModelShape:
         return ModelShape(self.architecture, self.num_layers, self.num_q_heads,
                           self.num_kv_heads, self.head_dim)
-
-
-@dataclass
-class LayerRotation:
-    k_rot: torch.Tensor  # [H, D, D]
-    v_rot: torch.Tensor
-    k_clip_min: torch.Tensor  # [H, D]
-    k_clip_max: torch.Tensor
-    v_clip_min: torch.Tensor
-    v_clip_max: torch.Tensor
 
 
 @dataclass

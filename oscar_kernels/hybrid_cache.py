@@ -29,6 +29,23 @@ from .int2 import check_group_size, packed_dim
 
 
 @dataclass
+class LayerRotation:
+    """One layer's OSCAR transform, per KV head: x' = clamp(x @ R, clip_min, clip_max)."""
+
+    FIELDS = ("k_rot", "v_rot", "k_clip_min", "k_clip_max", "v_clip_min", "v_clip_max")
+    k_rot: torch.Tensor  # [H, D, D]
+    v_rot: torch.Tensor  # [H, D, D]
+    k_clip_min: torch.Tensor  # [H, D]  (-inf = no clip)
+    k_clip_max: torch.Tensor  # [H, D]  (+inf = no clip)
+    v_clip_min: torch.Tensor
+    v_clip_max: torch.Tensor
+
+    def to(self, device=None, dtype=torch.float32) -> "LayerRotation":
+        return LayerRotation(*(getattr(self, f).to(device=device, dtype=dtype).contiguous()
+                               for f in self.FIELDS))
+
+
+@dataclass
 class HybridLayerCache:
     """One layer's buffers, all in the rotated space."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .hybrid_cache import HybridCacheIndex, HybridLayerCache, sink_slot_for
+from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation, sink_slot_for
 from .int2 import dequantise, quantise_rotated, unpack
 
 
@@ -23,24 +23,24 @@ def expand_gqa(per_kv_head: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return per_kv_head.repeat_interleave(num_q_heads // per_kv_head.shape[0], dim=0)
 
 
-def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, rot_k: torch.Tensor, rot_v: torch.Tensor,
-                    clip_k: tuple, clip_v: tuple, slots: torch.Tensor, positions: torch.Tensor,
-                    rows: torch.Tensor, seq_ends: torch.Tensor, write_int2: bool = True,
-                    write_ring: bool = True):
+def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
+                    req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                    seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True):
     """Write T new tokens (k, v unrotated [T, H, D]) into the hybrid cache.
 
     write_int2: INT2 codes+scales at ``slots`` and BF16 sinks for positions < S (when the
     sequence's first page owns a sink slot). write_ring: BF16 ring cells for positions
     ``>= seq_ends - W`` (seq_ends = the request's length after this batch). Extend must
     write the ring *after* attention (cells of the prefix window would be clobbered).
-    clip_k/clip_v: (clip_min, clip_max), each [H, D] or None.
+    slots/positions/rows/seq_ends: [T] integer tensors (rows = request row per token).
     Returns the rotated (unclipped) k', v' as float32 [T, H, D].
     """
     group = layer.group_size
     sdt = layer.k_scales.dtype
-    k_rot, k_packed, k_scales = quantise_rotated(k, rot_k, *clip_k, group, sdt)
-    v_rot, v_packed, v_scales = quantise_rotated(v, rot_v, *clip_v, group, sdt)
+    r = rotation
+    k_rot, k_packed, k_scales = quantise_rotated(k, r.k_rot, r.k_clip_min, r.k_clip_max, group, sdt)
+    v_rot, v_packed, v_scales = quantise_rotated(v, r.v_rot, r.v_clip_min, r.v_clip_max, group, sdt)
     slots, positions, rows = slots.long(), positions.long(), rows.long()
     s, w = layer.sink_tokens, layer.recent_window
     if write_int2:

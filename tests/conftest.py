@@ -6,7 +6,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("OSCAR_SHARED", ROOT.parent / "shared"))
-TINYLM = Path(os.environ.get("OSCAR_TINYLM", SHARED / "models" / "tinylm-A"))
+_TINYLM_CANDIDATES = [SHARED / "models" / "tinylm-A", ROOT / ".device" / "models" / "tinylm-A"]
+TINYLM = Path(os.environ.get("OSCAR_TINYLM") or next(
+    (p for p in _TINYLM_CANDIDATES if (p / "config.json").is_file()), _TINYLM_CANDIDATES[0]))
 
 
 def _has_cuda() -> bool:
