@@ -1,0 +1,66 @@
+"""Helpers shared by the Triton kernels (no sglang).
+
+``INTERPRET`` mirrors ``TRITON_INTERPRET=1`` (CPU tests). Triton 3.6's interpreter
+multiplies the raw uint16 bits of bfloat16 operands in ``tl.dot``, so :func:`mma` feeds
+it float32 copies there; on a GPU it is a plain ``tl.dot`` (tensor cores for bf16).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+SCALE_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b with a float32 accumulator."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def mma_f32(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b for float32 operands at the given input precision ("ieee", "tf32x3", ...)."""
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def sink_slot_of_row(row, req_to_token_ptr, r2t_stride, sink_slot_of_page_ptr,
+                     page_of_sink_slot_ptr, page_size):
+    """Sink slot valid for the sequence in ``row`` (-1 if none): the slot c registered for
+    the page of position 0, valid while page_of_sink_slot[c] still names that page
+    (hybrid_cache.sink_slot_for). ``row`` may be a scalar or a tensor."""
+    first = tl.load(req_to_token_ptr + row.to(tl.int64) * r2t_stride).to(tl.int64)
+    page = first // page_size
+    c = tl.load(sink_slot_of_page_ptr + page).to(tl.int64)
+    owner = tl.load(page_of_sink_slot_ptr + tl.maximum(c, 0)).to(tl.int64)
+    return tl.where((c >= 0) & (owner == page), c, -1)
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride {t.stride()})")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors on different devices: {devices}")
+
+
+def check_cache_layout(layer) -> None:
+    """The kernels index K and V buffers with one set of strides and unit last strides."""
+    for name in ("k_packed", "k_scales", "k_sink", "k_ring"):
+        kt, vt = getattr(layer, name), getattr(layer, "v" + name[1:])
+        if kt.stride() != vt.stride() or kt.dtype != vt.dtype:
+            raise ValueError(f"{name} and v{name[1:]} must share strides and dtype")
+        if kt.numel() and kt.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
