@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import kernel_cases as kc  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
-_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_store"]
+_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_store", "oscar_kernels.triton_decode"]
 
 
 def _interpreted_modules():
@@ -28,7 +28,7 @@ def _interpreted_modules():
     return mods
 
 
-_, triton_store_mod = _interpreted_modules()
+_, triton_store_mod, triton_decode_mod = _interpreted_modules()
 
 
 # ---------------------------------------------------------------- store
@@ -78,3 +78,77 @@ def test_store_matches_reference(cfg, flags):
         assert got.k_sink.abs().sum() > 0  # sinks were written for the new sequences
     if write_ring and cfg["W"]:
         assert got.k_ring.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- decode
+def _decode_reference(sc, q):
+    hq = q.shape[1]
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_decode(q_rot, sc.layer, sc.index, sc.req_to_token, sc.rows,
+                                 torch.tensor(sc.lens), sc.sm_scale)
+    return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+
+
+def _check_decode(sc, hq, config, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(len(sc.lens), hq, sc.layer.head_dim, generator=g) * 2).bfloat16()
+    want = _decode_reference(sc, q)
+    got = triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                                          torch.tensor(sc.lens, dtype=torch.int32), sc.sm_scale,
+                                          config=config)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+_SMALL = dict(block_n=16, block_n_bf16=16, min_chunk=16, target_programs=64, max_splits=4)
+
+
+@pytest.mark.parametrize("case", [
+    # (D, G, Hq, H, S, W, page, magic, extra)
+    (64, 16, 4, 2, 4, 8, 8, True, {}),
+    (64, 64, 2, 2, 4, 8, 8, False, {}),
+    (128, 32, 8, 1, 2, 16, 4, True, {}),
+    (128, 8, 8, 2, 4, 8, 8, True, {}),
+    (64, 4, 4, 2, 0, 8, 8, False, {}),
+    (64, 16, 16, 2, 4, 0, 8, True, {}),
+    (64, 32, 4, 1, 0, 0, 8, True, {}),
+])
+def test_decode_matches_reference(case):
+    d, grp, hq, h, s, w, page, magic, extra = case
+    lens = [1, 3, 13, 40, 77]  # shorter than S+W, page boundaries, several splits
+    sc = kc.build(lens, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + grp + hq, **extra)
+    cfg = triton_decode_mod.DecodeConfig(magic_unpack=magic, **_SMALL)
+    _check_decode(sc, hq, cfg)
+
+
+def test_decode_invalid_sink_and_late_ring_start():
+    lens = [30, 45, 12]
+    # request 0's sink slot evicted -> INT2; ring valid only from 40 / 11 for requests 1 / 2
+    sc = kc.build(lens, H=2, D=64, G=16, S=4, W=8, page=8, evict_sink_of=(0,), no_sink=(2,),
+                  valid_from=[0, 40, 11], seed=5)
+    cfg = triton_decode_mod.DecodeConfig(**_SMALL)
+    _check_decode(sc, 4, cfg)
+
+
+@pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=1), dict(max_splits=1)])
+def test_decode_variants(variant):
+    sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
+    cfg = triton_decode_mod.DecodeConfig(**{**_SMALL, **variant})
+    _check_decode(sc, 4, cfg)
+
+
+def test_decode_workspace_reuse_and_out():
+    sc = kc.build([20, 33], H=2, D=64, G=16, S=4, W=8, page=8, seed=12)
+    cfg = triton_decode_mod.DecodeConfig(**_SMALL)
+    ws = triton_decode_mod.DecodeWorkspace(4, 4, 2, 64, "cpu", cfg)
+    q = torch.randn(2, 4, 64).bfloat16()
+    out = torch.empty(2, 4, 64, dtype=torch.bfloat16)
+    lens = torch.tensor(sc.lens, dtype=torch.int32)
+    r = triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                                        lens, sc.sm_scale, out=out, workspace=ws)
+    assert r is out
+    torch.testing.assert_close(out.float(), _decode_reference(sc, q), rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="max_batch"):
+        triton_decode_mod.triton_decode(torch.randn(5, 4, 64).bfloat16(), sc.layer, sc.index, sc.rotation,
+                                        sc.req_to_token, torch.zeros(5, dtype=torch.int32),
+                                        torch.ones(5, dtype=torch.int32), 1.0, workspace=ws)

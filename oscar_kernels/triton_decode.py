@@ -1,0 +1,511 @@
+"""Triton decode attention over the hybrid BF16/INT2 paged cache (split-K flash-decoding).
+
+Three launches, all with static grids for a given batch (CUDA-graph safe, no host sync,
+no allocation when a :class:`DecodeWorkspace` is given):
+
+1. ``_rotate_q_kernel``  q' = q @ R_K[h]  for the Hq/H query heads of each KV head (bf16).
+2. ``_decode_stage1``    grid (B, H, 1 + NS). Program (b, h, 0) attends to the BF16 side
+   cache (sink positions [0, S_b) and ring positions [ring_lo, n)); programs (b, h, 1 + s)
+   attend to chunk s of the INT2 history [S_b, ring_lo), read through req_to_token. Each
+   writes a partial (o~, lse) per query head; one program serves all Hq/H query heads of
+   its KV head, so every byte of the cache is read once. The INT2 part uses
+        q'.k_t = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
+        sum_t p_t v_t |plane i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
+   (plane i = channels [i D/4, (i+1) D/4), one group per plane when G >= D/4), so codes go
+   straight into tensor-core dots; for G < D/4 the codes are dequantised per channel.
+   The number of INT2 splits of request b is decided on device:
+        ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b.
+3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T.
+
+Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;
+ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
+from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, mma, mma_f32,
+                            sink_slot_of_row)
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc + a @ b: tensor cores (tl.dot) or CUDA-core broadcast-multiply-reduce."""
+    if USE_DOT:
+        return mma(a, b, acc, INTERP)
+    else:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _unpack_words(w, SHIFT: tl.constexpr, BN: tl.constexpr, NW: tl.constexpr):
+    """int32 words [BN, NW] (4 packed bytes each) -> bf16 [BN, 4*NW] = 128 + code of plane
+    SHIFT/2, channel order of the bytes. Bit trick: (code | 0x4300) is bf16 128 + code."""
+    x = w >> SHIFT
+    lo = (x & 0x00030003) | 0x43004300  # bytes 0, 2 of the word
+    hi = ((x >> 8) & 0x00030003) | 0x43004300  # bytes 1, 3
+    b0 = (lo & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    b2 = (lo >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    b1 = (hi & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    b3 = (hi >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BN, 4 * NW])
+
+
+@triton.jit
+def _plane_codes(tile, i: tl.constexpr, BN: tl.constexpr, DQ: tl.constexpr, MAGIC: tl.constexpr):
+    """Codes of plane i as bf16 [BN, DQ] (plus 128 when MAGIC). ``tile`` is the block's
+    packed K or V: int32 words [BN, DQ/4] when MAGIC, else uint8 bytes [BN, DQ]."""
+    if MAGIC:
+        return _unpack_words(tile, 2 * i, BN, DQ // 4)
+    else:
+        return ((tile >> (2 * i)) & 3).to(tl.float32).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot, MAGIC: tl.constexpr):
+    """Packed codes of a block [BN, DQ bytes] (or [BN, DQ/4] int32 words when MAGIC)."""
+    if MAGIC:
+        j = tl.arange(0, DQ // 4)
+    else:
+        j = tl.arange(0, DQ)
+    return tl.load(pk_ptr + slot[:, None] * s_slot + hoff + j[None, :], mask=mask[:, None], other=0)
+
+
+@triton.jit
+def _online_softmax(s, mask, m_i, l_i):
+    """Masked online-softmax step in base 2: returns (p, alpha, m_new, l_new)."""
+    s = tl.where(mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _bf16_block(q, m_i, l_i, acc, k_base, v_base, rowoff, mask, qk_scale,
+                D: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """One block of BF16 keys/values (sink or ring rows at ``rowoff`` from k_base/v_base)."""
+    d = tl.arange(0, D)
+    k = tl.load(k_base + rowoff[None, :] + d[:, None], mask=mask[None, :], other=0.0)
+    s = _mm(q, k, tl.zeros([q.shape[0], rowoff.shape[0]], tl.float32), USE_DOT, INTERP) * qk_scale
+    p, alpha, m_i, l_i = _online_softmax(s, mask, m_i, l_i)
+    v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    acc = _mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _plane_scale(sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
+                 DQ: tl.constexpr, G: tl.constexpr):
+    """(scale, min) of plane i's group for every token of the block (G >= D/4)."""
+    base = sc_ptr + slot * s_slot + hoff + ((i * DQ) // G) * s_grp
+    sc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
+def _channel_dequant(codes, sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
+                     DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr):
+    """Dequantise plane i per channel (G < D/4): bf16 [BN, DQ] = min_g + code * scale_g."""
+    grp = (i * DQ + tl.arange(0, DQ)) // G
+    base = sc_ptr + slot[:, None] * s_slot + hoff + grp[None, :] * s_grp
+    sc = tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32)
+    mn = tl.load(base + 1, mask=mask[:, None], other=0.0).to(tl.float32)
+    return (mn + (codes.to(tl.float32) - OFF) * sc).to(tl.bfloat16)
+
+
+@triton.jit
+def _int2_score_plane(s, qi, qsum, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
+                      i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                      MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """s [BH, BN] + q'_i . k^_{t, plane i} for a block of INT2 keys (packed tile ``kt``)."""
+    DQ: tl.constexpr = D // 4
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    ci = _plane_codes(kt, i, BN, DQ, MAGIC)
+    if G >= DQ:
+        sc, mn = _plane_scale(ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
+        dots = _mm(qi, tl.trans(ci), tl.zeros(s.shape, tl.float32), USE_DOT, INTERP)
+        s += dots * sc[None, :] + qsum[:, None] * (mn - OFF * sc)[None, :]
+    else:
+        ki = _channel_dequant(ci, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
+        s = _mm(qi, tl.trans(ki), s, USE_DOT, INTERP)
+    return s
+
+
+@triton.jit
+def _int2_pv_plane(acc, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
+                   i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc_i [BH, D/4] * alpha + sum_t p_t v^_{t, plane i} for a block of INT2 values."""
+    DQ: tl.constexpr = D // 4
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    ci = _plane_codes(vt, i, BN, DQ, MAGIC)
+    acc = acc * alpha[:, None]
+    if G >= DQ:
+        sc, mn = _plane_scale(vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
+        w = (p * sc[None, :]).to(tl.bfloat16)
+        corr = tl.sum(p * mn[None, :] - OFF * w.to(tl.float32), 1)
+        acc = _mm(w, ci, acc, USE_DOT, INTERP) + corr[:, None]
+    else:
+        vi = _channel_dequant(ci, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
+        acc = _mm(p.to(tl.bfloat16), vi, acc, USE_DOT, INTERP)
+    return acc
+
+
+@triton.jit
+def _request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
+                    vf_ptr, S: tl.constexpr, W: tl.constexpr):
+    """(row, n, sink slot c, S_b, ring_lo) of request b (read rule of hybrid_cache)."""
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    n = tl.load(lens_ptr + b).to(tl.int64)
+    if S > 0:
+        c = sink_slot_of_row(row, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size)
+        s_b = tl.where(c >= 0, tl.minimum(n, S), 0)
+    else:
+        c = row * 0 - 1
+        s_b = row * 0
+    if W > 0:
+        vf = tl.load(vf_ptr + row).to(tl.int64)
+        ring_lo = tl.minimum(tl.maximum(tl.maximum(n - W, vf), s_b), n)
+    else:
+        ring_lo = n
+    return row, n, c, s_b, ring_lo
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
+                     GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """q'[b, h*GQ + g] = q[b, h*GQ + g] @ R[h] (float32 dot, stored bf16). Grid (B, H)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    g = tl.arange(0, BH)
+    hmask = g < GQ
+    hq = h * GQ + g
+    d = tl.arange(0, D)
+    kb = tl.arange(0, KB)
+    acc = tl.zeros([BH, D], tl.float32)
+    for c0 in tl.static_range(0, D, KB):
+        qs = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + c0 + kb[None, :], mask=hmask[:, None],
+                     other=0.0).to(tl.float32)
+        rs = tl.load(rot_ptr + h.to(tl.int64) * D * D + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
+        acc = mma_f32(qs, rs, acc, PRECISION)
+    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + d[None, :], acc.to(tl.bfloat16),
+             mask=hmask[:, None])
+
+
+@triton.jit
+def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride,
+                   sop_ptr, pos_of_ptr, page_size, vf_ptr,
+                   kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
+                   ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
+                   kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
+                   mid_o_ptr, mid_lse_ptr, qk_scale,
+                   NS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                   GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
+                   MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """Partial attention of one (request, KV head, split); see module doc. mid_o is
+    [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    num_h = tl.num_programs(1)
+    g = tl.arange(0, BH)
+    hmask = g < GQ
+    hq = (h * GQ + g).to(tl.int64)
+    d = tl.arange(0, D)
+    row, n, c, s_b, ring_lo = _request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
+                                              pos_of_ptr, page_size, vf_ptr, S, W)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
+    q_rows = qr_ptr + b * sqr_b + hq[:, None] * sqr_h  # [BH, 1] pointers
+    if sp == 0:
+        # ---- BF16 side cache: sinks [0, s_b) and ring [ring_lo, n)
+        acc = tl.zeros([BH, D], tl.float32)
+        q = tl.load(q_rows + d[None, :], mask=hmask[:, None], other=0.0)
+        nb = tl.arange(0, BN_BF16)
+        if S > 0:
+            sk = ksink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h
+            sv = vsink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h
+            for p0 in range(0, s_b, BN_BF16):
+                pos = p0 + nb
+                m_i, l_i, acc = _bf16_block(q, m_i, l_i, acc, sk, sv, pos.to(tl.int64) * ssk_p,
+                                            pos < s_b, qk_scale, D, USE_DOT, INTERP)
+        if W > 0:
+            rk = kring_ptr + row * srg_r + h * srg_h
+            rv = vring_ptr + row * srg_r + h * srg_h
+            for p0 in range(ring_lo, n, BN_BF16):
+                pos = p0 + nb
+                cell = (pos % W).to(tl.int64)
+                m_i, l_i, acc = _bf16_block(q, m_i, l_i, acc, rk, rv, cell * srg_c, pos < n,
+                                            qk_scale, D, USE_DOT, INTERP)
+        nonempty = l_i > 0
+        tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc / tl.where(nonempty, l_i, 1.0)[:, None],
+                 mask=hmask[:, None])
+    else:
+        # ---- INT2 history chunk sp - 1 of [s_b, ring_lo)
+        DQ: tl.constexpr = D // 4
+        length = ring_lo - s_b
+        ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
+        chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
+        lo = s_b + (sp - 1) * chunk
+        hi = tl.minimum(lo + chunk, ring_lo)
+        a0 = tl.zeros([BH, DQ], tl.float32)
+        a1 = tl.zeros([BH, DQ], tl.float32)
+        a2 = tl.zeros([BH, DQ], tl.float32)
+        a3 = tl.zeros([BH, DQ], tl.float32)
+        hoff_pk = h * spk_h
+        hoff_sc = h * ssc_h
+        r2t_row = r2t_ptr + row * r2t_stride
+        nb = tl.arange(0, BN)
+        jq = tl.arange(0, DQ)
+        q0 = tl.load(q_rows + jq[None, :], mask=hmask[:, None], other=0.0)
+        q1 = tl.load(q_rows + DQ + jq[None, :], mask=hmask[:, None], other=0.0)
+        q2 = tl.load(q_rows + 2 * DQ + jq[None, :], mask=hmask[:, None], other=0.0)
+        q3 = tl.load(q_rows + 3 * DQ + jq[None, :], mask=hmask[:, None], other=0.0)
+        qs0 = tl.sum(q0.to(tl.float32), 1)
+        qs1 = tl.sum(q1.to(tl.float32), 1)
+        qs2 = tl.sum(q2.to(tl.float32), 1)
+        qs3 = tl.sum(q3.to(tl.float32), 1)
+        for p0 in range(lo, hi, BN):
+            pos = p0 + nb
+            mask = pos < hi
+            slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
+            kt = _load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
+            s = tl.zeros([BH, BN], tl.float32)
+            s = _int2_score_plane(s, q0, qs0, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
+                                  BN, D, G, MAGIC, USE_DOT, INTERP)
+            s = _int2_score_plane(s, q1, qs1, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
+                                  BN, D, G, MAGIC, USE_DOT, INTERP)
+            s = _int2_score_plane(s, q2, qs2, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
+                                  BN, D, G, MAGIC, USE_DOT, INTERP)
+            s = _int2_score_plane(s, q3, qs3, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
+                                  BN, D, G, MAGIC, USE_DOT, INTERP)
+            s = s * qk_scale
+            p, alpha, m_i, l_i = _online_softmax(s, mask, m_i, l_i)
+            vt = _load_packed(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
+            a0 = _int2_pv_plane(a0, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
+                                BN, D, G, MAGIC, USE_DOT, INTERP)
+            a1 = _int2_pv_plane(a1, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
+                                BN, D, G, MAGIC, USE_DOT, INTERP)
+            a2 = _int2_pv_plane(a2, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
+                                BN, D, G, MAGIC, USE_DOT, INTERP)
+            a3 = _int2_pv_plane(a3, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
+                                BN, D, G, MAGIC, USE_DOT, INTERP)
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        o_rows = mid_o_ptr + mid_row[:, None] * D + jq[None, :]
+        tl.store(o_rows, a0 * inv[:, None], mask=hmask[:, None])
+        tl.store(o_rows + DQ, a1 * inv[:, None], mask=hmask[:, None])
+        tl.store(o_rows + 2 * DQ, a2 * inv[:, None], mask=hmask[:, None])
+        tl.store(o_rows + 3 * DQ, a3 * inv[:, None], mask=hmask[:, None])
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(mid_lse_ptr + mid_row, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
+                  NSP: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
+                  EB: tl.constexpr, PRECISION: tl.constexpr):
+    """o[b, hq] = (sum_s 2^{lse_s} o~_s / sum_s 2^{lse_s}) @ R_V[h]^T. Grid (B, H)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    num_h = tl.num_programs(1)
+    g = tl.arange(0, BH)
+    hmask = g < GQ
+    hq = (h * GQ + g).to(tl.int64)
+    d = tl.arange(0, D)
+    base = (b * num_h * GQ + hq) * NSP
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for sp in range(0, NSP):
+        lse = tl.load(mid_lse_ptr + base + sp, mask=hmask, other=float("-inf"))
+        valid = lse > float("-inf")
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.where(valid, tl.exp2(lse - m_safe), 0.0)
+        o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :],
+                    mask=(hmask & valid)[:, None], other=0.0)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l = l * alpha + w
+        m = m_new
+    o_rot = acc / tl.where(l > 0, l, 1.0)[:, None]
+    e = tl.arange(0, EB)
+    rot = rot_ptr + h.to(tl.int64) * D * D
+    for e0 in tl.static_range(0, D, EB):
+        rt = tl.load(rot + (e0 + e)[None, :] * D + d[:, None]).to(tl.float32)  # rt[d, e] = R[e, d]
+        oc = mma_f32(o_rot, rt, tl.zeros([BH, EB], tl.float32), PRECISION)
+        tl.store(out_ptr + b * so_b + hq[:, None] * so_h + e0 + e[None, :],
+                 oc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+# ----------------------------------------------------------------------------- host side
+@dataclass
+class DecodeConfig:
+    """Launch parameters of the decode kernels (the benchmark sweeps them)."""
+
+    block_n: int = 64  # INT2 tokens per inner step
+    block_n_bf16: int = 32  # sink/ring tokens per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    max_splits: int = 64  # NS upper bound (static: fixes the grid and the workspace)
+    target_programs: int = 0  # programs to aim for (0: 4 x SM count on CUDA, 16 on CPU)
+    min_chunk: int = 256  # fewest INT2 tokens per split
+    magic_unpack: bool = True  # int32-word bit trick (no int->float conversions)
+    use_dot: bool = True  # tensor cores for q.k and p.v
+    min_block_h: int = 16  # query-head rows per program (>= Hq/H, power of two)
+    fp32_precision: str = "ieee"  # input precision of the float32 rotation dots
+
+    def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
+        target = self.target_programs or _default_target(device)
+        return max(1, min(self.max_splits, -(-target // max(1, batch * num_kv_heads))))
+
+
+def _default_target(device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 16
+
+
+class DecodeWorkspace:
+    """Scratch buffers of decode_attention, allocated once for ``max_batch`` (CUDA graphs:
+    allocate before capture and pass the same object to every call)."""
+
+    def __init__(self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 device, config: DecodeConfig | None = None):
+        self.config = config or DecodeConfig()
+        self.max_batch, self.num_q_heads, self.num_kv_heads, self.head_dim = (
+            max_batch, num_q_heads, num_kv_heads, head_dim)
+        self.device = torch.device(device)
+        cap = max(b * (self.config.splits_for(b, num_kv_heads, self.device) + 1)
+                  for b in range(1, max_batch + 1))
+        self.q_rot = torch.empty(max_batch * num_q_heads * head_dim, dtype=torch.bfloat16, device=device)
+        self.mid_o = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=device)
+        self.mid_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=device)
+
+    def views(self, batch: int, config: DecodeConfig | None = None):
+        """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
+        another ``config`` may only lower NS below what the workspace was sized for."""
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
+        ns = self.config.splits_for(batch, self.num_kv_heads, self.device)
+        if config is not None:
+            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device))
+        hq, d = self.num_q_heads, self.head_dim
+        q_rot = self.q_rot[:batch * hq * d].view(batch, hq, d)
+        mid_o = self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d)
+        mid_lse = self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1)
+        return ns, q_rot, mid_o, mid_lse
+
+
+def _block_h(gq: int, cfg: DecodeConfig) -> int:
+    return max(triton.next_power_of_2(gq), cfg.min_block_h)
+
+
+def check_decode_inputs(q, layer, rotation, rows, seq_lens):
+    b, hq, d = q.shape
+    h = layer.num_kv_heads
+    if d != layer.head_dim or hq % h:
+        raise ValueError(f"q shape {tuple(q.shape)} does not fit the cache (H={h}, D={layer.head_dim})")
+    if d % 16 or d < 64 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two >= 64 for the Triton kernels")
+    if rows.shape != (b,) or seq_lens.shape != (b,):
+        raise ValueError(f"rows/seq_lens must have shape ({b},)")
+    if rotation.k_rot.shape != (h, d, d):
+        raise ValueError(f"rotation shape {tuple(rotation.k_rot.shape)} != ({h}, {d}, {d})")
+    check_cache_layout(layer)
+
+
+def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
+                   num_warps: int = 4) -> torch.Tensor:
+    """out[t, hq] = bf16(q[t, hq] @ rot[hq // (Hq/H)]) for q [T, Hq, D]; rot [H, D, D] fp32."""
+    t, hq, d = q.shape
+    h = rot.shape[0]
+    gq = hq // h
+    check_last_dim_contiguous("q", q)
+    if t == 0:
+        return out
+    _rotate_q_kernel[(t, h)](q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1),
+                             GQ=gq, BH=triton.next_power_of_2(gq), D=d, KB=min(32, d),
+                             PRECISION=precision, num_warps=num_warps)
+    return out
+
+
+def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
+                  rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
+                  seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
+                  workspace: DecodeWorkspace | None = None,
+                  config: DecodeConfig | None = None) -> torch.Tensor:
+    """Decode attention (api.decode_attention semantics): returns o [B, Hq, D] (q.dtype or
+    ``out``'s dtype), un-rotated. Allocates only when ``workspace``/``out`` are None."""
+    check_decode_inputs(q, layer, rotation, rows, seq_lens)
+    b, hq, d = q.shape
+    h = layer.num_kv_heads
+    gq = hq // h
+    if workspace is None:
+        workspace = DecodeWorkspace(b, hq, h, d, q.device, config)
+    elif (workspace.num_q_heads, workspace.num_kv_heads, workspace.head_dim) != (hq, h, d):
+        raise ValueError("workspace was allocated for other head counts / head_dim")
+    cfg = config or workspace.config
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    check_last_dim_contiguous("out", out)
+    check_last_dim_contiguous("req_to_token", req_to_token)
+    ns, q_rot, mid_o, mid_lse = workspace.views(b, config)
+    rotate_queries(q, rotation.k_rot, q_rot, cfg.fp32_precision)
+    lay = layer
+    bh = _block_h(gq, cfg)
+    magic = cfg.magic_unpack
+    kpk, vpk = lay.k_packed, lay.v_packed
+    spk_s, spk_h = kpk.stride(0), kpk.stride(1)
+    if magic:
+        kpk, vpk = kpk.view(torch.int32), vpk.view(torch.int32)
+        spk_s, spk_h = spk_s // 4, spk_h // 4
+    _decode_stage1[(b, h, ns + 1)](
+        q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
+        index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
+        kpk, vpk, spk_s, spk_h,
+        lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
+        lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
+        lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
+        mid_o, mid_lse, sm_scale * LOG2E,
+        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
+        S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
+        MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_merge[(b, h)](
+        mid_o, mid_lse, rotation.v_rot, out, out.stride(0), out.stride(1),
+        NSP=ns + 1, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.fp32_precision, num_warps=4,
+    )
+    return out
+
+
+def int2_bytes_read(layer: HybridLayerCache, seq_lens: list[int], num_q_heads: int) -> int:
+    """Bytes decode must read for the given lengths: codes + scales of every INT2 position,
+    bf16 K/V of the sink and ring windows, req_to_token entries and q (for GBps figures)."""
+    h, d = layer.num_kv_heads, layer.head_dim
+    s, w = layer.sink_tokens, layer.recent_window
+    per_int2 = 2 * (layer.k_packed.shape[-1] + layer.k_scales[0, 0].numel() * layer.k_scales.element_size())
+    total = 0
+    for n in seq_lens:
+        bf = min(n, s + w)
+        total += h * ((n - bf) * per_int2 + bf * 2 * d * 2) + 4 * n
+    return total + len(seq_lens) * num_q_heads * d * 2 * 2
