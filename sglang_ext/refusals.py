@@ -1,0 +1,242 @@
+"""Start-up defaults and refusals for ``--kv-cache-dtype oscar_int2`` (SGLang 0.5.17).
+
+Every SGLang feature that cannot carry the hybrid INT2/BF16 pool is refused with one line
+that names the flag (OscarConfigError), never run with a silently corrupted cache.
+Why each one breaks: /work/shared/SGLANG_0.5.17_MAP.md section 7 (HiCache and host pools
+copy only k/v buffers; PD transfer and CPU offload use get_contiguous_buf_infos /
+get_cpu_copy; speculative decoding moves KV without the ring; the other layouts and
+pools assume one uniform KV dtype).
+
+:func:`apply_oscar_defaults` runs before ``ServerArgs.__post_init__`` resolves anything;
+:func:`check_oscar_server_args` runs on the resolved ServerArgs (after ``__post_init__``
+and again in ``check_server_args``). Both only read/write ServerArgs attributes, so they
+are testable on CPU with a ServerArgs built without ``__post_init__``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .settings import (
+    DEFAULT_PAGE_SIZE,
+    FLAGS,
+    OSCAR_ATTENTION_BACKEND,
+    OSCAR_KV_DTYPE,
+    OscarConfigError,
+    is_oscar,
+    oscar_settings,
+)
+
+logger = logging.getLogger(__name__)
+
+# CUDA-graph backends the oscar attention backend supports, per phase. Prefill graphs
+# (tc_piecewise custom-op capture, breakable, full) are off in v1.
+PREFILL_GRAPH_BACKENDS = ("disabled",)
+DECODE_GRAPH_BACKENDS = ("full", "disabled")
+
+_TRUE = ("1", "true", "yes", "on")
+
+# (field, refused-when, flag as the user typed it, why). Checked in this order.
+_FLAG_RULES = (
+    ("enable_hierarchical_cache", bool, "--enable-hierarchical-cache",
+     "HiCache host pools copy only k/v buffers (INT2 scales, sinks and ring would be lost)"),
+    ("hicache_storage_backend", lambda v: v is not None, "--hicache-storage-backend",
+     "HiCache storage copies only k/v buffers"),
+    ("enable_lmcache", bool, "--enable-lmcache", "LMCache assumes a uniform KV layout"),
+    ("enable_flexkv", bool, "--enable-flexkv", "FlexKV assumes a uniform KV layout"),
+    ("disaggregation_mode", lambda v: v not in (None, "null"), "--disaggregation-mode",
+     "PD disaggregation transfers only k/v buffers (the BF16 ring cannot be transferred)"),
+    ("disaggregation_decode_enable_offload_kvcache", bool,
+     "--disaggregation-decode-enable-offload-kvcache", "KV offload copies only k/v buffers"),
+    ("enable_page_major_kv_layout", bool, "--enable-page-major-kv-layout",
+     "the page-major layout assumes one uniform KV itemsize"),
+    ("enable_unified_memory", bool, "--enable-unified-memory",
+     "the unified memory pool assumes one uniform KV itemsize"),
+    ("enable_hisparse", bool, "--enable-hisparse", "HiSparse uses its own host KV layout"),
+    ("speculative_algorithm", lambda v: v is not None, "--speculative-algorithm",
+     "speculative decoding moves KV without the BF16 ring (rejected drafts would overwrite live cells)"),
+    ("dcp_size", lambda v: (v or 1) > 1, "--dcp-size", "decode context parallelism is not supported"),
+    ("enable_prefill_cp", bool, "--enable-prefill-cp", "prefill context parallelism is not supported"),
+    ("attn_cp_size", lambda v: (v or 1) > 1, "--attn-cp-size",
+     "attention context parallelism is not supported"),
+    ("enable_two_batch_overlap", bool, "--enable-two-batch-overlap", "two-batch overlap is not supported"),
+    ("enable_pdmux", bool, "--enable-pdmux", "PD multiplexing is not supported"),
+    ("enable_deterministic_inference", bool, "--enable-deterministic-inference",
+     "deterministic inference needs one of SGLang's deterministic attention backends"),
+    ("dllm_algorithm", lambda v: v is not None, "--dllm-algorithm", "diffusion LLM inference is not supported"),
+    ("prefill_only_disable_kv_cache", bool, "--prefill-only-disable-kv-cache",
+     "it replaces the KV pool with a no-op pool"),
+    ("kv_canary", lambda v: v not in (None, "none"), "--kv-canary",
+     "the KV canary attaches only to SGLang's own pool types"),
+)
+
+_ENV_RULES = (
+    ("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING",
+     "post-capture KV sizing resizes the pool after graph capture, which the hybrid pool cannot follow"),
+    ("SGLANG_USE_HND_KVCACHE", "the HND layout assumes one uniform KV layout"),
+)
+
+
+def _refuse(flag: str, why: str) -> OscarConfigError:
+    return OscarConfigError(f"{flag} is not supported with --kv-cache-dtype {OSCAR_KV_DTYPE}: {why}")
+
+
+# ---------------------------------------------------------------------------- defaults
+
+
+def apply_oscar_defaults(server_args) -> None:
+    """Before resolution: pick the oscar attention backend, a page size that holds the
+    sinks, and no prefill CUDA graph, unless the user chose otherwise (an explicit
+    non-oscar attention backend is refused here, before SGLang resolves anything)."""
+    check_stray_oscar_flags(server_args)
+    if not is_oscar(server_args):
+        return
+    oscar_settings(server_args)  # fail fast on a missing rotations file / bad integers
+    _check_flags(server_args)  # before SGLang's own checks can fail with another message
+    _check_attention_backends(server_args)
+    if server_args.attention_backend is None:
+        server_args.attention_backend = OSCAR_ATTENTION_BACKEND
+        logger.info("oscar: --kv-cache-dtype %s uses --attention-backend %s",
+                    OSCAR_KV_DTYPE, OSCAR_ATTENTION_BACKEND)
+    if server_args.page_size is None:
+        server_args.page_size = DEFAULT_PAGE_SIZE
+        logger.info("oscar: --page-size not given, using %d", DEFAULT_PAGE_SIZE)
+    # lowest-precedence switch: --cuda-graph-backend-prefill / --cuda-graph-config still win
+    # (and are checked after resolution)
+    server_args.disable_prefill_cuda_graph = True
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _check_flags(sa) -> None:
+    for field, refused, flag, why in _FLAG_RULES:
+        if refused(getattr(sa, field, None)):
+            raise _refuse(flag, why)
+    for env, why in _ENV_RULES:
+        if os.environ.get(env, "").strip().lower() in _TRUE:
+            raise _refuse(f"{env}=1", why)
+
+
+def _check_attention_backends(sa) -> None:
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = getattr(sa, field, None)
+        if value not in (None, OSCAR_ATTENTION_BACKEND):
+            flag = "--" + field.replace("_", "-")
+            raise OscarConfigError(
+                f"{flag} {value} is not supported with --kv-cache-dtype {OSCAR_KV_DTYPE}: "
+                f"it needs --attention-backend {OSCAR_ATTENTION_BACKEND} (the default for it)")
+
+
+def _phase_backend(sa, phase: str):
+    """Resolved CUDA-graph backend of one phase (CudaGraphConfig after __post_init__,
+    else the per-phase flag / disable switch)."""
+    cfg = getattr(sa, "cuda_graph_config", None)
+    resolved = getattr(getattr(cfg, phase, None), "backend", None)
+    if resolved is not None:
+        return resolved, f"--cuda-graph-backend-{phase}"
+    if isinstance(cfg, dict) and isinstance(cfg.get(phase), dict) and cfg[phase].get("backend"):
+        return cfg[phase]["backend"], "--cuda-graph-config"
+    explicit = getattr(sa, f"cuda_graph_backend_{phase}", None)
+    if explicit is not None:
+        return explicit, f"--cuda-graph-backend-{phase}"
+    if getattr(sa, f"disable_{phase}_cuda_graph", False) or getattr(sa, "disable_cuda_graph", False):
+        return "disabled", f"--disable-{phase}-cuda-graph"
+    return None, ""
+
+
+def _check_cuda_graphs(sa) -> None:
+    for phase, allowed in (("prefill", PREFILL_GRAPH_BACKENDS), ("decode", DECODE_GRAPH_BACKENDS)):
+        backend, flag = _phase_backend(sa, phase)
+        if backend is not None and backend not in allowed:
+            raise _refuse(f"{flag} {backend}", f"use {' or '.join(allowed)} "
+                          f"(--cuda-graph-backend-{phase} or --cuda-graph-config)")
+
+
+def _check_page_size(sa, settings) -> None:
+    page = getattr(sa, "page_size", None) or 1
+    if settings.sink_tokens > page:
+        raise OscarConfigError(
+            f"--oscar-sink-tokens {settings.sink_tokens} exceeds --page-size {page}: the sinks must "
+            f"fit on a sequence's first page (raise --page-size, e.g. {DEFAULT_PAGE_SIZE})")
+
+
+def _model_config(sa):
+    if str(getattr(sa, "model_path", "")).lower() in ("", "none", "dummy"):
+        return None
+    return sa.get_model_config()
+
+
+def _check_model(sa, settings) -> None:
+    """Refuse MLA and hybrid SWA / Mamba / linear-attention models; check the rotations
+    file against the model's attention shape and the tensor-parallel split."""
+    model_config = _model_config(sa)
+    if model_config is None:
+        return
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import AttentionArch
+
+    arch = (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
+    if model_config.attention_arch == AttentionArch.MLA:
+        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} serves MHA/GQA models only; "
+                               f"{arch} uses MLA")
+    if getattr(model_config, "is_hybrid_swa", False):
+        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
+                               f"sliding-window models ({arch})")
+    if mambaish_config(model_config) is not None:
+        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
+                               f"Mamba/linear-attention models ({arch})")
+    _check_rotations_file(sa, settings, model_config)
+
+
+_VALIDATED_FILES: set = set()
+
+
+def _check_rotations_file(sa, settings, model_config) -> None:
+    from calibration.model_shape import ModelShape, kv_heads_for_rank
+    from calibration.rotations_file import RotationsFileError, load_rotations
+
+    try:
+        shape = ModelShape.from_hf_config(model_config.hf_config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE}: cannot read the attention shape "
+                               f"of {sa.model_path} ({type(e).__name__}: {e})") from None
+    key = (settings.rotations_path, os.path.getmtime(settings.rotations_path), shape)
+    if key not in _VALIDATED_FILES:  # __post_init__ and check_server_args both check
+        try:
+            load_rotations(settings.rotations_path, expect=shape)
+        except RotationsFileError as e:
+            raise OscarConfigError(f"--oscar-rotations: {e}") from None
+        _VALIDATED_FILES.add(key)
+    tp = getattr(sa, "tp_size", 1) or 1
+    if getattr(sa, "enable_dp_attention", False):
+        tp = max(tp // (getattr(sa, "dp_size", 1) or 1), 1)
+    try:
+        kv_heads_for_rank(shape.num_kv_heads, tp, 0)
+    except ValueError as e:
+        raise OscarConfigError(f"--tp-size {sa.tp_size}: {e}") from None
+
+
+def check_stray_oscar_flags(server_args) -> None:
+    """--oscar-* fields given while the KV cache is not oscar_int2 (patched sglang):
+    refuse rather than silently serve another KV cache."""
+    if is_oscar(server_args):
+        return
+    given = [f.cli for f in FLAGS if getattr(server_args, f.field, None) is not None]
+    if given:
+        raise OscarConfigError(
+            f"{given[0]} given but --kv-cache-dtype is {server_args.kv_cache_dtype!r}; "
+            f"add --kv-cache-dtype {OSCAR_KV_DTYPE}")
+
+
+def check_oscar_server_args(server_args) -> None:
+    """All start-up refusals for oscar_int2 on resolved ServerArgs (no-op otherwise)."""
+    check_stray_oscar_flags(server_args)
+    if not is_oscar(server_args):
+        return
+    settings = oscar_settings(server_args)  # rotations given and present, ints valid
+    _check_flags(server_args)
+    _check_attention_backends(server_args)
+    _check_cuda_graphs(server_args)
+    _check_page_size(server_args, settings)
+    _check_model(server_args, settings)

@@ -1,0 +1,134 @@
+"""The OSCAR serving settings: flag names, defaults, and where the runtime reads them.
+
+Two ways the flags reach SGLang 0.5.17:
+
+- **patched sglang** (``oscar-sglang patch --apply``): ``oscar_rotations``,
+  ``oscar_sink_tokens``, ``oscar_recent_window`` and ``oscar_sink_slots`` are first-class
+  ``ServerArgs`` fields (so ``sgl.Engine(..., oscar_rotations=...)`` and ``--config`` YAML
+  take them) and ``oscar_int2`` is one of the ``--kv-cache-dtype`` choices;
+- **plugin only** (unpatched sglang): :func:`install_server_args_hooks` adds the choice and
+  the ``--oscar-*`` options to SGLang's parser and exports the parsed values as
+  ``SGLANG_OSCAR_*`` environment variables, which the scheduler subprocesses inherit.
+  (``sgl.Engine`` on an unpatched install: set the variables yourself.)
+
+:func:`oscar_settings` reads whichever is present (a non-None field wins over the
+environment; a missing value takes the default below). This module imports no sglang.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+OSCAR_KV_DTYPE = "oscar_int2"
+OSCAR_ATTENTION_BACKEND = "oscar"
+
+# Defaults (one constant each). Sink size: placeholder until the fidelity sweep settles it.
+DEFAULT_SINK_TOKENS = 16
+DEFAULT_RECENT_WINDOW = 128
+# page size used when --kv-cache-dtype oscar_int2 is given without --page-size; sinks live
+# on a sequence's first page, so the page must hold at least the sink tokens.
+DEFAULT_PAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class OscarFlag:
+    """One --oscar-* option: ServerArgs field name, environment variable, parser."""
+
+    field: str
+    env: str
+    type: type
+    help: str
+
+    @property
+    def cli(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+FLAGS = (
+    OscarFlag("oscar_rotations", "SGLANG_OSCAR_ROTATIONS", str,
+              "OSCAR rotations file (made by oscar-calibrate); required with "
+              f"--kv-cache-dtype {OSCAR_KV_DTYPE}. The INT2 group size is read from it."),
+    OscarFlag("oscar_sink_tokens", "SGLANG_OSCAR_SINK_TOKENS", int,
+              f"OSCAR: first S tokens of every sequence kept in BF16 (default {DEFAULT_SINK_TOKENS}; "
+              "must not exceed --page-size)."),
+    OscarFlag("oscar_recent_window", "SGLANG_OSCAR_RECENT_WINDOW", int,
+              f"OSCAR: last W tokens of every running request kept in BF16 (default {DEFAULT_RECENT_WINDOW})."),
+    OscarFlag("oscar_sink_slots", "SGLANG_OSCAR_SINK_SLOTS", int,
+              "OSCAR: number of BF16 sink slots (sequences whose sinks are held at once; "
+              "default: chosen by the pool)."),
+)
+FLAG_BY_FIELD = {f.field: f for f in FLAGS}
+
+
+class OscarConfigError(ValueError):
+    """A serving configuration that OSCAR cannot carry; the message is one line."""
+
+
+@dataclass(frozen=True)
+class OscarSettings:
+    rotations_path: str
+    sink_tokens: int
+    recent_window: int
+    sink_slots: int | None
+
+
+def is_oscar(server_args) -> bool:
+    """True when the server runs the OSCAR INT2 KV cache."""
+    return getattr(server_args, "kv_cache_dtype", None) == OSCAR_KV_DTYPE
+
+
+def raw_value(server_args, field: str):
+    """The value given for one flag: a non-None ServerArgs field, else its environment
+    variable (a string), else None."""
+    value = getattr(server_args, field, None)
+    if value is not None:
+        return value
+    env = os.environ.get(FLAG_BY_FIELD[field].env)
+    return env if env not in (None, "") else None
+
+
+def _int(server_args, field: str, default: int | None, minimum: int) -> int | None:
+    value = raw_value(server_args, field)
+    if value is None:
+        return default
+    flag = FLAG_BY_FIELD[field]
+    where = flag.cli if getattr(server_args, field, None) is not None else flag.env
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise OscarConfigError(f"{where}={value!r} is not an integer") from None
+    if isinstance(value, float) and value != n:
+        raise OscarConfigError(f"{where}={value!r} is not an integer")
+    if n < minimum:
+        raise OscarConfigError(f"{where}={n} must be >= {minimum}")
+    return n
+
+
+def oscar_settings(server_args) -> OscarSettings:
+    """The validated OSCAR settings of ``server_args`` (one-line OscarConfigError on bad input)."""
+    if not is_oscar(server_args):
+        raise OscarConfigError(
+            f"oscar settings requested but --kv-cache-dtype is {getattr(server_args, 'kv_cache_dtype', None)!r}, "
+            f"not {OSCAR_KV_DTYPE!r}")
+    path = raw_value(server_args, "oscar_rotations")
+    if path is None:
+        raise OscarConfigError(
+            f"--kv-cache-dtype {OSCAR_KV_DTYPE} needs --oscar-rotations FILE "
+            "(make one with oscar-calibrate)")
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(path):
+        raise OscarConfigError(f"--oscar-rotations {path}: no such file")
+    return OscarSettings(
+        rotations_path=path,
+        sink_tokens=_int(server_args, "oscar_sink_tokens", DEFAULT_SINK_TOKENS, 0),
+        recent_window=_int(server_args, "oscar_recent_window", DEFAULT_RECENT_WINDOW, 1),
+        sink_slots=_int(server_args, "oscar_sink_slots", None, 1),
+    )
+
+
+def install_server_args_hooks() -> None:
+    """Idempotent: the oscar_int2 choice, the --oscar-* options (plugin-only path) and the
+    start-up refusals, installed on sglang's ServerArgs (see server_args_hooks)."""
+    from .server_args_hooks import install
+
+    install()
