@@ -1,0 +1,273 @@
+"""OscarKVPool: SGLang's MHA token pool holding the hybrid INT2/BF16 OSCAR cache.
+
+SGLang's allocator, req_to_token table, radix cache and eviction stay untouched: one
+token = one slot, and every slot holds the token's INT2 K/V (rotated, clipped, packed,
+with per-group (scale, min)). Per layer an :class:`oscar_kernels.hybrid_cache.HybridLayerCache`
+adds the BF16 side caches (sinks keyed by a sequence's first page, a per-request ring of
+the last W positions); one :class:`HybridCacheIndex` and the per-row ring bookkeeping
+(``ring_owner``: hash of the request that owns the row's ring, ``ring_end``: the
+sequence length its last batch reached) are shared by all layers.
+
+``k_buffer``/``v_buffer`` are the packed uint8 codes and ``k_scale_buffer``/
+``v_scale_buffer`` the scales, so SGLang code that inspects those names sees real
+tensors; every path that would copy only part of the state (CPU offload, PD transfer,
+speculative moves) raises instead of corrupting it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import torch
+from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from calibration.model_shape import ModelShape
+from calibration.rotations_file import Rotations, RotationsMeta, load_rotations
+from oscar_kernels import api
+from oscar_kernels.hybrid_cache import (HybridLayerCache, LayerRotation, allocate_index,
+                                        allocate_layer)
+from oscar_kernels.int2 import SCALE_DTYPES
+
+from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
+
+
+@dataclass(frozen=True)
+class OscarWriteMeta:
+    """What a hybrid store needs per new token besides its slot id ([T] int tensors)."""
+
+    positions: torch.Tensor  # position of the token in its sequence
+    rows: torch.Tensor  # req_to_token row of its request
+    seq_ends: torch.Tensor  # its request's sequence length after this batch
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one rank's pool sits in the model (read from SGLang's configurator)."""
+
+    start_layer: int
+    num_layers: int
+    num_kv_heads: int  # KV heads this attention-TP rank holds
+    head_dim: int
+    page_size: int
+    tp_rank: int
+    tp_size: int
+
+
+@lru_cache(maxsize=4)
+def _load_validated(path: str, shape: ModelShape) -> Rotations:
+    return load_rotations(path, expect=shape)
+
+
+def load_rank_rotations(path: str, hf_config, layout: RankLayout
+                        ) -> tuple[list[LayerRotation], RotationsMeta]:
+    """The rotations of this rank's layers and KV heads, validated against the model
+    (the loader refuses a file for another model with a one-line reason). Loaded once
+    per process: pool sizing and pool construction share it."""
+    rot = _load_validated(path, ModelShape.from_hf_config(hf_config))
+    rot = rot.for_tp_rank(layout.tp_rank, layout.tp_size)
+    layers = rot.layers[layout.start_layer:layout.start_layer + layout.num_layers]
+    if len(layers) != layout.num_layers or rot.meta.num_kv_heads != layout.num_kv_heads:
+        raise ValueError(f"oscar rotations file {path}: holds {len(layers)} layers x "
+                         f"{rot.meta.num_kv_heads} KV heads for this rank, the pool needs "
+                         f"{layout.num_layers} x {layout.num_kv_heads}")
+    return layers, rot.meta
+
+
+def memory_plan(layout: RankLayout, meta: RotationsMeta, sink_tokens: int, recent_window: int,
+                num_rows: int, sink_slots: Optional[int]) -> OscarMemoryPlan:
+    return OscarMemoryPlan(
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+        group_size=meta.group_size, scale_dtype=meta.scale_dtype, sink_tokens=sink_tokens,
+        recent_window=recent_window, page_size=layout.page_size, num_rows=num_rows,
+        num_sink_slots=sink_slots or default_sink_slots(num_rows))
+
+
+def _refuse(what: str):
+    raise NotImplementedError(f"{what} is not supported with --kv-cache-dtype oscar_int2 "
+                              f"(it would copy the INT2 codes without the scales, sinks and rings)")
+
+
+class OscarKVPool(MHATokenToKVPool):
+    """Hybrid INT2/BF16 KV pool (see module doc). ``rotations``: this rank's layers
+    (float32, [H, D, D] and [H, D] clips); ``req_to_token``: SGLang's table, whose row
+    count sizes the rings."""
+
+    def __init__(self, size: int, page_size: int, head_num: int, head_dim: int,
+                 layer_num: int, device: str, *, rotations: Sequence[LayerRotation],
+                 req_to_token: torch.Tensor, sink_tokens: int, recent_window: int,
+                 group_size: int, scale_dtype: str = "float16",
+                 num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
+                 end_layer: Optional[int] = None, enable_memory_saver: bool = False,
+                 enable_alt_stream: bool = True):
+        num_rows = req_to_token.shape[0]
+        self.plan = OscarMemoryPlan(
+            num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
+            group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
+            recent_window=recent_window, page_size=page_size, num_rows=num_rows,
+            num_sink_slots=num_sink_slots or default_sink_slots(num_rows))
+        if len(rotations) != layer_num:
+            raise ValueError(f"oscar pool: {len(rotations)} layer rotations for {layer_num} layers")
+        for r in rotations:
+            if tuple(r.k_rot.shape) != (head_num, head_dim, head_dim):
+                raise ValueError(f"oscar pool: rotation shape {tuple(r.k_rot.shape)} does not fit "
+                                 f"{head_num} KV heads of dim {head_dim}")
+        self.req_to_token = req_to_token
+        self._rotations_host = list(rotations)
+        super().__init__(size, page_size, torch.bfloat16, head_num, head_dim, layer_num, device,
+                         enable_memory_saver, v_head_dim=head_dim, start_layer=start_layer,
+                         end_layer=end_layer, enable_alt_stream=enable_alt_stream,
+                         enable_kv_cache_copy=False)
+
+    # -- buffers ---------------------------------------------------------------------
+
+    def _create_buffers(self):
+        if self.post_capture_active:
+            raise NotImplementedError("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING is not supported "
+                                      "with --kv-cache-dtype oscar_int2")
+        if self.kv_cache_layout != "nhd":
+            raise NotImplementedError(f"KV layout {self.kv_cache_layout!r} (SGLANG_USE_HND_KVCACHE "
+                                      f"or an AITER layout) is not supported with oscar_int2")
+        p = self.plan
+        num_slots = self.size + self.page_size
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+            self.layers = [
+                allocate_layer(num_slots, p.num_kv_heads, p.head_dim, p.group_size,
+                               p.sink_tokens, p.recent_window, p.num_sink_slots, p.num_rows,
+                               SCALE_DTYPES[p.scale_dtype], self.device)
+                for _ in range(self.layer_num)]
+            self.index = allocate_index(num_slots, self.page_size, p.num_sink_slots, p.num_rows,
+                                        self.device)
+            self.ring_owner = torch.zeros(p.num_rows, dtype=torch.int64, device=self.device)
+            self.ring_end = torch.zeros(p.num_rows, dtype=torch.int64, device=self.device)
+        # The rotations are weights, not cache: outside the memory-saver region.
+        self.rotations = [r.to(self.device) for r in self._rotations_host]
+        del self._rotations_host
+        self.store_dtype = torch.uint8
+        self.k_buffer = [lc.k_packed for lc in self.layers]
+        self.v_buffer = [lc.v_packed for lc in self.layers]
+        self.k_scale_buffer = [lc.k_scales for lc in self.layers]
+        self.v_scale_buffer = [lc.v_scales for lc in self.layers]
+        self.dq_k_buffer = self.dq_v_buffer = None
+
+    def _clear_buffers(self):
+        for name in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer", "layers",
+                     "index", "ring_owner", "ring_end"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def layer_cache(self, layer_id: int) -> HybridLayerCache:
+        return self.layers[layer_id - self.start_layer]
+
+    def layer_rotation(self, layer_id: int) -> LayerRotation:
+        return self.rotations[layer_id - self.start_layer]
+
+    def _get_key_buffer(self, layer_id: int):  # packed codes, never a dtype view
+        return self.k_buffer[layer_id - self.start_layer]
+
+    def _get_value_buffer(self, layer_id: int):
+        return self.v_buffer[layer_id - self.start_layer]
+
+    def get_kv_size_bytes(self):
+        """True bytes (K half, V half): codes, scales, sinks, rings and rotations of each,
+        the shared index and row state counted with K."""
+
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        k = v = 0
+        for lc, rot in zip(self.layers, self.rotations):
+            k += nbytes(lc.k_packed, lc.k_scales, lc.k_sink, lc.k_ring, rot.k_rot,
+                        rot.k_clip_min, rot.k_clip_max)
+            v += nbytes(lc.v_packed, lc.v_scales, lc.v_sink, lc.v_ring, rot.v_rot,
+                        rot.v_clip_min, rot.v_clip_max)
+        idx = self.index
+        k += nbytes(idx.sink_slot_of_page, idx.page_of_sink_slot, idx.ring_valid_from,
+                    self.ring_owner, self.ring_end)
+        return k, v
+
+    # -- writes ----------------------------------------------------------------------
+
+    def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                      k_scale=None, v_scale=None, layer_id_override: Optional[int] = None,
+                      dcp_kv_mask=None, *, oscar_meta: Optional[OscarWriteMeta] = None,
+                      write_int2: bool = True, write_ring: bool = True,
+                      rotated_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """Store new tokens (unrotated k, v [T, H, D]) through oscar_kernels.api.store_kv:
+        INT2 + sinks (write_int2) and ring cells (write_ring) at ``loc``."""
+        if oscar_meta is None:
+            raise RuntimeError("OscarKVPool.set_kv_buffer needs oscar_meta (positions, rows, "
+                               "seq_ends): only the 'oscar' attention backend writes this pool")
+        if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
+            raise NotImplementedError("k/v scales and DCP masks are not supported with oscar_int2")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        api.store_kv(self.layer_cache(layer_id), self.index, self.layer_rotation(layer_id),
+                     self.req_to_token, cache_k, cache_v, loc, oscar_meta.positions,
+                     oscar_meta.rows, oscar_meta.seq_ends, write_int2=write_int2,
+                     write_ring=write_ring, rotated_out=rotated_out)
+
+    # -- paths that would move part of the state: refuse --------------------------------
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        _refuse("KV offload to CPU")
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        _refuse("KV offload to CPU")
+
+    def get_contiguous_buf_infos(self):
+        _refuse("KV transfer (PD disaggregation)")
+
+    def set_kv_buffer_prefix_valid(self, *args, **kwargs):
+        _refuse("prefix-valid commit (speculative decoding)")
+
+    def move_kv_cache(self, tgt_loc, src_loc):
+        _refuse("moving KV slots (speculative decoding)")
+
+
+# -- construction from SGLang's KVCacheConfigurator (the plugin's sizing and pool hooks) --
+
+def rank_layout(kvc) -> RankLayout:
+    mc, li, ps = kvc.model_config, kvc.layer_info, kvc.ps
+    return RankLayout(start_layer=li.start_layer, num_layers=li.num_effective_layers,
+                      num_kv_heads=mc.get_num_kv_heads(ps.attn_tp_size), head_dim=mc.head_dim,
+                      page_size=kvc.pool_page_size, tp_rank=ps.attn_tp_rank,
+                      tp_size=ps.attn_tp_size)
+
+
+def plan_for_configurator(kvc, num_rows: Optional[int] = None) -> OscarMemoryPlan:
+    """The memory plan of this rank. ``num_rows`` defaults to the planned request rows
+    (--max-running-requests per attention-DP worker, or the oscar default, + SGLang's
+    padding row); the pool itself uses the real req_to_token row count."""
+    from .settings import oscar_settings
+
+    s = oscar_settings(kvc.server_args)
+    layout = rank_layout(kvc)
+    _, meta = load_rank_rotations(s.rotations_path, kvc.model_config.hf_config, layout)
+    if num_rows is None:
+        num_rows = planned_request_rows(kvc.server_args.max_running_requests,
+                                        kvc.ps.attn_dp_size) + 1
+    return memory_plan(layout, meta, s.sink_tokens, s.recent_window, num_rows, s.sink_slots)
+
+
+def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_pool) -> OscarKVPool:
+    """OscarKVPool for the configurator's model and rank (what SGLang's
+    ``_build_mha_kv_pool`` builds for an MHA model, with the oscar storage)."""
+    from .settings import oscar_settings
+
+    mc = kvc.model_config
+    if mc.v_head_dim != mc.head_dim:
+        raise ValueError(f"oscar_int2 needs equal K and V head dims, the model has "
+                         f"{mc.head_dim} and {mc.v_head_dim}")
+    s = oscar_settings(kvc.server_args)
+    layout = rank_layout(kvc)
+    layers, meta = load_rank_rotations(s.rotations_path, mc.hf_config, layout)
+    return OscarKVPool(
+        max_total_num_tokens, page_size=layout.page_size, head_num=layout.num_kv_heads,
+        head_dim=layout.head_dim, layer_num=layout.num_layers, device=kvc.device,
+        rotations=layers, req_to_token=req_to_token_pool.req_to_token,
+        sink_tokens=s.sink_tokens, recent_window=s.recent_window, group_size=meta.group_size,
+        scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
+        start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
+        enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)))

@@ -1,0 +1,31 @@
+"""Builders shared by the sglang_ext tests (CPU and GPU): rotations files and small
+model configs."""
+from __future__ import annotations
+
+import torch
+
+from calibration.model_shape import ModelShape
+from calibration.rotations_file import Rotations, make_meta, no_clip, save_rotations
+from oscar_kernels.hybrid_cache import LayerRotation
+from oscar_kernels.transforms import hadamard_matrix
+
+# A small Qwen3-shaped config (2 layers, GQA 4 query / 2 KV heads of dim 64).
+SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 64, "hidden_size": 256}
+
+
+def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "test") -> Rotations:
+    """The ``hadamard`` recipe (R = H for every layer and KV head, no clip)."""
+    h = hadamard_matrix(shape.head_dim, torch.float32)
+    rot = h.expand(shape.num_kv_heads, -1, -1).contiguous()
+    lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
+    layers = [LayerRotation(rot.clone(), rot.clone(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
+              for _ in range(shape.num_layers)]
+    return Rotations(make_meta(shape, model_name, group_size, "hadamard"), layers)
+
+
+def write_hadamard_file(path, config, group_size: int = 32) -> str:
+    """A valid rotations file for the model described by ``config`` (dict or HF config)."""
+    save_rotations(str(path), hadamard_rotations(ModelShape.from_hf_config(config), group_size))
+    return str(path)

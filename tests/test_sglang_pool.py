@@ -1,0 +1,201 @@
+"""OscarKVPool and the oscar memory arithmetic on CPU (no GPU, no server)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import SHARED
+from sglang_cases import SMALL_QWEN3, write_hadamard_file
+
+from calibration.rotations_file import RotationsFileError
+from oscar_kernels import reference as ref
+from oscar_kernels.hybrid_cache import allocate_index, allocate_layer, assign_sink_slots
+from sglang_ext.memory import (DEFAULT_MAX_RUNNING_REQUESTS, OscarMemoryPlan, bf16_bytes_per_token,
+                               default_sink_slots, planned_request_rows)
+from sglang_ext.settings import DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, OSCAR_KV_DTYPE
+
+pytest.importorskip("sglang")
+from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
+
+from sglang_ext.pool import (OscarKVPool, OscarWriteMeta, RankLayout,  # noqa: E402
+                             build_pool_for_configurator, load_rank_rotations,
+                             plan_for_configurator)
+
+# Measured: SGLang 0.5.17 BF16 max_total_num_tokens for Qwen3-8B on one H200 at
+# --mem-fraction-static 0.88 (the budget the INT2 pool must beat by >= 6.5x).
+BF16_TOKENS_QWEN3_8B_H200 = 779_876
+
+
+def qwen3_8b_plan(rows=DEFAULT_MAX_RUNNING_REQUESTS + 1, page=64):
+    return OscarMemoryPlan(num_layers=36, num_kv_heads=8, head_dim=128, group_size=128,
+                           scale_dtype="float16", sink_tokens=DEFAULT_SINK_TOKENS,
+                           recent_window=DEFAULT_RECENT_WINDOW, page_size=page, num_rows=rows,
+                           num_sink_slots=default_sink_slots(rows))
+
+
+# ---------------------------------------------------------------- memory arithmetic
+
+def test_qwen3_8b_bytes_per_token():
+    plan = qwen3_8b_plan()
+    assert plan.bytes_per_token == 36 * 8 * (2 * (32 + 4)) == 20736
+    assert bf16_bytes_per_token(36, 8, 128) == 36 * 8 * 2 * 128 * 2 == 147456
+
+
+def test_qwen3_8b_capacity_is_at_least_6_5x_bf16():
+    budget = BF16_TOKENS_QWEN3_8B_H200 * bf16_bytes_per_token(36, 8, 128)  # same KV budget
+    plan = qwen3_8b_plan()
+    tokens = plan.max_total_tokens(budget)
+    assert tokens % plan.page_size == 0
+    assert plan.pool_bytes(tokens) <= budget < plan.pool_bytes(tokens + plan.page_size)
+    assert tokens >= 6.5 * BF16_TOKENS_QWEN3_8B_H200, tokens / BF16_TOKENS_QWEN3_8B_H200
+
+
+@pytest.mark.parametrize("page,rows,slots,budget", [(64, 9, 5, 10_000_000), (16, 3, 1, 2_345_678),
+                                                    (128, 257, 1028, 3_000_000_000)])
+def test_max_total_tokens_is_the_largest_fitting_page_multiple(page, rows, slots, budget):
+    plan = OscarMemoryPlan(4, 2, 64, 32, "bfloat16", 4, 16, page, rows, slots)
+    n = plan.max_total_tokens(budget)
+    assert n > 0 and n % page == 0
+    assert plan.pool_bytes(n) <= budget < plan.pool_bytes(n + page)
+    assert plan.max_total_tokens(plan.fixed_bytes) == 0
+
+
+def test_plan_refuses_sinks_beyond_the_first_page():
+    with pytest.raises(ValueError, match="page size") as e:
+        OscarMemoryPlan(2, 2, 64, 32, "float16", sink_tokens=16, recent_window=8, page_size=8,
+                        num_rows=3, num_sink_slots=4)
+    assert "\n" not in str(e.value)
+
+
+def test_planned_request_rows():
+    assert planned_request_rows(None) == DEFAULT_MAX_RUNNING_REQUESTS
+    assert planned_request_rows(64, attn_dp_size=2) == 32
+    with pytest.raises(ValueError, match="max-running-requests"):
+        planned_request_rows(1, attn_dp_size=2)
+
+
+# ---------------------------------------------------------------- the pool on CPU
+
+def small_pool(size=256, page=16, layers=2, heads=2, dim=64, group=32, sink=4, window=8, rows=5,
+               seed=0, **kw):
+    from kernel_cases import random_rotation
+
+    g = torch.Generator().manual_seed(seed)
+    rots = [random_rotation(heads, dim, g) for _ in range(layers)]
+    r2t = torch.zeros(rows, 4 * page, dtype=torch.int32)
+    return OscarKVPool(size, page, heads, dim, layers, "cpu", rotations=rots, req_to_token=r2t,
+                       sink_tokens=sink, recent_window=window, group_size=group, **kw)
+
+
+def test_pool_buffers_shapes_and_true_bytes():
+    pool = small_pool(num_sink_slots=6)
+    slots = 256 + 16
+    assert pool.dtype == torch.bfloat16 and pool.store_dtype == torch.uint8
+    for l in range(2):
+        lc = pool.layer_cache(l)
+        assert pool.get_key_buffer(l) is lc.k_packed and pool.get_value_buffer(l) is lc.v_packed
+        assert lc.k_packed.shape == (slots, 2, 16) and lc.k_packed.dtype == torch.uint8
+        assert pool.k_scale_buffer[l] is lc.k_scales
+        assert lc.v_scales.shape == (slots, 2, 2, 2) and lc.v_scales.dtype == torch.float16
+        assert lc.k_sink.shape == (6, 4, 2, 64) and lc.k_sink.dtype == torch.bfloat16
+        assert lc.v_ring.shape == (5, 8, 2, 64) and lc.v_ring.dtype == torch.bfloat16
+        assert pool.layer_rotation(l).k_rot.dtype == torch.float32
+    assert pool.index.sink_slot_of_page.shape == (slots // 16,)
+    assert pool.ring_owner.shape == pool.ring_end.shape == (5,)
+    assert sum(pool.get_kv_size_bytes()) == pool.plan.pool_bytes(256)
+
+
+def test_pool_refuses_sinks_beyond_page_and_partial_copies():
+    with pytest.raises(ValueError, match="page size"):
+        small_pool(page=4, sink=8)
+    pool = small_pool()
+    idx = torch.tensor([16, 17])
+    for call in (lambda: pool.get_cpu_copy(idx), lambda: pool.load_cpu_copy([], idx),
+                 pool.get_contiguous_buf_infos, lambda: pool.set_kv_buffer_prefix_valid(None),
+                 lambda: pool.move_kv_cache(idx, idx)):
+        with pytest.raises(NotImplementedError, match=OSCAR_KV_DTYPE) as e:
+            call()
+        assert "\n" not in str(e.value)
+    k = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="oscar_meta"):
+        pool.set_kv_buffer(SimpleNamespace(layer_id=0), idx, k, k)
+
+
+def test_set_kv_buffer_stores_like_the_reference():
+    """The pool's writer is oscar_kernels.api.store_kv with the pool's own state."""
+    pool = small_pool()
+    page, row = 16, 2
+    pool.req_to_token[row, :32] = torch.arange(32, 64, dtype=torch.int32)  # pages 2, 3
+    assign_sink_slots(pool.index, pool.req_to_token[row:row + 1, 0], pool.plan.num_sink_slots)
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(20, 2, 64, generator=g).bfloat16() for _ in range(2))
+    slots, pos = pool.req_to_token[row, :20], torch.arange(20)
+    meta = OscarWriteMeta(pos, torch.full((20,), row), torch.full((20,), 20))
+    pool.set_kv_buffer(SimpleNamespace(layer_id=1), slots, k, v, oscar_meta=meta)
+
+    want = allocate_layer(256 + page, 2, 64, 32, 4, 8, pool.plan.num_sink_slots, 5)
+    index = allocate_index(256 + page, page, pool.plan.num_sink_slots, 5)
+    assign_sink_slots(index, pool.req_to_token[row:row + 1, 0], pool.plan.num_sink_slots)
+    ref.reference_store(want, index, pool.layer_rotation(1), pool.req_to_token, k, v, slots, pos,
+                        meta.rows, meta.seq_ends)
+    got = pool.layer_cache(1)
+    for name in ("k_packed", "v_packed", "k_scales", "k_sink", "v_sink", "k_ring", "v_ring"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert not pool.layer_cache(0).k_packed.any()  # other layers untouched
+
+
+# ---------------------------------------------------------------- rotations vs the model
+
+def layout_for(config, tp_rank=0, tp_size=1, page=16):
+    heads = max(1, config["num_key_value_heads"] // tp_size)
+    return RankLayout(start_layer=0, num_layers=config["num_hidden_layers"], num_kv_heads=heads,
+                      head_dim=config["head_dim"], page_size=page, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def test_rank_rotations_are_sliced_per_tp_rank(tmp_path):
+    path = write_hadamard_file(tmp_path / "rot.safetensors", SMALL_QWEN3)
+    layers, meta = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
+    assert len(layers) == 2 and layers[0].k_rot.shape == (2, 64, 64) and meta.group_size == 32
+    layers1, meta1 = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3, 1, 2))
+    assert meta1.num_kv_heads == 1 and torch.equal(layers1[1].v_rot[0], layers[1].v_rot[1])
+
+
+def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):
+    other = SHARED / "shapes" / "qwen3-8b-shape" / "config.json"
+    if not other.is_file():
+        pytest.skip(f"{other} not found")
+    tiny = json.loads((tinylm_dir / "config.json").read_text())
+    qwen8b = json.loads(other.read_text())
+    path = write_hadamard_file(tmp_path / "tiny.safetensors", tiny, group_size=128)
+    load_rank_rotations(path, tiny, layout_for(tiny))  # fits its own model
+    with pytest.raises(RotationsFileError, match="num_layers=8") as e:
+        load_rank_rotations(path, qwen8b, layout_for(qwen8b))
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- from SGLang's configurator
+
+def fake_configurator(rotations_path, max_running_requests=None, page=16, **oscar):
+    cfg = SMALL_QWEN3
+    mc = SimpleNamespace(hf_config=cfg, head_dim=64, v_head_dim=64,
+                         get_num_kv_heads=lambda tp: max(1, cfg["num_key_value_heads"] // tp))
+    args = SimpleNamespace(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=rotations_path,
+                           oscar_sink_tokens=oscar.get("sink"), oscar_recent_window=oscar.get("window"),
+                           oscar_sink_slots=oscar.get("slots"),
+                           max_running_requests=max_running_requests, enable_memory_saver=False)
+    return SimpleNamespace(server_args=args, model_config=mc, ps=ParallelState.trivial(),
+                           layer_info=SimpleNamespace(start_layer=0, end_layer=1, num_effective_layers=2),
+                           pool_page_size=page, device="cpu")
+
+
+def test_plan_and_pool_from_configurator(tmp_path):
+    path = write_hadamard_file(tmp_path / "rot.safetensors", SMALL_QWEN3)
+    kvc = fake_configurator(path, max_running_requests=7, sink=4, window=8)
+    plan = plan_for_configurator(kvc)
+    assert (plan.num_rows, plan.num_sink_slots, plan.sink_tokens, plan.recent_window) == (8, 32, 4, 8)
+    assert plan.bytes_per_token == 2 * 2 * 2 * (16 + 2 * 2 * 2)
+    req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+    pool = build_pool_for_configurator(kvc, 128, req_to_token_pool)
+    assert pool.plan == plan and sum(pool.get_kv_size_bytes()) == plan.pool_bytes(128)
+    assert plan_for_configurator(fake_configurator(path)).num_rows == DEFAULT_MAX_RUNNING_REQUESTS + 1
