@@ -47,7 +47,7 @@ def extend_parser(parser: argparse.ArgumentParser) -> None:
     if dtype is not None and dtype.choices is not None and OSCAR_KV_DTYPE not in dtype.choices:
         dtype.choices.append(OSCAR_KV_DTYPE)
     if dtype is not None and OSCAR_KV_DTYPE not in (dtype.help or ""):
-        dtype.help = (dtype.help or "") + _DTYPE_HELP
+        dtype.help = (dtype.help or "").rstrip().rstrip(".") + "." + _DTYPE_HELP
     group = None
     for flag in FLAGS:
         if flag.cli in actions:  # patched: a dataclass field; show the current defaults

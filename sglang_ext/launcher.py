@@ -1,0 +1,116 @@
+"""``oscar-sglang``: SGLang's server with the OSCAR plugin loaded, plus ``patch``.
+
+    oscar-sglang [serve] <SGLang server arguments + --oscar-* flags>
+    oscar-sglang patch --check | --apply | --revert [--sglang-dir DIR]
+
+``serve`` (the default) loads SGLang's plugins (the ``oscar`` entry point among them),
+parses exactly what ``sglang serve`` parses (plus the oscar flags) and runs SGLang's
+launch_server path. Bad configurations end with one line and exit code 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: oscar-sglang [serve] <model-path> | --model-path PATH [SGLang server arguments]
+                    [--kv-cache-dtype oscar_int2 --oscar-rotations FILE [--oscar-* ...]]
+       oscar-sglang patch {--check,--apply,--revert} [--sglang-dir DIR]
+
+SGLang 0.5.17 with the OSCAR 2-bit KV cache. The server arguments are SGLang's own
+(listed below); the oscar ones are in the group "OSCAR 2-bit KV cache".
+"""
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot start the server; the message is one line."""
+
+
+def _plugin_visible_to_subprocesses() -> str | None:
+    """Why the scheduler subprocesses would not load the oscar plugin (None if they will):
+    they only run sglang's load_plugins(), which finds installed entry points."""
+    from importlib.metadata import entry_points
+
+    if "oscar" not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}:
+        return ("the 'oscar' SGLang plugin entry point is not installed "
+                "(pip install oscar-sglang, or pip install -e <checkout>)")
+    allowed = os.environ.get("SGLANG_PLUGINS", "").strip()
+    if allowed and "oscar" not in {x.strip() for x in allowed.split(",")}:
+        return f"SGLANG_PLUGINS={allowed} excludes the 'oscar' plugin"
+    return None
+
+
+def load_oscar_plugin() -> None:
+    """Run SGLang's plugin loading (as ``sglang serve`` does) and make sure the oscar
+    ServerArgs hooks are in place for parsing even when the entry point is absent."""
+    from sglang.srt.plugins import load_plugins
+
+    from .settings import install_server_args_hooks
+
+    load_plugins()
+    install_server_args_hooks()
+
+
+def check_runtime_ready(server_args) -> None:
+    """For oscar_int2: the plugin registered its attention backend here and will be
+    loaded by the scheduler subprocesses."""
+    from .settings import OSCAR_ATTENTION_BACKEND, is_oscar
+
+    if not is_oscar(server_args):
+        return
+    why = _plugin_visible_to_subprocesses()
+    if why:
+        raise LaunchError(why)
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    if OSCAR_ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        raise LaunchError("the 'oscar' SGLang plugin did not register its attention backend "
+                          "(see the plugin error logged above)")
+
+
+def _normalise(argv: list[str]) -> list[str]:
+    if argv and not argv[0].startswith("-"):  # `oscar-sglang serve <model>` like `sglang serve`
+        return ["--model-path", argv[0], *argv[1:]]
+    return argv
+
+
+def serve(argv: list[str]) -> int:
+    from .settings import OscarConfigError
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+    load_oscar_plugin()
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        server_args = prepare_server_args(_normalise(argv))
+        check_runtime_ready(server_args)
+    except (OscarConfigError, LaunchError) as e:
+        print(f"oscar-sglang: {e}", file=sys.stderr)
+        return 2
+
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["patch"]:
+        from .patching import main as patch_main
+
+        return patch_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    if not argv:
+        print(USAGE + "\nRun `oscar-sglang --help` for the server arguments.")
+        return 2
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
