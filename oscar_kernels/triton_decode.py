@@ -30,156 +30,10 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, mma, mma_f32,
-                            sink_slot_of_row)
+from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
+from .triton_hybrid_attn import bf16_range, int2_range, load_q_planes, request_layout
 
 LOG2E = 1.4426950408889634
-
-
-# ----------------------------------------------------------------------------- helpers
-@triton.jit
-def _mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc + a @ b: tensor cores (tl.dot) or CUDA-core broadcast-multiply-reduce."""
-    if USE_DOT:
-        return mma(a, b, acc, INTERP)
-    else:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
-def _unpack_words(w, SHIFT: tl.constexpr, BN: tl.constexpr, NW: tl.constexpr):
-    """int32 words [BN, NW] (4 packed bytes each) -> bf16 [BN, 4*NW] = 128 + code of plane
-    SHIFT/2, channel order of the bytes. Bit trick: (code | 0x4300) is bf16 128 + code."""
-    x = w >> SHIFT
-    lo = (x & 0x00030003) | 0x43004300  # bytes 0, 2 of the word
-    hi = ((x >> 8) & 0x00030003) | 0x43004300  # bytes 1, 3
-    b0 = (lo & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b2 = (lo >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b1 = (hi & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b3 = (hi >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BN, 4 * NW])
-
-
-@triton.jit
-def _plane_codes(tile, i: tl.constexpr, BN: tl.constexpr, DQ: tl.constexpr, MAGIC: tl.constexpr):
-    """Codes of plane i as bf16 [BN, DQ] (plus 128 when MAGIC). ``tile`` is the block's
-    packed K or V: int32 words [BN, DQ/4] when MAGIC, else uint8 bytes [BN, DQ]."""
-    if MAGIC:
-        return _unpack_words(tile, 2 * i, BN, DQ // 4)
-    else:
-        return ((tile >> (2 * i)) & 3).to(tl.float32).to(tl.bfloat16)
-
-
-@triton.jit
-def _load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot, MAGIC: tl.constexpr):
-    """Packed codes of a block [BN, DQ bytes] (or [BN, DQ/4] int32 words when MAGIC)."""
-    if MAGIC:
-        j = tl.arange(0, DQ // 4)
-    else:
-        j = tl.arange(0, DQ)
-    return tl.load(pk_ptr + slot[:, None] * s_slot + hoff + j[None, :], mask=mask[:, None], other=0)
-
-
-@triton.jit
-def _online_softmax(s, mask, m_i, l_i):
-    """Masked online-softmax step in base 2: returns (p, alpha, m_new, l_new)."""
-    s = tl.where(mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _bf16_block(q, m_i, l_i, acc, k_base, v_base, rowoff, mask, qk_scale,
-                D: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """One block of BF16 keys/values (sink or ring rows at ``rowoff`` from k_base/v_base)."""
-    d = tl.arange(0, D)
-    k = tl.load(k_base + rowoff[None, :] + d[:, None], mask=mask[None, :], other=0.0)
-    s = _mm(q, k, tl.zeros([q.shape[0], rowoff.shape[0]], tl.float32), USE_DOT, INTERP) * qk_scale
-    p, alpha, m_i, l_i = _online_softmax(s, mask, m_i, l_i)
-    v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-    acc = _mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _plane_scale(sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
-                 DQ: tl.constexpr, G: tl.constexpr):
-    """(scale, min) of plane i's group for every token of the block (G >= D/4)."""
-    base = sc_ptr + slot * s_slot + hoff + ((i * DQ) // G) * s_grp
-    sc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    mn = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
-    return sc, mn
-
-
-@triton.jit
-def _channel_dequant(codes, sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
-                     DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr):
-    """Dequantise plane i per channel (G < D/4): bf16 [BN, DQ] = min_g + code * scale_g."""
-    grp = (i * DQ + tl.arange(0, DQ)) // G
-    base = sc_ptr + slot[:, None] * s_slot + hoff + grp[None, :] * s_grp
-    sc = tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32)
-    mn = tl.load(base + 1, mask=mask[:, None], other=0.0).to(tl.float32)
-    return (mn + (codes.to(tl.float32) - OFF) * sc).to(tl.bfloat16)
-
-
-@triton.jit
-def _int2_score_plane(s, qi, qsum, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
-                      i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                      MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """s [BH, BN] + q'_i . k^_{t, plane i} for a block of INT2 keys (packed tile ``kt``)."""
-    DQ: tl.constexpr = D // 4
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    ci = _plane_codes(kt, i, BN, DQ, MAGIC)
-    if G >= DQ:
-        sc, mn = _plane_scale(ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
-        dots = _mm(qi, tl.trans(ci), tl.zeros(s.shape, tl.float32), USE_DOT, INTERP)
-        s += dots * sc[None, :] + qsum[:, None] * (mn - OFF * sc)[None, :]
-    else:
-        ki = _channel_dequant(ci, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
-        s = _mm(qi, tl.trans(ki), s, USE_DOT, INTERP)
-    return s
-
-
-@triton.jit
-def _int2_pv_plane(acc, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
-                   i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                   MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc_i [BH, D/4] * alpha + sum_t p_t v^_{t, plane i} for a block of INT2 values."""
-    DQ: tl.constexpr = D // 4
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    ci = _plane_codes(vt, i, BN, DQ, MAGIC)
-    acc = acc * alpha[:, None]
-    if G >= DQ:
-        sc, mn = _plane_scale(vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
-        w = (p * sc[None, :]).to(tl.bfloat16)
-        corr = tl.sum(p * mn[None, :] - OFF * w.to(tl.float32), 1)
-        acc = _mm(w, ci, acc, USE_DOT, INTERP) + corr[:, None]
-    else:
-        vi = _channel_dequant(ci, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
-        acc = _mm(p.to(tl.bfloat16), vi, acc, USE_DOT, INTERP)
-    return acc
-
-
-@triton.jit
-def _request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
-                    vf_ptr, S: tl.constexpr, W: tl.constexpr):
-    """(row, n, sink slot c, S_b, ring_lo) of request b (read rule of hybrid_cache)."""
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    n = tl.load(lens_ptr + b).to(tl.int64)
-    if S > 0:
-        c = sink_slot_of_row(row, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size)
-        s_b = tl.where(c >= 0, tl.minimum(n, S), 0)
-    else:
-        c = row * 0 - 1
-        s_b = row * 0
-    if W > 0:
-        vf = tl.load(vf_ptr + row).to(tl.int64)
-        ring_lo = tl.minimum(tl.maximum(tl.maximum(n - W, vf), s_b), n)
-    else:
-        ring_lo = n
-    return row, n, c, s_b, ring_lo
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -226,8 +80,8 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     hmask = g < GQ
     hq = (h * GQ + g).to(tl.int64)
     d = tl.arange(0, D)
-    row, n, c, s_b, ring_lo = _request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
-                                              pos_of_ptr, page_size, vf_ptr, S, W)
+    row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
+                                             pos_of_ptr, page_size, vf_ptr, S, W)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
@@ -236,76 +90,35 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         # ---- BF16 side cache: sinks [0, s_b) and ring [ring_lo, n)
         acc = tl.zeros([BH, D], tl.float32)
         q = tl.load(q_rows + d[None, :], mask=hmask[:, None], other=0.0)
-        nb = tl.arange(0, BN_BF16)
         if S > 0:
-            sk = ksink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h
-            sv = vsink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h
-            for p0 in range(0, s_b, BN_BF16):
-                pos = p0 + nb
-                m_i, l_i, acc = _bf16_block(q, m_i, l_i, acc, sk, sv, pos.to(tl.int64) * ssk_p,
-                                            pos < s_b, qk_scale, D, USE_DOT, INTERP)
+            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
+                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
         if W > 0:
-            rk = kring_ptr + row * srg_r + h * srg_h
-            rv = vring_ptr + row * srg_r + h * srg_h
-            for p0 in range(ring_lo, n, BN_BF16):
-                pos = p0 + nb
-                cell = (pos % W).to(tl.int64)
-                m_i, l_i, acc = _bf16_block(q, m_i, l_i, acc, rk, rv, cell * srg_c, pos < n,
-                                            qk_scale, D, USE_DOT, INTERP)
-        nonempty = l_i > 0
-        tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc / tl.where(nonempty, l_i, 1.0)[:, None],
-                 mask=hmask[:, None])
+            rr = row * srg_r + h * srg_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
+                                       ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc * inv[:, None], mask=hmask[:, None])
     else:
-        # ---- INT2 history chunk sp - 1 of [s_b, ring_lo)
+        # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo)
         DQ: tl.constexpr = D // 4
         length = ring_lo - s_b
         ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
+        q0, q1, q2, q3, qs0, qs1, qs2, qs3 = load_q_planes(q_rows, hmask, D)
         a0 = tl.zeros([BH, DQ], tl.float32)
         a1 = tl.zeros([BH, DQ], tl.float32)
         a2 = tl.zeros([BH, DQ], tl.float32)
         a3 = tl.zeros([BH, DQ], tl.float32)
-        hoff_pk = h * spk_h
-        hoff_sc = h * ssc_h
-        r2t_row = r2t_ptr + row * r2t_stride
-        nb = tl.arange(0, BN)
-        jq = tl.arange(0, DQ)
-        q0 = tl.load(q_rows + jq[None, :], mask=hmask[:, None], other=0.0)
-        q1 = tl.load(q_rows + DQ + jq[None, :], mask=hmask[:, None], other=0.0)
-        q2 = tl.load(q_rows + 2 * DQ + jq[None, :], mask=hmask[:, None], other=0.0)
-        q3 = tl.load(q_rows + 3 * DQ + jq[None, :], mask=hmask[:, None], other=0.0)
-        qs0 = tl.sum(q0.to(tl.float32), 1)
-        qs1 = tl.sum(q1.to(tl.float32), 1)
-        qs2 = tl.sum(q2.to(tl.float32), 1)
-        qs3 = tl.sum(q3.to(tl.float32), 1)
-        for p0 in range(lo, hi, BN):
-            pos = p0 + nb
-            mask = pos < hi
-            slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
-            kt = _load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
-            s = tl.zeros([BH, BN], tl.float32)
-            s = _int2_score_plane(s, q0, qs0, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
-                                  BN, D, G, MAGIC, USE_DOT, INTERP)
-            s = _int2_score_plane(s, q1, qs1, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
-                                  BN, D, G, MAGIC, USE_DOT, INTERP)
-            s = _int2_score_plane(s, q2, qs2, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
-                                  BN, D, G, MAGIC, USE_DOT, INTERP)
-            s = _int2_score_plane(s, q3, qs3, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
-                                  BN, D, G, MAGIC, USE_DOT, INTERP)
-            s = s * qk_scale
-            p, alpha, m_i, l_i = _online_softmax(s, mask, m_i, l_i)
-            vt = _load_packed(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
-            a0 = _int2_pv_plane(a0, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
-                                BN, D, G, MAGIC, USE_DOT, INTERP)
-            a1 = _int2_pv_plane(a1, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
-                                BN, D, G, MAGIC, USE_DOT, INTERP)
-            a2 = _int2_pv_plane(a2, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
-                                BN, D, G, MAGIC, USE_DOT, INTERP)
-            a3 = _int2_pv_plane(a3, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
-                                BN, D, G, MAGIC, USE_DOT, INTERP)
+        m_i, l_i, a0, a1, a2, a3 = int2_range(
+            q0, q1, q2, q3, qs0, qs1, qs2, qs3, m_i, l_i, a0, a1, a2, a3, lo, hi,
+            r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
+            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        jq = tl.arange(0, DQ)
         o_rows = mid_o_ptr + mid_row[:, None] * D + jq[None, :]
         tl.store(o_rows, a0 * inv[:, None], mask=hmask[:, None])
         tl.store(o_rows + DQ, a1 * inv[:, None], mask=hmask[:, None])
@@ -469,7 +282,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
     ns, q_rot, mid_o, mid_lse = workspace.views(b, config)
-    rotate_queries(q, rotation.k_rot, q_rot, cfg.fp32_precision)
+    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision)
     lay = layer
     bh = _block_h(gq, cfg)
     magic = cfg.magic_unpack
@@ -492,7 +305,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_merge[(b, h)](
-        mid_o, mid_lse, rotation.v_rot, out, out.stride(0), out.stride(1),
+        mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
         NSP=ns + 1, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.fp32_precision, num_warps=4,
     )
     return out

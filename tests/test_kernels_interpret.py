@@ -14,21 +14,22 @@ os.environ["TRITON_INTERPRET"] = "1"
 import kernel_cases as kc  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
-_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_store", "oscar_kernels.triton_decode"]
+_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_hybrid_attn", "oscar_kernels.triton_store",
+                   "oscar_kernels.triton_decode", "oscar_kernels.triton_extend"]
 
 
 def _interpreted_modules():
-    """Import (or re-import, if something loaded them compiled) the kernel modules."""
+    """Import the kernel modules; re-import them if something loaded them compiled."""
+    common = sys.modules.get("oscar_kernels.triton_common")
+    stale = common is not None and not common.INTERPRET
     mods = []
     for name in _KERNEL_MODULES:
         mod = importlib.import_module(name)
-        if not getattr(sys.modules["oscar_kernels.triton_common"], "INTERPRET", False):
-            mod = importlib.reload(mod)
-        mods.append(mod)
+        mods.append(importlib.reload(mod) if stale else mod)
     return mods
 
 
-_, triton_store_mod, triton_decode_mod = _interpreted_modules()
+_, _, triton_store_mod, triton_decode_mod, triton_extend_mod = _interpreted_modules()
 
 
 # ---------------------------------------------------------------- store
@@ -152,3 +153,51 @@ def test_decode_workspace_reuse_and_out():
         triton_decode_mod.triton_decode(torch.randn(5, 4, 64).bfloat16(), sc.layer, sc.index, sc.rotation,
                                         sc.req_to_token, torch.zeros(5, dtype=torch.int32),
                                         torch.ones(5, dtype=torch.int32), 1.0, workspace=ws)
+
+
+# ---------------------------------------------------------------- extend
+def _check_extend(sc, hq, new_lens, config, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    h, d = sc.layer.num_kv_heads, sc.layer.head_dim
+    t = sum(new_lens)
+    q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16()
+    k_rot = torch.randn(t, h, d, generator=g).bfloat16()
+    v_rot = torch.randn(t, h, d, generator=g).bfloat16()
+    qo = torch.tensor([0] + new_lens).cumsum(0).to(torch.int32)
+    pre = torch.tensor(sc.lens, dtype=torch.int32)
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_extend(q_rot, k_rot, v_rot, sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
+                                 qo, sc.sm_scale)
+    want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+    got = triton_extend_mod.triton_extend(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token,
+                                          sc.rows, pre, qo, max(new_lens), sc.sm_scale, config=config)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+_SMALL_EXT = dict(block_rows=16, block_n=16, block_n_bf16=16)
+
+
+@pytest.mark.parametrize("case", [
+    # (D, G, Hq, H, S, W, page, magic)
+    (64, 16, 4, 2, 4, 8, 8, True),
+    (64, 4, 2, 2, 0, 8, 8, False),
+    (128, 32, 8, 1, 2, 0, 4, True),
+    (64, 64, 16, 2, 4, 16, 8, True),
+])
+def test_extend_matches_reference(case):
+    d, grp, hq, h, s, w, page, magic = case
+    prefix = [0, 5, 13, 40]  # empty prefix, shorter than S+W, several pages
+    new = [7, 1, 20, 9]  # one request longer than a block of rows
+    sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
+    cfg = triton_extend_mod.ExtendConfig(magic_unpack=magic, **_SMALL_EXT)
+    _check_extend(sc, hq, new, cfg)
+
+
+def test_extend_chunked_prefill_after_prefix_hit():
+    # request 0: prefix hit of 24 tokens, ring valid from 24 (nothing of the prefix in BF16
+    # but the sinks); request 1: second chunk, ring valid from 10; request 2: evicted sink
+    prefix = [24, 30, 19]
+    sc = kc.build(prefix, H=2, D=64, G=16, S=4, W=8, page=8, valid_from=[24, 10, 0],
+                  evict_sink_of=(2,), seed=9)
+    _check_extend(sc, 4, [5, 12, 0], triton_extend_mod.ExtendConfig(**_SMALL_EXT))

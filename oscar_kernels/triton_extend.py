@@ -1,0 +1,199 @@
+"""Triton extend (prefill / chunked prefill) attention over the hybrid cache.
+
+Request b owns new tokens qo_indptr[b]:qo_indptr[b+1] (e_b of them) after a cached prefix
+of L_b = prefix_lens[b] positions. New token i (query q_i, position L_b + i) attends to
+    the prefix, read by the hybrid rule with n = L_b:
+        sink [0, S_b) (BF16), INT2 [S_b, ring_lo), ring [ring_lo, L_b) (BF16),
+    and causally to the new tokens j <= i (BF16 k', v' from the store's rotated_out).
+Program (m, b, h) serves BLOCK_M new tokens x the Hq/H query heads of KV head h (rows
+r = token * GQP + head), flash-attention style with one running (max, sum) per row; the
+INT2 part uses the plane algebra of triton_hybrid_attn. The epilogue fuses the output
+un-rotation o = o' @ R_V[h]^T (o' = BF16-part accumulator + the four INT2 plane
+accumulators, each multiplied by its row block of R_V^T).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
+from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
+from .triton_decode import rotate_queries
+from .triton_hybrid_attn import bf16_range, int2_range, load_q_planes, mm, online_softmax, request_layout
+
+
+@triton.jit
+def _rescale(m_before, m_after):
+    """Factor that carries an accumulator from running max m_before to m_after."""
+    return tl.where(m_after == float("-inf"), 1.0, tl.exp2(m_before - m_after))
+
+
+@triton.jit
+def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
+                   rows_ptr, pre_ptr, qo_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size, vf_ptr,
+                   kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
+                   ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
+                   kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
+                   vrot_ptr, out_ptr, so_t, so_h, qk_scale,
+                   GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
+                   BN_BF16: tl.constexpr, EB: tl.constexpr, MAGIC: tl.constexpr,
+                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (cdiv(max_extend_len, BM), B, H); see module doc."""
+    mb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    qo_lo = tl.load(qo_ptr + b).to(tl.int64)
+    e = tl.load(qo_ptr + b + 1).to(tl.int64) - qo_lo
+    m0 = mb * BM
+    if m0 < e:
+        R: tl.constexpr = BM * GQP
+        DQ: tl.constexpr = D // 4
+        r = tl.arange(0, R)
+        tq = m0 + r // GQP  # new-token index of each row
+        gg = r % GQP
+        rmask = (gg < GQ) & (tq < e)
+        tok = qo_lo + tq
+        hq = (h * GQ + gg).to(tl.int64)
+        d = tl.arange(0, D)
+        q_rows = qr_ptr + tok[:, None] * sq_t + hq[:, None] * sq_h
+        q = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0)
+        row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
+                                                 pos_of_ptr, page_size, vf_ptr, S, W)
+        m_i = tl.full([R], float("-inf"), tl.float32)
+        l_i = tl.zeros([R], tl.float32)
+        acc = tl.zeros([R, D], tl.float32)
+        a0 = tl.zeros([R, DQ], tl.float32)
+        a1 = tl.zeros([R, DQ], tl.float32)
+        a2 = tl.zeros([R, DQ], tl.float32)
+        a3 = tl.zeros([R, DQ], tl.float32)
+        # ---- prefix: sinks (BF16)
+        if S > 0:
+            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
+                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+        # ---- prefix: INT2 history
+        q0, q1, q2, q3, qs0, qs1, qs2, qs3 = load_q_planes(q_rows, rmask, D)
+        m_pre = m_i
+        m_i, l_i, a0, a1, a2, a3 = int2_range(
+            q0, q1, q2, q3, qs0, qs1, qs2, qs3, m_i, l_i, a0, a1, a2, a3, s_b, ring_lo,
+            r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
+            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
+        acc = acc * _rescale(m_pre, m_i)[:, None]
+        m_int2 = m_i
+        # ---- prefix: ring (BF16)
+        if W > 0:
+            rr = row * srg_r + h * srg_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
+                                       ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+        # ---- new tokens, causal (BF16)
+        nb = tl.arange(0, BN_BF16)
+        kv_new = h * sn_h
+        for j0 in range(0, tl.minimum(e, m0 + BM), BN_BF16):
+            j = j0 + nb
+            jmask = j < e
+            joff = (qo_lo + j) * sn_t + kv_new
+            k = tl.load(knew_ptr + joff[None, :] + d[:, None], mask=jmask[None, :], other=0.0)
+            s = mm(q, k, tl.zeros([R, BN_BF16], tl.float32), USE_DOT, INTERP) * qk_scale
+            causal = jmask[None, :] & (j[None, :] <= tq[:, None])
+            p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
+            v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
+            acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
+        f = _rescale(m_int2, m_i)[:, None]
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        acc = acc * inv
+        a0 = a0 * (f * inv)
+        a1 = a1 * (f * inv)
+        a2 = a2 * (f * inv)
+        a3 = a3 * (f * inv)
+        # ---- epilogue: o = o' @ R_V^T, column block by column block
+        ec = tl.arange(0, EB)
+        jq = tl.arange(0, DQ)
+        rot = vrot_ptr + h.to(tl.int64) * D * D
+        for e0 in tl.static_range(0, D, EB):
+            rcol = rot + (e0 + ec)[None, :] * D  # R[e, :] as a column of R^T
+            oc = mma_f32(acc, tl.load(rcol + d[:, None]).to(tl.float32), tl.zeros([R, EB], tl.float32),
+                         PRECISION)
+            oc = mma_f32(a0, tl.load(rcol + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(a1, tl.load(rcol + DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(a2, tl.load(rcol + 2 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(a3, tl.load(rcol + 3 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            tl.store(out_ptr + tok[:, None] * so_t + hq[:, None] * so_h + e0 + ec[None, :],
+                     oc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@dataclass
+class ExtendConfig:
+    """Launch parameters of the extend kernel."""
+
+    block_rows: int = 64  # query rows (tokens x query heads of a KV head) per program
+    block_n: int = 64  # INT2 prefix tokens per step
+    block_n_bf16: int = 64  # BF16 (sink / ring / new) tokens per step
+    num_warps: int = 4
+    num_stages: int = 1
+    magic_unpack: bool = True
+    use_dot: bool = True
+    fp32_precision: str = "ieee"
+
+
+def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
+                  index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor,
+                  rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
+                  max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
+                  q_rot_buffer: torch.Tensor | None = None,
+                  config: ExtendConfig | None = None) -> torch.Tensor:
+    """Extend attention (api.extend_attention semantics): q [T, Hq, D] unrotated; k_rot,
+    v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
+    ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync)."""
+    cfg = config or ExtendConfig()
+    t, hq, d = q.shape
+    h = layer.num_kv_heads
+    if d != layer.head_dim or hq % h or k_rot.shape != (t, h, d) or v_rot.shape != (t, h, d):
+        raise ValueError(f"q {tuple(q.shape)} / k_rot {tuple(k_rot.shape)} / v_rot {tuple(v_rot.shape)} "
+                         f"do not fit the cache (H={h}, D={layer.head_dim})")
+    if d < 64 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two >= 64 for the Triton kernels")
+    b = rows.shape[0]
+    if prefix_lens.shape != (b,) or qo_indptr.shape != (b + 1,):
+        raise ValueError(f"prefix_lens must be ({b},) and qo_indptr ({b + 1},)")
+    if k_rot.stride() != v_rot.stride():
+        raise ValueError("k_rot and v_rot must share strides")
+    check_cache_layout(layer)
+    for name, x in (("k_rot", k_rot), ("v_rot", v_rot), ("req_to_token", req_to_token)):
+        check_last_dim_contiguous(name, x)
+    if out is None:
+        out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    check_last_dim_contiguous("out", out)
+    if t == 0 or b == 0 or max_extend_len <= 0:
+        return out
+    if q_rot_buffer is None:
+        q_rot_buffer = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
+    q_rot = rotate_queries(q, rotation.k_rot.contiguous(), q_rot_buffer[:t], cfg.fp32_precision)
+    gq = hq // h
+    gqp = triton.next_power_of_2(gq)
+    bm = max(1, cfg.block_rows // gqp)
+    lay = layer
+    kpk, vpk = lay.k_packed, lay.v_packed
+    spk_s, spk_h = kpk.stride(0), kpk.stride(1)
+    if cfg.magic_unpack:
+        kpk, vpk = kpk.view(torch.int32), vpk.view(torch.int32)
+        spk_s, spk_h = spk_s // 4, spk_h // 4
+    grid = (triton.cdiv(max_extend_len, bm), b, h)
+    _extend_kernel[grid](
+        q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
+        rows, prefix_lens, qo_indptr, req_to_token, req_to_token.stride(0),
+        index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
+        kpk, vpk, spk_s, spk_h,
+        lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
+        lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
+        lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
+        rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1), sm_scale * 1.4426950408889634,
+        GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
+        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, EB=min(32, d), MAGIC=cfg.magic_unpack,
+        USE_DOT=cfg.use_dot, INTERP=INTERPRET, PRECISION=cfg.fp32_precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
