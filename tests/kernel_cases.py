@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_kernels import reference as ref
-from oscar_kernels.hybrid_cache import (HybridCacheIndex, HybridLayerCache, LayerRotation,
+from oscar_kernels.hybrid_cache import (HybridCacheIndex, HybridLayerCache, LayerRotation,  # noqa: F401
                                         allocate_index, allocate_layer, assign_sink_slots)
 from oscar_kernels.int2 import unpack
 

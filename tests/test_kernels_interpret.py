@@ -201,3 +201,54 @@ def test_extend_chunked_prefill_after_prefix_hit():
     sc = kc.build(prefix, H=2, D=64, G=16, S=4, W=8, page=8, valid_from=[24, 10, 0],
                   evict_sink_of=(2,), seed=9)
     _check_extend(sc, 4, [5, 12, 0], triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+
+
+# ---------------------------------------------------------------- api dispatch, end to end
+def _api_session(force_triton, monkeypatch, sc, steps, hq, seed=21):
+    """Prefill chunks then decode steps through oscar_kernels.api (the server's call order);
+    returns the outputs of every step."""
+    from oscar_kernels import api
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1" if force_triton else "0")
+    assert api.use_triton(torch.zeros(1)) == force_triton
+    g = torch.Generator().manual_seed(seed)
+    lay, idx = kc.clone_layer(sc.layer), kc.HybridCacheIndex(
+        sc.index.page_size, sc.index.sink_slot_of_page.clone(), sc.index.page_of_sink_slot.clone(),
+        sc.index.ring_valid_from.clone(), sc.index.sink_cursor)
+    h, d = lay.num_kv_heads, lay.head_dim
+    b = len(sc.rows)
+    rows = sc.rows.long()
+    n = torch.zeros(b, dtype=torch.long)
+    outs = []
+    for t in steps:
+        tok_rows = rows.repeat_interleave(t)
+        pos = (n[:, None] + torch.arange(t)[None, :]).flatten()
+        slots = sc.req_to_token[tok_rows, pos]
+        ends = (n + t).repeat_interleave(t)
+        q = torch.randn(b * t, hq, d, generator=g).bfloat16()
+        k = torch.randn(b * t, h, d, generator=g).bfloat16()
+        v = torch.randn(b * t, h, d, generator=g).bfloat16()
+        common = (lay, idx, sc.rotation, sc.req_to_token)
+        if t == 1 and int(n[0]) > 0:
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends)
+            outs.append(api.decode_attention(q, *common, rows, n + 1, sc.sm_scale))
+        else:
+            k_rot, v_rot = torch.empty_like(k), torch.empty_like(v)
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_ring=False,
+                         rotated_out=(k_rot, v_rot))
+            qo = torch.arange(b + 1) * t
+            outs.append(api.extend_attention(q, k_rot, v_rot, *common, rows, n, qo, t, sc.sm_scale))
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_int2=False, write_ring=True)
+        n += t
+    return outs, lay
+
+
+def test_api_triton_matches_reference_end_to_end(monkeypatch):
+    sc = kc.build([48, 48], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=13)
+    from oscar_kernels.hybrid_cache import assign_sink_slots
+    assign_sink_slots(sc.index, sc.req_to_token[sc.rows.long(), 0], sc.layer.k_sink.shape[0])
+    steps = [13, 20, 1, 1, 1]  # two prefill chunks, three decode steps
+    want, lay_ref = _api_session(False, monkeypatch, sc, steps, 4)
+    got, lay_tri = _api_session(True, monkeypatch, sc, steps, 4)
+    kc.assert_layers_close(lay_tri, lay_ref)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.float(), w.float(), rtol=3e-2, atol=3e-2)
