@@ -157,8 +157,9 @@ def _check_page_size(sa, settings) -> None:
     page = getattr(sa, "page_size", None) or 1
     if settings.sink_tokens > page:
         raise OscarConfigError(
-            f"--oscar-sink-tokens {settings.sink_tokens} exceeds --page-size {page}: the sinks must "
-            f"fit on a sequence's first page (raise --page-size, e.g. {DEFAULT_PAGE_SIZE})")
+            f"--oscar-sink-tokens {settings.sink_tokens} exceeds --page-size {page}: "
+            f"--kv-cache-dtype {OSCAR_KV_DTYPE} keeps the sinks on a sequence's first page "
+            f"(raise --page-size, e.g. {DEFAULT_PAGE_SIZE})")
 
 
 def _model_config(sa):

@@ -1,0 +1,502 @@
+"""--kv-cache-dtype oscar_int2 flags, settings and start-up refusals (CPU, no server).
+
+Two levels:
+- the refusal rules are called directly on a ServerArgs built *without* __post_init__
+  (``bare_args``): the narrowest testable unit, no platform needed;
+- the whole path (parser -> from_cli_args -> __post_init__ with our hooks) runs for real
+  with ``--device cpu``, which SGLang 0.5.17 resolves without an accelerator.
+The patched-dataclass path runs in a subprocess on an overlay of the installed sglang
+whose srt/server_args.py is patched (test_patched_server_args_fields).
+"""
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from sglang_cases import SMALL_QWEN3, write_hadamard_file
+
+from sglang_ext import settings as st
+from sglang_ext.settings import (DEFAULT_PAGE_SIZE, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS,
+                                 FLAGS, OSCAR_KV_DTYPE, OscarConfigError, OscarSettings, is_oscar,
+                                 oscar_settings)
+
+pytest.importorskip("sglang")
+from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
+
+from sglang_ext import refusals  # noqa: E402
+from sglang_ext.server_args_hooks import OPTION_GROUP_TITLE, installed, is_patched  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+st.install_server_args_hooks()
+st.install_server_args_hooks()  # idempotent
+
+
+_ENV_NAMES = [f.env for f in FLAGS] + [e for e, _ in refusals._ENV_RULES]
+
+
+@pytest.fixture(autouse=True)
+def clean_env():
+    """Each test starts without SGLANG_OSCAR_* (the plugin path writes os.environ itself)
+    and leaves the environment as it found it."""
+    saved = {k: os.environ.pop(k) for k in _ENV_NAMES if k in os.environ}
+    yield
+    for k in _ENV_NAMES:
+        os.environ.pop(k, None)
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def tiny_rot(tmp_path, tinylm_dir):
+    import json
+
+    cfg = json.loads((tinylm_dir / "config.json").read_text())
+    return write_hadamard_file(tmp_path / "tiny.safetensors", cfg, group_size=32)
+
+
+@pytest.fixture
+def small_rot(tmp_path):
+    return write_hadamard_file(tmp_path / "small.safetensors", SMALL_QWEN3, group_size=32)
+
+
+def bare_args(**kw) -> ServerArgs:
+    """A ServerArgs with the given fields and no __post_init__ (no platform, no model)."""
+    with mock.patch.object(ServerArgs, "__post_init__", lambda self: None):
+        return ServerArgs(model_path="dummy", **kw)
+
+
+def oscar_bare(rot, **kw) -> ServerArgs:
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, **kw)
+    os.environ["SGLANG_OSCAR_ROTATIONS"] = rot
+    return sa
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+def one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+# ------------------------------------------------------------------ install / parser
+
+def test_hooks_installed_once_on_this_unpatched_install():
+    assert installed()
+    assert not is_patched(), "these tests expect the venv's sglang unpatched"
+    for name in ("add_cli_args", "from_cli_args", "__post_init__", "check_server_args"):
+        f = ServerArgs.__dict__[name]
+        f = getattr(f, "__func__", f)
+        assert getattr(f, "_oscar_hook", False), name
+        assert not getattr(getattr(f, "__wrapped__", None), "_oscar_hook", False), f"{name} wrapped twice"
+
+
+def test_parser_accepts_choice_and_oscar_flags():
+    p = parser()
+    a = p.parse_args(["--model-path", "m", "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", "r.st",
+                      "--oscar-sink-tokens", "8", "--oscar-recent-window", "64", "--oscar-sink-slots", "3"])
+    assert (a.kv_cache_dtype, a.oscar_rotations, a.oscar_sink_tokens, a.oscar_recent_window,
+            a.oscar_sink_slots) == (OSCAR_KV_DTYPE, "r.st", 8, 64, 3)
+    b = p.parse_args(["--model-path", "m"])
+    assert all(getattr(b, f.field) is None for f in FLAGS)
+    assert b.kv_cache_dtype == "auto"
+    help_text = p.format_help()
+    assert OPTION_GROUP_TITLE in help_text and OSCAR_KV_DTYPE in help_text
+    for f in FLAGS:
+        assert f.cli in help_text
+
+
+@pytest.mark.parametrize("argv", [["--oscar-sink-tokens", "x"], ["--kv-cache-dtype", "oscar_int3"]])
+def test_parser_rejects_bad_values(argv, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model-path", "m", *argv])
+
+
+# ------------------------------------------------------------------ settings
+
+def test_settings_from_env_with_defaults(small_rot):
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
+    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot}):
+        assert oscar_settings(sa) == OscarSettings(small_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, None)
+    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot, "SGLANG_OSCAR_SINK_TOKENS": "4",
+                                      "SGLANG_OSCAR_RECENT_WINDOW": "32", "SGLANG_OSCAR_SINK_SLOTS": "7"}):
+        assert oscar_settings(sa) == OscarSettings(small_rot, 4, 32, 7)
+
+
+def test_settings_fields_win_over_env(small_rot, tmp_path):
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
+    sa.oscar_rotations, sa.oscar_sink_tokens = small_rot, 2  # as a patched dataclass holds them
+    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": str(tmp_path / "other"),
+                                      "SGLANG_OSCAR_SINK_TOKENS": "9"}):
+        s = oscar_settings(sa)
+    assert (s.rotations_path, s.sink_tokens) == (small_rot, 2)
+
+
+@pytest.mark.parametrize("env,match", [
+    ({}, "needs --oscar-rotations"),
+    ({"SGLANG_OSCAR_ROTATIONS": "/nonexistent/r.safetensors"}, "no such file"),
+    ({"SGLANG_OSCAR_SINK_TOKENS": "four"}, "SGLANG_OSCAR_SINK_TOKENS='four' is not an integer"),
+    ({"SGLANG_OSCAR_SINK_TOKENS": "-1"}, "SGLANG_OSCAR_SINK_TOKENS=-1 must be >= 0"),
+    ({"SGLANG_OSCAR_RECENT_WINDOW": "0"}, "SGLANG_OSCAR_RECENT_WINDOW=0 must be >= 1"),
+    ({"SGLANG_OSCAR_SINK_SLOTS": "0"}, "SGLANG_OSCAR_SINK_SLOTS=0 must be >= 1"),
+])
+def test_settings_bad_input_one_line(env, match, small_rot):
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
+    if env and "SGLANG_OSCAR_ROTATIONS" not in env:
+        env = {"SGLANG_OSCAR_ROTATIONS": small_rot, **env}
+    with mock.patch.dict(os.environ, env), pytest.raises(OscarConfigError) as ei:
+        oscar_settings(sa)
+    assert match in one_line(ei)
+
+
+def test_settings_bad_field_names_the_flag(small_rot):
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
+    sa.oscar_rotations, sa.oscar_recent_window = small_rot, -3
+    with pytest.raises(OscarConfigError) as ei:
+        oscar_settings(sa)
+    assert "--oscar-recent-window=-3 must be >= 1" in one_line(ei)
+
+
+def test_settings_only_for_oscar():
+    assert not is_oscar(bare_args())
+    with pytest.raises(OscarConfigError):
+        oscar_settings(bare_args(kv_cache_dtype="fp8_e4m3"))
+
+
+# ------------------------------------------------------------------ refusals (direct)
+
+REFUSED = [
+    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
+    ({"enable_lmcache": True}, "--enable-lmcache"),
+    ({"enable_flexkv": True}, "--enable-flexkv"),
+    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),
+    ({"disaggregation_decode_enable_offload_kvcache": True}, "--disaggregation-decode-enable-offload-kvcache"),
+    ({"enable_page_major_kv_layout": True}, "--enable-page-major-kv-layout"),
+    ({"enable_unified_memory": True}, "--enable-unified-memory"),
+    ({"enable_hisparse": True}, "--enable-hisparse"),
+    ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm"),
+    ({"dcp_size": 2}, "--dcp-size"),
+    ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
+    ({"attn_cp_size": 2}, "--attn-cp-size"),
+    ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ({"enable_pdmux": True}, "--enable-pdmux"),
+    ({"enable_deterministic_inference": True}, "--enable-deterministic-inference"),
+    ({"dllm_algorithm": "LowConfidence"}, "--dllm-algorithm"),
+    ({"prefill_only_disable_kv_cache": True}, "--prefill-only-disable-kv-cache"),
+    ({"kv_canary": "log"}, "--kv-canary"),
+    ({"attention_backend": "triton"}, "--attention-backend triton"),
+    ({"decode_attention_backend": "flashinfer"}, "--decode-attention-backend flashinfer"),
+    ({"prefill_attention_backend": "fa3"}, "--prefill-attention-backend fa3"),
+    ({"cuda_graph_backend_prefill": "tc_piecewise"}, "--cuda-graph-backend-prefill tc_piecewise"),
+    ({"cuda_graph_backend_prefill": "full"}, "--cuda-graph-backend-prefill full"),
+    ({"cuda_graph_backend_decode": "tc_piecewise"}, "--cuda-graph-backend-decode tc_piecewise"),
+    ({"page_size": DEFAULT_SINK_TOKENS - 1},
+     f"--oscar-sink-tokens {DEFAULT_SINK_TOKENS} exceeds --page-size {DEFAULT_SINK_TOKENS - 1}"),
+]
+
+
+def test_every_flag_rule_names_a_real_0_5_17_field():
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    missing = [r[0] for r in refusals._FLAG_RULES if r[0] not in fields]
+    assert not missing, missing
+    for field, _, flag, _ in refusals._FLAG_RULES:
+        assert flag in parser()._option_string_actions, flag
+
+
+def test_refusal_list_covers_every_flag_rule():
+    covered = {k for kw, _ in REFUSED for k in kw}
+    assert {r[0] for r in refusals._FLAG_RULES} <= covered
+
+
+@pytest.mark.parametrize("kw,flag", REFUSED, ids=[f for _, f in REFUSED])
+def test_each_refusal_is_one_line_naming_the_flag(kw, flag, small_rot):
+    sa = oscar_bare(small_rot, **kw)
+    with pytest.raises(OscarConfigError) as ei:
+        refusals.check_oscar_server_args(sa)
+    msg = one_line(ei)
+    assert flag in msg and OSCAR_KV_DTYPE in msg
+
+
+@pytest.mark.parametrize("env", [e for e, _ in refusals._ENV_RULES])
+def test_env_refusals(env, small_rot, monkeypatch):
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(OscarConfigError) as ei:
+        refusals.check_oscar_server_args(oscar_bare(small_rot, page_size=64))
+    assert env in one_line(ei)
+
+
+def test_accepted_configuration_passes(small_rot):
+    sa = oscar_bare(small_rot, page_size=64, disable_radix_cache=True, cuda_graph_backend_decode="full")
+    refusals.check_oscar_server_args(sa)
+    sa = oscar_bare(small_rot, page_size=DEFAULT_SINK_TOKENS, attention_backend="oscar")  # S = page
+    refusals.check_oscar_server_args(sa)
+
+
+def test_missing_rotations_refused():
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, page_size=64)
+    with pytest.raises(OscarConfigError) as ei:
+        refusals.check_oscar_server_args(sa)
+    assert "--oscar-rotations" in one_line(ei)
+
+
+def test_stray_oscar_field_without_oscar_dtype_refused(small_rot):
+    sa = bare_args()
+    sa.oscar_rotations = small_rot  # a patched field given without the dtype
+    with pytest.raises(OscarConfigError) as ei:
+        refusals.check_oscar_server_args(sa)
+    assert "--oscar-rotations given but --kv-cache-dtype is 'auto'" in one_line(ei)
+
+
+def test_non_oscar_configurations_untouched():
+    sa = bare_args(enable_hierarchical_cache=True, attention_backend="triton")
+    refusals.apply_oscar_defaults(sa)
+    refusals.check_oscar_server_args(sa)
+    assert sa.attention_backend == "triton" and sa.page_size is None
+
+
+def test_defaults_applied_before_resolution(small_rot):
+    sa = oscar_bare(small_rot)
+    refusals.apply_oscar_defaults(sa)
+    assert (sa.attention_backend, sa.page_size, sa.disable_prefill_cuda_graph) == ("oscar", DEFAULT_PAGE_SIZE, True)
+    sa = oscar_bare(small_rot, page_size=128)
+    refusals.apply_oscar_defaults(sa)
+    assert sa.page_size == 128
+
+
+def _fake_model_config(**kw):
+    from sglang.srt.configs.model_config import AttentionArch
+
+    base = dict(attention_arch=AttentionArch.MHA, is_hybrid_swa=False, is_draft_model=False,
+                linear_attn_registry_result=None,
+                hf_config=SimpleNamespace(architectures=["X"], get_text_config=lambda: None))
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _model_kind(kind: str) -> dict:
+    from sglang.srt.configs import NemotronHConfig
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return {"mla": {"attention_arch": AttentionArch.MLA},
+            "swa": {"is_hybrid_swa": True},
+            "mamba": {"hf_config": NemotronHConfig()}}[kind]
+
+
+@pytest.mark.parametrize("kind,match", [("mla", "uses MLA"), ("swa", "hybrid sliding-window"),
+                                        ("mamba", "Mamba/linear-attention")])
+def test_model_kinds_refused(kind, match, small_rot):
+    sa = oscar_bare(small_rot, page_size=64)
+    sa.model_path = "some/model"
+    fake = _fake_model_config(**_model_kind(kind))
+    with mock.patch.object(ServerArgs, "get_model_config", lambda self: fake):
+        with pytest.raises(OscarConfigError) as ei:
+            refusals.check_oscar_server_args(sa)
+    assert match in one_line(ei)
+
+
+# ------------------------------------------------------------------ whole path on CPU
+
+def _prepare(tinylm_dir, *extra):
+    return prepare_server_args(["--model-path", str(tinylm_dir), "--device", "cpu", *extra])
+
+
+def test_plugin_path_end_to_end(tinylm_dir, tiny_rot):
+    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+                  "--oscar-sink-tokens", "8", "--oscar-recent-window", "64")
+    assert os.environ["SGLANG_OSCAR_ROTATIONS"] == tiny_rot  # inherited by the schedulers
+    assert oscar_settings(sa) == OscarSettings(tiny_rot, 8, 64, None)
+    assert sa.attention_backend == "oscar" and sa.page_size == DEFAULT_PAGE_SIZE
+    assert sa.cuda_graph_config.prefill.backend == "disabled"
+    sa.check_server_args()  # the backstop hook passes on an accepted configuration
+
+
+def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\nkv-cache-dtype: {OSCAR_KV_DTYPE}\n"
+                   f"oscar-rotations: {tiny_rot}\noscar-sink-slots: 5\npage-size: 32\n")
+    sa = prepare_server_args(["--config", str(cfg)])
+    assert oscar_settings(sa) == OscarSettings(tiny_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, 5)
+    assert sa.page_size == 32
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache is not supported"),
+    (["--attention-backend", "triton"], "--attention-backend triton is not supported"),
+    (["--enable-deterministic-inference"], "--enable-deterministic-inference is not supported"),
+    (["--cuda-graph-backend-prefill", "tc_piecewise"], "--cuda-graph-backend-prefill tc_piecewise"),
+    (["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'], "--cuda-graph-backend-prefill breakable"),
+    (["--page-size", str(DEFAULT_SINK_TOKENS // 2)], f"exceeds --page-size {DEFAULT_SINK_TOKENS // 2}"),
+    (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is not supported"),
+])
+def test_refusals_through_post_init(extra, match, tinylm_dir, tiny_rot):
+    with pytest.raises(OscarConfigError) as ei:
+        _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *extra)
+    assert match in one_line(ei)
+
+
+def test_rotations_for_another_model_refused(tinylm_dir, small_rot):
+    with pytest.raises(OscarConfigError) as ei:
+        _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", small_rot)
+    assert "--oscar-rotations" in one_line(ei) and "num_layers" in str(ei.value)
+
+
+def test_tp_split_refused(tinylm_dir, tiny_rot):
+    sa = oscar_bare(tiny_rot, page_size=64, tp_size=3)
+    sa.model_path = str(tinylm_dir)
+    with mock.patch.object(ServerArgs, "get_model_config",
+                           lambda self: _fake_model_config(hf_config=_tiny_hf(tinylm_dir))):
+        with pytest.raises(OscarConfigError) as ei:
+            refusals.check_oscar_server_args(sa)
+    assert "--tp-size 3" in one_line(ei)
+
+
+def _tiny_hf(tinylm_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(tinylm_dir))
+
+
+def test_stray_cli_flag_refused(tinylm_dir, tiny_rot):
+    with pytest.raises(OscarConfigError) as ei:
+        _prepare(tinylm_dir, "--oscar-rotations", tiny_rot)
+    assert "add --kv-cache-dtype oscar_int2" in one_line(ei)
+
+
+def test_bf16_serving_unchanged(tinylm_dir):
+    sa = _prepare(tinylm_dir)
+    assert sa.kv_cache_dtype == "auto" and sa.attention_backend != "oscar"
+    assert "SGLANG_OSCAR_ROTATIONS" not in os.environ
+
+
+# ------------------------------------------------------------------ patched dataclass
+
+def _overlay_patched_sglang(dest: Path) -> Path:
+    """dest/sglang: the installed package by symlinks, with srt/server_args.py patched."""
+    from sglang_ext import patching
+
+    src = patching.installed_sglang_dir()
+    pkg = dest / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    for e in src.iterdir():
+        if e.name not in ("srt", "__pycache__"):
+            (pkg / e.name).symlink_to(e)
+    for e in (src / "srt").iterdir():
+        if e.name not in ("server_args.py", "__pycache__"):
+            (pkg / "srt" / e.name).symlink_to(e)
+    (pkg / "srt" / "server_args.py").write_bytes((src / "srt" / "server_args.py").read_bytes())
+    patches = patching.load_patches()
+    if patching.patch_state(patches[0], src)[0] != patching.APPLIED:
+        for p in patches:
+            patching.apply_patch(p, pkg)  # touches srt/server_args.py only (asserted below)
+    assert all(fp.path == "srt/server_args.py" for p in patches for fp in p.files)
+    return dest
+
+
+@pytest.mark.slow
+def test_patched_server_args_fields(tmp_path, tinylm_dir, tiny_rot):
+    overlay = _overlay_patched_sglang(tmp_path / "overlay")
+    script = textwrap.dedent(f"""
+        import dataclasses, os, sys
+        import sglang
+        assert sglang.__file__.startswith({str(overlay)!r}), sglang.__file__
+        from sglang.srt.server_args import ServerArgs, prepare_server_args
+        from sglang_ext.server_args_hooks import is_patched
+        from sglang_ext.settings import FLAGS, OscarSettings, install_server_args_hooks, oscar_settings
+        assert is_patched()
+        install_server_args_hooks()
+        # sgl.Engine-style kwargs
+        sa = ServerArgs(model_path={str(tinylm_dir)!r}, device="cpu", kv_cache_dtype="oscar_int2",
+                        oscar_rotations={tiny_rot!r}, oscar_sink_tokens=4, oscar_sink_slots=2)
+        assert oscar_settings(sa) == OscarSettings({tiny_rot!r}, 4, 128, 2), oscar_settings(sa)
+        assert sa.attention_backend == "oscar"
+        assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ), "patched: no env needed"
+        # CLI: one --oscar-rotations option (the field's), help from the constants
+        sa = prepare_server_args(["--model-path", {str(tinylm_dir)!r}, "--device", "cpu",
+                                  "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", {tiny_rot!r},
+                                  "--oscar-recent-window", "32"])
+        assert oscar_settings(sa).recent_window == 32 and sa.oscar_recent_window == 32
+        assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ)
+        try:
+            ServerArgs(model_path={str(tinylm_dir)!r}, device="cpu", oscar_rotations={tiny_rot!r})
+        except ValueError as e:
+            assert "add --kv-cache-dtype oscar_int2" in str(e), e
+        else:
+            raise AssertionError("stray oscar_rotations accepted")
+        print("PATCHED-OK")
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_OSCAR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(overlay), str(ROOT), str(ROOT / "tests")])
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert "PATCHED-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+# ------------------------------------------------------------------ launcher
+
+def _serve(argv, reason=None, backend_registered=True):
+    """launcher.main with the server start and the process-tree kill mocked out."""
+    from sglang.srt.layers.attention import attention_registry
+
+    from sglang_ext import launcher
+
+    backends = dict(attention_registry.ATTENTION_BACKENDS)
+    if backend_registered:
+        backends["oscar"] = object()
+    else:
+        backends.pop("oscar", None)
+    with mock.patch.object(launcher, "_plugin_visible_to_subprocesses", return_value=reason), \
+            mock.patch.dict(attention_registry.ATTENTION_BACKENDS, backends, clear=True), \
+            mock.patch("sglang.launch_server.run_server") as run, \
+            mock.patch("sglang.srt.utils.kill_process_tree") as kill:
+        rc = launcher.main(argv)
+    return rc, run, kill
+
+
+def test_launcher_serves_through_sglang_launch_path(tinylm_dir, tiny_rot):
+    rc, run, kill = _serve(["serve", str(tinylm_dir), "--device", "cpu", "--kv-cache-dtype", OSCAR_KV_DTYPE,
+                            "--oscar-rotations", tiny_rot])
+    assert rc == 0 and run.call_count == 1 and kill.call_count == 1
+    sa = run.call_args.args[0]
+    assert sa.model_path == str(tinylm_dir) and oscar_settings(sa).rotations_path == tiny_rot
+
+
+@pytest.mark.parametrize("argv_tail,kw,match", [
+    ([], {}, "needs --oscar-rotations"),
+    (["--oscar-rotations", "ROT"], {"reason": "the 'oscar' SGLang plugin entry point is not installed"},
+     "entry point is not installed"),
+    (["--oscar-rotations", "ROT"], {"backend_registered": False}, "did not register its attention backend"),
+    (["--oscar-rotations", "ROT", "--enable-hierarchical-cache"], {}, "--enable-hierarchical-cache"),
+])
+def test_launcher_bad_configuration_one_line_exit_2(argv_tail, kw, match, tinylm_dir, tiny_rot, capsys):
+    argv_tail = [tiny_rot if a == "ROT" else a for a in argv_tail]
+    rc, run, _ = _serve(["--model-path", str(tinylm_dir), "--device", "cpu",
+                         "--kv-cache-dtype", OSCAR_KV_DTYPE, *argv_tail], **kw)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and run.call_count == 0
+    assert err and err[-1].startswith("oscar-sglang: ") and match in err[-1]
+
+
+def test_launcher_bf16_needs_no_plugin(tinylm_dir):
+    rc, run, _ = _serve([str(tinylm_dir), "--device", "cpu"], reason="not installed", backend_registered=False)
+    assert rc == 0 and run.call_args.args[0].kv_cache_dtype == "auto"
+
+
+@pytest.mark.slow
+def test_launcher_help_is_sglangs_plus_oscar_flags():
+    r = subprocess.run([sys.executable, "-m", "sglang_ext.launcher", "--help"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "oscar-sglang patch" in r.stdout and OPTION_GROUP_TITLE in r.stdout
+    for flag in ("--model-path", "--kv-cache-dtype", "--mem-fraction-static", "--chunked-prefill-size",
+                 *(f.cli for f in FLAGS)):
+        assert flag in r.stdout, flag
