@@ -1,0 +1,243 @@
+"""OscarAttnBackend: SGLang attention over OscarKVPool's hybrid INT2/BF16 cache.
+
+Per layer, all kernels go through :mod:`oscar_kernels.api`:
+
+- extend (prefill, chunked prefill, mixed batches): store the new tokens (INT2 + sinks,
+  keeping their rotated BF16 k', v') -> ``extend_attention`` (new tokens attend to the
+  hybrid prefix and causally to themselves) -> write the ring cells **after** attention
+  (earlier would clobber the prefix window the kernel reads) -> output.
+- decode: store (INT2 + sinks + ring) -> ``decode_attention``.
+
+Per forward batch (never per layer), in ``init_forward_metadata``:
+
+- sequences that start at position 0 get a sink slot for their first page
+  (:func:`oscar_kernels.hybrid_cache.assign_sink_slots`, host counter, no sync);
+- each request row's ring validity: ``valid_from`` is reset to the request's prefix
+  length when the row's ring belongs to someone else (``ring_owner`` differs from the
+  hash of the request id) or does not end where this batch starts (``ring_end`` differs
+  from the prefix length: re-admission after a retraction, a radix hit in a reused row).
+  A chunked-prefill continuation matches both and keeps its ``valid_from``; a radix hit
+  starts its ring at its prefix length, so the shared slots are read as INT2 (and its
+  sinks from the shared first page).
+
+Decode uses only the batch's static tensors (``req_pool_indices``, ``seq_lens``,
+``positions``, ``out_cache_loc``) and the pool's persistent ones; its only per-batch
+state update (``ring_end``) runs in ``init_forward_metadata_in_graph``, so a CUDA-graph
+decode needs no host synchronisation and allocates nothing outside the graph.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from oscar_kernels import api
+from oscar_kernels.hybrid_cache import assign_sink_slots
+
+from .pool import OscarKVPool, OscarWriteMeta
+
+
+def rid_hash(rid: Optional[str]) -> int:
+    """Signed 64-bit hash of a request id (0 for the id-less dummy batches of warmup)."""
+    if rid is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+@dataclass
+class ExtendPlan:
+    """Per-batch tensors of an extend batch ([B] per request, [T] per new token)."""
+
+    rows: torch.Tensor  # [B] req_to_token rows
+    prefix_lens: torch.Tensor  # [B] cached prefix length L
+    qo_indptr: torch.Tensor  # [B+1] new tokens of request b: qo_indptr[b]:qo_indptr[b+1]
+    max_extend_len: int
+    slots: torch.Tensor  # [T] pool slot of each new token
+    write: OscarWriteMeta  # [T] positions, rows, sequence ends
+
+
+def update_ring_validity(pool: OscarKVPool, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                         seq_ends: torch.Tensor, owners: torch.Tensor) -> None:
+    """Device-side row bookkeeping of one extend batch (see module doc)."""
+    vf = pool.index.ring_valid_from
+    reset = (pool.ring_owner[rows] != owners) | (pool.ring_end[rows] != prefix_lens)
+    vf[rows] = torch.where(reset, prefix_lens.to(vf.dtype), vf[rows])
+    pool.ring_owner[rows] = owners
+    pool.ring_end[rows] = seq_ends
+
+
+def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
+    """Build an extend batch's plan and apply its per-batch state updates (sinks, ring
+    validity). Reads ``batch_size, req_pool_indices, extend_prefix_lens,
+    extend_seq_lens, extend_*_lens_cpu, out_cache_loc, positions, rids`` of ``fb``."""
+    bs = fb.batch_size
+    prefix_cpu = fb.extend_prefix_lens_cpu
+    ext_cpu = fb.extend_seq_lens_cpu
+    if prefix_cpu is None or ext_cpu is None:  # gpu-only batches carry no host lists
+        prefix_cpu = fb.extend_prefix_lens[:bs].tolist()
+        ext_cpu = fb.extend_seq_lens[:bs].tolist()
+    prefix_cpu, ext_cpu = list(prefix_cpu)[:bs], list(ext_cpu)[:bs]
+    device = fb.out_cache_loc.device
+    num_tokens = sum(ext_cpu)
+    rows = fb.req_pool_indices[:bs].long()
+    prefix = fb.extend_prefix_lens[:bs].long()
+    ext = fb.extend_seq_lens[:bs].long()
+    seq_ends = prefix + ext
+    qo_indptr = torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0))
+    slots = fb.out_cache_loc[:num_tokens]
+    positions = fb.positions[:num_tokens]
+    if positions.dim() != 1:
+        raise NotImplementedError("oscar backend: multi-axis (M-RoPE) positions are not supported")
+    write = OscarWriteMeta(
+        positions=positions,
+        rows=torch.repeat_interleave(rows, ext, output_size=num_tokens),
+        seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=num_tokens))
+
+    # Sinks: every sequence that starts at position 0 here owns a fresh first page.
+    starts, first_tokens = 0, []
+    for p, e in zip(prefix_cpu, ext_cpu):
+        if p == 0 and e > 0:
+            first_tokens.append(starts)
+        starts += e
+    if first_tokens:
+        first = torch.tensor(first_tokens, dtype=torch.int64).to(device, non_blocking=True)
+        assign_sink_slots(pool.index, slots[first], pool.plan.num_sink_slots)
+        pool.index.sink_slot_of_page[0] = -1  # page 0 is SGLang's padding page: never a sink
+
+    rids: Sequence[Optional[str]] = fb.rids if fb.rids is not None else [None] * bs
+    owners = torch.tensor([rid_hash(r) for r in list(rids)[:bs]], dtype=torch.int64)
+    update_ring_validity(pool, rows, prefix, seq_ends, owners.to(device, non_blocking=True))
+    return ExtendPlan(rows=rows, prefix_lens=prefix, qo_indptr=qo_indptr,
+                      max_extend_len=max(ext_cpu, default=0), slots=slots, write=write)
+
+
+class OscarAttnBackend(TritonAttnBackend):
+    """The ``--attention-backend oscar`` backend (needs ``--kv-cache-dtype oscar_int2``).
+
+    Subclasses TritonAttnBackend for its constructor state and its place in SGLang's
+    runners; the oscar kernels read ``req_to_token`` directly, so Triton's kv-index
+    metadata and CUDA-graph index buffers are not built."""
+
+    def __init__(self, model_runner):
+        from .plugin import missing_hooks
+
+        missing = missing_hooks()
+        if missing:
+            raise RuntimeError(f"oscar plugin hook not applied: {missing[0]} (was the "
+                               "'oscar' sglang.srt.plugins entry point loaded?)")
+        super().__init__(model_runner)
+        self._init_oscar(model_runner.token_to_kv_pool, model_runner.model_config.v_head_dim)
+
+    def _init_oscar(self, pool, v_head_dim: int) -> None:
+        if not isinstance(pool, OscarKVPool):
+            raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
+                             f"(the KV pool is {type(pool).__name__})")
+        self.pool = pool
+        # TritonAttnBackend read v_head_dim from the packed uint8 buffer (D/4): fix it.
+        self.v_head_dim = v_head_dim
+        self._extend_plan: Optional[ExtendPlan] = None
+        self._checked_layers: set[int] = set()
+
+    # -- metadata ---------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return
+        if mode.is_decode():
+            self.init_forward_metadata_in_graph(forward_batch)
+            return
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            self._extend_plan = plan_extend(self.pool, forward_batch)
+            return
+        raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
+                                  "(speculative decoding is not supported with oscar_int2)")
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise NotImplementedError("oscar backend: CUDA graphs are supported for decode only "
+                                      "(use the default breakable prefill graphs or disable them)")
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        if forward_batch.forward_mode.is_decode():
+            # Static graph buffers in, persistent tensor out: recordable, no sync.
+            self.pool.ring_end[forward_batch.req_pool_indices] = forward_batch.seq_lens
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        """Nothing to pre-allocate: decode reads the runner's static batch buffers."""
+
+    # -- forward ----------------------------------------------------------------------
+
+    def _check_layer(self, layer, kwargs) -> None:
+        for name in ("sinks", "score_mod", "aux_tensors", "q_rope", "k_rope"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"oscar backend: attention with {name} is not supported")
+        if layer.layer_id in self._checked_layers:
+            return
+        problem = None
+        if layer.logit_cap and layer.logit_cap > 0:
+            problem = "logit capping"
+        elif layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            problem = "sliding-window attention"
+        elif layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            problem = f"{layer.attn_type.value} / cross attention"
+        elif layer.k_scale is not None or layer.v_scale is not None:
+            problem = "per-layer k/v scales"
+        elif layer.qk_head_dim != self.pool.head_dim or layer.v_head_dim != self.pool.head_dim:
+            problem = f"head dims {layer.qk_head_dim}/{layer.v_head_dim} != {self.pool.head_dim}"
+        if problem:
+            raise NotImplementedError(f"oscar backend: layer {layer.layer_id} uses {problem}, "
+                                      "which the OSCAR kernels do not support")
+        self._checked_layers.add(layer.layer_id)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self._check_layer(layer, kwargs)
+        if k is None or v is None or not save_kv_cache:
+            raise NotImplementedError("oscar backend: the model must hand k and v to the "
+                                      "backend to store (save_kv_cache=False is not supported)")
+        plan = self._extend_plan
+        t, hq, d = q.shape[0], layer.tp_q_head_num, layer.qk_head_dim
+        if plan is None or t != plan.slots.shape[0]:
+            raise RuntimeError(f"oscar backend: extend with {t} tokens but the batch plan has "
+                               f"{None if plan is None else plan.slots.shape[0]}")
+        out = getattr(forward_batch, "_attn_output", None)
+        o = out if out is not None else q.new_empty((t, hq * d))
+        pool = self.pool
+        k = k.view(t, layer.tp_k_head_num, d)
+        v = v.view(t, layer.tp_v_head_num, d)
+        k_rot = torch.empty(k.shape, dtype=torch.bfloat16, device=k.device)
+        v_rot = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+        pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_ring=False,
+                           rotated_out=(k_rot, v_rot))
+        api.extend_attention(q.view(t, hq, d), k_rot, v_rot, pool.layer_cache(layer.layer_id),
+                             pool.index, pool.layer_rotation(layer.layer_id), pool.req_to_token,
+                             plan.rows, plan.prefix_lens, plan.qo_indptr, plan.max_extend_len,
+                             layer.scaling, out=o.view(t, hq, d))
+        pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_int2=False,
+                           write_ring=True)
+        return o
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self._check_layer(layer, kwargs)
+        if k is None or v is None or not save_kv_cache:
+            raise NotImplementedError("oscar backend: the model must hand k and v to the "
+                                      "backend to store (save_kv_cache=False is not supported)")
+        hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q = q.reshape(-1, hq * d)
+        bs = q.shape[0]
+        o = torch.empty_like(q)
+        rows, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+        pool = self.pool
+        pool.set_kv_buffer(layer, forward_batch.out_cache_loc,
+                           k.view(bs, layer.tp_k_head_num, d), v.view(bs, layer.tp_v_head_num, d),
+                           oscar_meta=OscarWriteMeta(forward_batch.positions, rows, seq_lens))
+        api.decode_attention(q.view(bs, hq, d), pool.layer_cache(layer.layer_id), pool.index,
+                             pool.layer_rotation(layer.layer_id), pool.req_to_token, rows,
+                             seq_lens, layer.scaling, out=o.view(bs, hq, d))
+        return o

@@ -1,0 +1,312 @@
+"""OscarAttnBackend's per-batch logic on CPU, driven like SGLang drives it (fake
+ForwardBatch, real OscarKVPool and RadixAttention layers, reference kernels).
+
+Every output is checked against an oracle built from the token K/V themselves and the
+read rule (sinks and the request's own ring window in BF16, everything else INT2),
+independent of the pool's bookkeeping: chunked prefill continuations, reused rows,
+radix hits on shared slots, padded CUDA-graph decode batches.
+"""
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from kernel_cases import random_rotation  # noqa: E402
+from oscar_kernels.int2 import dequantise, quantise_rotated, unpack  # noqa: E402
+from oscar_kernels.reference import _attend, expand_gqa, rotate  # noqa: E402
+from sglang_ext.backend import OscarAttnBackend, rid_hash  # noqa: E402
+from sglang_ext.pool import OscarKVPool  # noqa: E402
+
+H, HQ, D, G, S, W, P = 2, 4, 64, 32, 4, 8, 16
+LAYERS, ROWS, SIZE, CTX = 2, 6, 512, 128
+
+
+def _gen(*key) -> torch.Generator:
+    seed = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=6).digest(), "little")
+    return torch.Generator().manual_seed(seed)
+
+
+class Sim:
+    """A minimal stand-in for SGLang's scheduler: req_to_token rows, pages, batches."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        rots = [random_rotation(H, D, g) for _ in range(LAYERS)]
+        self.pool = OscarKVPool(SIZE, P, H, D, LAYERS, "cpu", rotations=rots,
+                                req_to_token=torch.zeros(ROWS, CTX, dtype=torch.int32),
+                                sink_tokens=S, recent_window=W, group_size=G)
+        self.backend = OscarAttnBackend.__new__(OscarAttnBackend)
+        self.backend._init_oscar(self.pool, D)
+        self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in range(LAYERS)]
+        self.free_pages = list(range(1, SIZE // P + 1))  # page 0 is the padding page
+        self.source = {}  # (row, position) -> content id that computed the token's K/V
+
+    # token content: K/V of position j of a sequence with content id c (per layer)
+    @staticmethod
+    def kv(content, layer, positions):
+        out = [torch.randn(2, H, D, generator=_gen(content, layer, j)).bfloat16() for j in positions]
+        k = torch.stack([x[0] for x in out]) if out else torch.zeros(0, H, D, dtype=torch.bfloat16)
+        v = torch.stack([x[1] for x in out]) if out else torch.zeros(0, H, D, dtype=torch.bfloat16)
+        return k, v
+
+    @staticmethod
+    def q(rid, layer, positions):
+        return torch.cat([torch.randn(1, HQ * D, generator=_gen("q", rid, layer, j))
+                          for j in positions]).bfloat16()
+
+    def alloc(self, row, start, end):
+        """Fresh pages for positions start..end-1 of a row (start page-aligned)."""
+        assert start % P == 0
+        for p0 in range(start, end, P):
+            page = self.free_pages.pop(0)
+            self.pool.req_to_token[row, p0:p0 + P] = torch.arange(page * P, page * P + P)
+
+    def share(self, row, src_row, n):
+        """Radix hit: the first n positions of ``row`` point at ``src_row``'s slots."""
+        self.pool.req_to_token[row, :n] = self.pool.req_to_token[src_row, :n]
+        for j in range(n):
+            self.source[(row, j)] = self.source[(src_row, j)]
+
+    def extend(self, reqs, mode=ForwardMode.EXTEND):
+        """reqs: dicts rid, row, content, prefix, new. Returns per-layer outputs [T, HQ*D]."""
+        rows, prefix, ext, slots, pos, qs = [], [], [], [], [], []
+        for r in reqs:
+            span = range(r["prefix"], r["prefix"] + r["new"])
+            if r["new"] and self.pool.req_to_token[r["row"], span[-1]] == 0:
+                self.alloc(r["row"], -(-r["prefix"] // P) * P, span[-1] + 1)
+            for j in span:
+                self.source[(r["row"], j)] = r["content"]
+            rows.append(r["row"]); prefix.append(r["prefix"]); ext.append(r["new"])
+            slots.append(self.pool.req_to_token[r["row"], span.start:span.stop].long())
+            pos.append(torch.arange(span.start, span.stop))
+        fb = SimpleNamespace(
+            forward_mode=mode, batch_size=len(reqs), req_pool_indices=torch.tensor(rows),
+            seq_lens=torch.tensor([p + e for p, e in zip(prefix, ext)]),
+            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+            extend_seq_lens=torch.tensor(ext, dtype=torch.int32),
+            extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
+            out_cache_loc=torch.cat(slots), positions=torch.cat(pos),
+            rids=[r["rid"] for r in reqs])
+        self.backend.init_forward_metadata(fb)
+        outs = []
+        for layer in self.layers:
+            l = layer.layer_id
+            k, v = zip(*[self.kv(r["content"], l, range(r["prefix"], r["prefix"] + r["new"])) for r in reqs])
+            q = torch.cat([self.q(r["rid"], l, range(r["prefix"], r["prefix"] + r["new"])) for r in reqs])
+            outs.append(self.backend.forward_extend(q, torch.cat(k), torch.cat(v), layer, fb))
+        return outs
+
+    def decode(self, reqs, pad_to=None, in_graph=False):
+        """reqs: dicts rid, row, content, n (length after this step). ``pad_to`` pads the
+        batch like SGLang's CUDA-graph runner (row 0, seq_len 1, slot 0, position 0)."""
+        for r in reqs:
+            if self.pool.req_to_token[r["row"], r["n"] - 1] == 0:
+                self.alloc(r["row"], r["n"] - 1, r["n"])
+            self.source[(r["row"], r["n"] - 1)] = r["content"]
+        pad = (pad_to or len(reqs)) - len(reqs)
+        rows = [r["row"] for r in reqs] + [0] * pad
+        lens = [r["n"] for r in reqs] + [1] * pad
+        slots = [int(self.pool.req_to_token[r["row"], r["n"] - 1]) for r in reqs] + [0] * pad
+        fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                             req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens),
+                             out_cache_loc=torch.tensor(slots),
+                             positions=torch.tensor(lens) - 1, rids=None)
+        if in_graph:  # the runner's order: out-of-graph prep, then the recorded in-graph op
+            self.backend.init_forward_metadata_out_graph(fb)
+            self.backend.init_forward_metadata_in_graph(fb)
+        else:
+            self.backend.init_forward_metadata(fb)
+        outs = []
+        for layer in self.layers:
+            l = layer.layer_id
+            kv = [self.kv(r["content"], l, [r["n"] - 1]) for r in reqs]
+            kv += [self.kv("pad", l, [0])] * pad
+            q = torch.cat([self.q(r["rid"], l, [r["n"] - 1]) for r in reqs]
+                          + [self.q("pad", l, [0])] * pad)
+            outs.append(self.backend.forward_decode(q, torch.cat([x[0] for x in kv]),
+                                                    torch.cat([x[1] for x in kv]), layer, fb)[:len(reqs)])
+        return outs
+
+    # ---------------------------------------------------------------- the oracle
+
+    def expected(self, row, rid, layer, n_prefix, new_positions, new_content, valid_from,
+                 sinks=True, window_end=None):
+        """o [len(new), HQ*D] for new tokens of ``row`` at ``new_positions`` after a prefix
+        of n_prefix cached positions, from the tokens' K/V and the read rule: the ring
+        window ends at the prefix length for extend, at the length incl. the new token
+        for decode (``window_end``)."""
+        window_end = n_prefix if window_end is None else window_end
+        rot = self.pool.layer_rotation(layer)
+        keys, vals = [], []
+        n_all = n_prefix + len(new_positions)
+        for j in range(n_all):
+            content = self.source[(row, j)] if j < n_prefix else new_content
+            k, v = self.kv(content, layer, [j])
+            if j >= n_prefix or (sinks and j < S):
+                exact = True
+            else:  # prefix position: ring if in the own window, else INT2
+                exact = j >= max(window_end - W, valid_from)
+            kr, kp, ks = quantise_rotated(k, rot.k_rot, rot.k_clip_min, rot.k_clip_max, G)
+            vr, vp, vs = quantise_rotated(v, rot.v_rot, rot.v_clip_min, rot.v_clip_max, G)
+            if exact:
+                keys.append(kr.bfloat16().float()); vals.append(vr.bfloat16().float())
+            else:
+                keys.append(dequantise(unpack(kp), ks)); vals.append(dequantise(unpack(vp), vs))
+        keys, vals = torch.cat(keys), torch.cat(vals)
+        q = self.q(rid, layer, new_positions).view(-1, HQ, D)
+        qr = rotate(q, expand_gqa(rot.k_rot, HQ))
+        e = len(new_positions)
+        mask = torch.arange(n_all)[None, :] <= torch.arange(e)[:, None] + n_prefix
+        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0))
+        return rotate(o, expand_gqa(rot.v_rot, HQ).transpose(-1, -2)).reshape(e, HQ * D)
+
+    def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True):
+        return self.expected(row, rid, layer, n - 1, [n - 1], content, valid_from, sinks, window_end=n)
+
+
+def close(got, want):
+    torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
+
+
+def vf(sim, row):
+    return int(sim.pool.index.ring_valid_from[row])
+
+
+def run_a(sim, row=3, prompt=40, chunk=16, decodes=3):
+    """Request A: chunked prefill of ``prompt`` tokens, then ``decodes`` decode steps."""
+    for start in range(0, prompt, chunk):
+        new = min(chunk, prompt - start)
+        outs = sim.extend([dict(rid="A", row=row, content="A", prefix=start, new=new)])
+        for l, o in enumerate(outs):
+            close(o, sim.expected(row, "A", l, start, list(range(start, start + new)), "A", 0))
+        assert vf(sim, row) == 0  # continuation chunks keep the ring
+    for n in range(prompt + 1, prompt + decodes + 1):
+        outs = sim.decode([dict(rid="A", row=row, content="A", n=n)])
+        for l, o in enumerate(outs):
+            close(o, sim.expected_decode(row, "A", l, n, "A", 0))
+    assert int(sim.pool.ring_end[row]) == prompt + decodes
+    assert int(sim.pool.ring_owner[row]) == rid_hash("A")
+
+
+def test_chunked_prefill_continuation_keeps_the_ring():
+    sim = Sim()
+    run_a(sim)
+    # The oracle can tell the ring from INT2: reading the previous chunk's window as
+    # INT2 (a wrongly reset ring) gives visibly different outputs.
+    right = sim.expected(3, "A", 0, 32, list(range(32, 40)), "A", valid_from=0)
+    wrong = sim.expected(3, "A", 0, 32, list(range(32, 40)), "A", valid_from=32)
+    assert (right - wrong).abs().max() > 0.05
+
+
+def test_new_request_in_a_reused_row_resets_the_ring():
+    sim = Sim()
+    run_a(sim, prompt=40, decodes=8)  # A ends at 48 = three full pages
+    # C computes other tokens on its own row, then finishes.
+    outs = sim.extend([dict(rid="C", row=2, content="C", prefix=0, new=48)])
+    # B takes A's old row with a radix hit on C's 48 cached tokens: its prefix length
+    # equals A's ring end, only the owner differs. A's ring cells hold A's tokens, so
+    # B must start its ring at 48 and read C's slots as INT2.
+    sim.share(3, 2, 48)
+    outs = sim.extend([dict(rid="B", row=3, content="B", prefix=48, new=5)])
+    assert vf(sim, 3) == 48 and int(sim.pool.ring_end[3]) == 53
+    for l, o in enumerate(outs):
+        close(o, sim.expected(3, "B", l, 48, list(range(48, 53)), "B", valid_from=48))
+    outs = sim.decode([dict(rid="B", row=3, content="B", n=54)])
+    for l, o in enumerate(outs):
+        close(o, sim.expected_decode(3, "B", l, 54, "B", valid_from=48))
+    # A brand-new request (prefix 0) in a used row starts its ring at 0.
+    sim.pool.req_to_token[4].zero_()
+    outs = sim.extend([dict(rid="E", row=4, content="E", prefix=0, new=12)])
+    assert vf(sim, 4) == 0
+    for l, o in enumerate(outs):
+        close(o, sim.expected(4, "E", l, 0, list(range(12)), "E", valid_from=0))
+
+
+def test_radix_hit_reads_shared_slots_as_int2_and_sinks_from_the_shared_page():
+    sim = Sim()
+    run_a(sim)
+    first_page = int(sim.pool.req_to_token[3, 0]) // P
+    sink_slot = int(sim.pool.index.sink_slot_of_page[first_page])
+    assert sink_slot >= 0
+    cursor = sim.pool.index.sink_cursor
+    sim.share(4, 3, 32)  # D matches A's first two pages
+    outs = sim.extend([dict(rid="D", row=4, content="D", prefix=32, new=10)])
+    assert vf(sim, 4) == 32
+    assert sim.pool.index.sink_cursor == cursor  # a hit takes no new sink slot
+    assert int(sim.pool.index.sink_slot_of_page[first_page]) == sink_slot
+    for l, o in enumerate(outs):
+        close(o, sim.expected(4, "D", l, 32, list(range(32, 42)), "D", valid_from=32))
+    for n in (43, 44):
+        outs = sim.decode([dict(rid="D", row=4, content="D", n=n)])
+        for l, o in enumerate(outs):
+            close(o, sim.expected_decode(4, "D", l, n, "D", valid_from=32))
+
+
+def test_mixed_batch_of_new_hit_and_continuing_requests():
+    sim = Sim()
+    run_a(sim, prompt=32, decodes=0)
+    sim.share(4, 3, 16)
+    outs = sim.extend([dict(rid="A", row=3, content="A", prefix=32, new=1),  # a decode in a mixed batch
+                       dict(rid="F", row=1, content="F", prefix=0, new=20),
+                       dict(rid="D", row=4, content="D", prefix=16, new=3)], mode=ForwardMode.MIXED)
+    assert (vf(sim, 3), vf(sim, 1), vf(sim, 4)) == (0, 0, 16)
+    for l, o in enumerate(outs):
+        close(o[:1], sim.expected(3, "A", l, 32, [32], "A", 0))
+        close(o[1:21], sim.expected(1, "F", l, 0, list(range(20)), "F", 0))
+        close(o[21:], sim.expected(4, "D", l, 16, [16, 17, 18], "D", 16))
+    pages = [int(sim.pool.req_to_token[r, 0]) // P for r in (3, 1)]
+    assert all(int(sim.pool.index.sink_slot_of_page[p]) >= 0 for p in pages)
+    assert int(sim.pool.index.sink_slot_of_page[0]) == -1
+
+
+def test_padded_graph_decode_batch():
+    """A decode batch padded like the CUDA-graph runner: real requests are exact, the
+    padding writes only into the padding row/slot, and ring_end follows in-graph."""
+    sim = Sim()
+    run_a(sim, decodes=0)
+    sim.extend([dict(rid="F", row=1, content="F", prefix=0, new=6)])
+    outs = sim.decode([dict(rid="A", row=3, content="A", n=41), dict(rid="F", row=1, content="F", n=7)],
+                      pad_to=4, in_graph=True)
+    for l, o in enumerate(outs):
+        close(o[:1], sim.expected_decode(3, "A", l, 41, "A", 0))
+        close(o[1:], sim.expected_decode(1, "F", l, 7, "F", 0))
+    assert (int(sim.pool.ring_end[3]), int(sim.pool.ring_end[1])) == (41, 7)
+    assert int(sim.pool.index.sink_slot_of_page[0]) == -1  # no sink for the padding page
+
+
+def test_warmup_batch_without_request_ids():
+    """Prefill-graph warmup batches carry no rids (and slot 0 everywhere)."""
+    sim = Sim()
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=2, req_pool_indices=torch.arange(2),
+                         seq_lens=torch.tensor([5, 3]), extend_prefix_lens=torch.zeros(2, dtype=torch.int64),
+                         extend_seq_lens=torch.tensor([5, 3]), extend_prefix_lens_cpu=None,
+                         extend_seq_lens_cpu=None, out_cache_loc=torch.zeros(8, dtype=torch.int64),
+                         positions=torch.cat([torch.arange(5), torch.arange(3)]), rids=None)
+    sim.backend.init_forward_metadata(fb)
+    layer = sim.layers[0]
+    k, v = sim.kv("w", 0, range(8))
+    o = sim.backend.forward_extend(torch.zeros(8, HQ * D, dtype=torch.bfloat16), k, v, layer, fb)
+    assert o.shape == (8, HQ * D) and int(sim.pool.index.sink_slot_of_page[0]) == -1
+
+
+def test_unsupported_modes_and_layers_fail_with_one_line():
+    sim = Sim()
+    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
+        sim.backend.init_forward_metadata(SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY))
+    capped = RadixAttention(HQ, D, D ** -0.5, H, 0, logit_cap=30.0)
+    swa = RadixAttention(HQ, D, D ** -0.5, H, 1, sliding_window_size=128)
+    x = torch.zeros(1, HQ * D, dtype=torch.bfloat16)
+    kv = torch.zeros(1, H, D, dtype=torch.bfloat16)
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE)
+    for layer, what in ((capped, "logit capping"), (swa, "sliding-window")):
+        with pytest.raises(NotImplementedError, match=what):
+            sim.backend.forward_decode(x, kv, kv, layer, fb)
+    with pytest.raises(NotImplementedError, match="save_kv_cache"):
+        sim.backend.forward_decode(x, kv, kv, sim.layers[0], fb, save_kv_cache=False)
+    with pytest.raises(ValueError, match="oscar_int2"):
+        sim.backend._init_oscar(object(), D)
