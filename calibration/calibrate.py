@@ -1,0 +1,261 @@
+"""HF model + calibration text -> :class:`~calibration.rotations_file.Rotations`.
+
+Pipeline (recipe ``oscar``):
+  1. stream token windows through the model's decoder, capturing every attention layer
+     (:mod:`calibration.capture`) into :class:`~calibration.statistics.AttentionStats`:
+     float64 C_Q / C_S per layer and KV head, and a fixed-size K/V reservoir per layer;
+  2. eigendecompose C_Q (keys) and C_S (values), compose R per KV head
+     (:func:`calibration.compose.compose`, ``variant``);
+  3. rotate the reservoir and search clip thresholds (:func:`calibration.clip.search_clip`).
+Recipes ``hadamard`` (R = H) and ``naive`` (R = I) skip step 2; ``naive`` defaults to no
+clip, in which case no forward pass is needed at all.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from oscar_kernels.hybrid_cache import LayerRotation
+from oscar_kernels.int2 import SCALE_DTYPES, check_group_size
+
+from . import text_sources
+from .capture import attention_modules, capture_attention
+from .clip import GRANULARITIES, OBJECTIVES, search_clip
+from .compose import VARIANTS, compose, hadamard_rotation, identity_rotation, sorted_eigh
+from .model_shape import ModelShape
+from .rotations_file import RECIPES, Rotations, make_meta
+from .statistics import AttentionStats
+
+DEFAULT_VARIANT = "U-H"
+DEFAULT_CLIP = "channel"
+DEFAULT_CLIP_OBJECTIVE = "attn"
+DEFAULT_TOKENS = 65536
+
+
+@dataclass
+class CalibrationConfig:
+    recipe: str = "oscar"
+    variant: str = DEFAULT_VARIANT
+    clip: str | None = None  # None: DEFAULT_CLIP, or "none" for the naive recipe
+    clip_objective: str = DEFAULT_CLIP_OBJECTIVE
+    clip_sample_tokens: int = 4096  # reservoir size per layer
+    skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
+    group_size: int = 128
+    scale_dtype: str = "float16"
+    data: list[str] = field(default_factory=list)  # empty: the Python stdlib source
+    tokens: int = DEFAULT_TOKENS
+    seq_len: int = 2048
+    batch_size: int = 1
+    seed: int = 0
+    device: str | None = None  # None: cuda if available else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+
+    def resolved(self) -> "CalibrationConfig":
+        c = CalibrationConfig(**asdict(self))
+        if c.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {c.recipe!r} (choose from {', '.join(RECIPES)})")
+        if c.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {c.variant!r} (choose from {', '.join(VARIANTS)})")
+        if c.clip is None:
+            c.clip = "none" if c.recipe == "naive" else DEFAULT_CLIP
+        if c.clip not in GRANULARITIES:
+            raise ValueError(f"unknown clip {c.clip!r} (choose from {', '.join(GRANULARITIES)})")
+        if c.clip_objective not in OBJECTIVES:
+            raise ValueError(f"unknown clip objective {c.clip_objective!r} (choose from {', '.join(OBJECTIVES)})")
+        if c.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"unknown scale dtype {c.scale_dtype!r} (choose from {', '.join(SCALE_DTYPES)})")
+        c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if c.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available")
+        c.dtype = c.dtype or ("bfloat16" if c.device.startswith("cuda") else "float32")
+        if c.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {c.dtype!r} (float32, bfloat16 or float16)")
+        for name in ("tokens", "seq_len", "batch_size"):
+            if getattr(c, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        return c
+
+    @property
+    def needs_forward(self) -> bool:
+        return self.recipe == "oscar" or self.clip != "none"
+
+
+def model_shape(model_dir: str) -> ModelShape:
+    """The attention shape of the local HF model folder (never a hub download)."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir}: not a model folder (no config.json)")
+    return ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+def load_model(model_dir: str, device: str, dtype: str):
+    """(model, tokenizer) from a local folder, eval mode, SDPA attention, on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_shape(model_dir)  # a clear error for a wrong path
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model.to(device).eval(), tok
+
+
+def calibration_windows(tokenizer, cfg: CalibrationConfig):
+    """The calibration token windows (stdlib source by default, seeded file order)."""
+    files = text_sources.expand_paths(cfg.data) if cfg.data else text_sources.stdlib_files()
+    files = text_sources.shuffled(files, cfg.seed)
+    return text_sources.token_stream(tokenizer, text_sources.read_texts(files), cfg.seq_len, cfg.tokens)
+
+
+@torch.no_grad()
+def collect_stats(model, tokenizer, cfg: CalibrationConfig, windows=None, progress: bool = True) -> AttentionStats:
+    """Run the decoder over the calibration windows and return the accumulated statistics."""
+    from tqdm import tqdm
+
+    shape = ModelShape.from_hf_config(model.config)
+    acc_device = cfg.device if cfg.device.startswith("cuda") else "cpu"
+    stats = AttentionStats(shape.num_layers, shape.num_kv_heads, shape.head_dim, device=acc_device,
+                           reservoir_tokens=cfg.clip_sample_tokens if cfg.clip != "none" else 0,
+                           skip_first=cfg.skip_first, seed=cfg.seed)
+    windows = calibration_windows(tokenizer, cfg) if windows is None else windows
+    decoder = getattr(model, model.base_model_prefix, model)  # no LM head: it is not needed
+    total = cfg.tokens // min(cfg.seq_len, cfg.tokens) * min(cfg.seq_len, cfg.tokens)
+    bar = tqdm(total=total, unit="tok", desc="calibrating", disable=not progress, smoothing=0.1)
+    with capture_attention(model, stats):
+        for batch in text_sources.batched(windows, cfg.batch_size):
+            decoder(input_ids=batch.to(cfg.device), use_cache=False)
+            bar.update(batch.numel())
+    bar.close()
+    if stats.tokens[0] == 0:
+        raise ValueError("the calibration text produced no token window (too little text for --seq-len?)")
+    return stats
+
+
+def o_proj_weights(model, num_kv_heads: int, head_dim: int) -> list[torch.Tensor]:
+    """Per layer [Hkv, D, D] float64: sum over the query heads j of a KV head of W_j^T W_j,
+    W_j = o_proj.weight[:, j*D:(j+1)*D] (the residual-stream metric of a value error)."""
+    out = []
+    for m in attention_modules(model):
+        w = m.o_proj.weight.detach().double().cpu()  # [hidden, Hq*D]
+        hq = w.shape[1] // head_dim
+        wj = w.reshape(w.shape[0], hq, head_dim).permute(1, 2, 0)  # [Hq, D, hidden]
+        g = wj @ wj.transpose(1, 2)  # [Hq, D, D]
+        out.append(g.reshape(num_kv_heads, hq // num_kv_heads, head_dim, head_dim).sum(1))
+    return out
+
+
+def rotations_for(cfg: CalibrationConfig, shape: ModelShape, stats: AttentionStats | None):
+    """Per layer (R_K, R_V) [Hkv, D, D] float64 for the recipe."""
+    h, d, n = shape.num_kv_heads, shape.head_dim, shape.num_layers
+    if cfg.recipe == "naive":
+        return [(identity_rotation(h, d), identity_rotation(h, d)) for _ in range(n)]
+    if cfg.recipe == "hadamard":
+        return [(hadamard_rotation(h, d), hadamard_rotation(h, d)) for _ in range(n)]
+    _, u_k = sorted_eigh(stats.c_q())
+    _, u_v = sorted_eigh(stats.c_s())
+    return [(compose(u_k[l], cfg.variant, cfg.group_size), compose(u_v[l], cfg.variant, cfg.group_size))
+            for l in range(n)]
+
+
+def hadamard_span(cfg: CalibrationConfig) -> str:
+    if cfg.recipe == "hadamard":
+        return "head"
+    factors = cfg.variant.split("-") if cfg.recipe == "oscar" else []
+    if "Hblock" in factors:
+        return "group"
+    return "head" if "H" in factors else "none"
+
+
+def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
+                    stats: AttentionStats | None, value_metric: list[torch.Tensor] | None = None,
+                    fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    extra_detail: dict | None = None) -> Rotations:
+    """Rotations (+ clips) from the statistics; ``value_metric`` feeds the ``attn`` clip
+    objective; ``fixed`` gives the per-layer (R_K, R_V) instead of the recipe's."""
+    check_group_size(shape.head_dim, cfg.group_size)
+    scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
+    rots = [(k.double(), v.double()) for k, v in fixed] if fixed is not None else rotations_for(cfg, shape, stats)
+    c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
+    layers, clip_detail = [], []
+    for l, (r_k, r_v) in enumerate(rots):
+        clips = []
+        if cfg.clip == "none":
+            sample = None
+        else:
+            sample = {"k": stats.k_res[l].sample(), "v": stats.v_res[l].sample()}
+        for x, r in (("k", r_k), ("v", r_v)):
+            if sample is None:
+                lo, hi, det = search_clip(torch.empty(0, shape.num_kv_heads, shape.head_dim), "none",
+                                          cfg.group_size, scale_dtype)
+            else:
+                xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r).float()
+                w = None
+                if cfg.clip_objective == "attn":
+                    m = c_q[l] if x == "k" else value_metric[l]
+                    w = r.transpose(-1, -2) @ m @ r
+                lo, hi, det = search_clip(xr, cfg.clip, cfg.group_size, scale_dtype, weight=w)
+            clips += [lo, hi]
+            clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
+        layers.append(LayerRotation(r_k.float(), r_v.float(), clips[0], clips[1], clips[2], clips[3]))
+    detail = {
+        "order": "x' = x @ R (row vectors); " + (VARIANTS[cfg.variant] if cfg.recipe == "oscar" else
+                                                   {"hadamard": "R = H", "naive": "R = I"}[cfg.recipe]),
+        "variant": cfg.variant if cfg.recipe == "oscar" else cfg.recipe,
+        "hadamard_span": hadamard_span(cfg),
+        "eigen_order": "descending" if cfg.recipe == "oscar" else None,
+        "key_basis": "eig(C_Q), post-RoPE queries summed over the KV head's query heads" if cfg.recipe == "oscar" else None,
+        "value_basis": "eig(C_S), C_S = O^T O of per-head attention outputs" if cfg.recipe == "oscar" else None,
+        "clip": cfg.clip,
+        "clip_method": None if cfg.clip == "none" else
+        f"two-level grid search (0.3..1.0 step 0.1, then +-0.075 step 0.025) of a ratio of the sample range ({cfg.clip} granularity) minimising "
+        + ("the C_Q-weighted key error and o_proj-weighted value error" if cfg.clip_objective == "attn"
+           else "the squared error") + " of oscar_kernels.int2.fake_quantise",
+        "clip_objective": None if cfg.clip == "none" else cfg.clip_objective,
+        "clip_sample_tokens": None if cfg.clip == "none" else cfg.clip_sample_tokens,
+        "clip_skip_first": None if cfg.clip == "none" else cfg.skip_first,
+        "clip_search": clip_detail if cfg.clip != "none" else None,
+        "group_size": cfg.group_size,
+        "scale_dtype": cfg.scale_dtype,
+        "seed": cfg.seed,
+        "tokens": stats.tokens[0] if stats is not None else 0,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "model_dtype": cfg.dtype,
+        "device": cfg.device,
+    }
+    if extra_detail:
+        detail.update(extra_detail)
+    detail = {k: v for k, v in detail.items() if v is not None}
+    meta = make_meta(shape, model_name, cfg.group_size, cfg.recipe, recipe_detail=detail,
+                     calib_data=text_sources.describe(cfg.data) if stats is not None else "none",
+                     calib_tokens=stats.tokens[0] if stats is not None else 0,
+                     scale_dtype=cfg.scale_dtype)
+    return Rotations(meta, layers)
+
+
+def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log=print,
+              fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+              extra_detail: dict | None = None) -> Rotations:
+    """The whole calibration for the model in ``model_dir`` (with ``fixed`` rotations only
+    the clip thresholds are calibrated)."""
+    cfg = cfg.resolved()
+    t0 = time.time()
+    shape = model_shape(model_dir)
+    check_group_size(shape.head_dim, cfg.group_size)
+    name = os.path.basename(os.path.normpath(model_dir))
+    needs_forward = cfg.clip != "none" if fixed is not None else cfg.needs_forward
+    if not needs_forward:
+        return build_rotations(cfg, shape, name, None, fixed=fixed, extra_detail=extra_detail)
+    model, tok = load_model(model_dir, cfg.device, cfg.dtype)
+    log(f"oscar-calibrate: {name} {shape} on {cfg.device}/{cfg.dtype}, recipe {cfg.recipe}"
+        + (f" variant {cfg.variant}" if cfg.recipe == "oscar" else "") + f", clip {cfg.clip}, "
+        f"{cfg.tokens} tokens in windows of {cfg.seq_len}")
+    stats = collect_stats(model, tok, cfg, progress=progress)
+    metric = o_proj_weights(model, shape.num_kv_heads, shape.head_dim) \
+        if cfg.clip != "none" and cfg.clip_objective == "attn" else None
+    rot = build_rotations(cfg, shape, name, stats, metric, fixed=fixed, extra_detail=extra_detail)
+    log(f"oscar-calibrate: {stats.tokens[0]} tokens, {time.time() - t0:.1f}s")
+    return rot

@@ -1,0 +1,79 @@
+"""See exactly what each attention layer of a transformers model computes.
+
+A custom attention function, registered in transformers' ``AttentionInterface`` under
+:data:`CAPTURE_ATTN`, runs the model's own SDPA attention unchanged and hands every layer's
+tensors to a callback::
+
+    callback(layer_idx, q, k, v, o)
+      q [B, Hq,  T, D]  post-RoPE queries (post q-norm for Qwen3)
+      k [B, Hkv, T, D]  post-RoPE keys (what the KV cache stores)
+      v [B, Hkv, T, D]  values
+      o [B, Hq,  T, D]  per-head attention output, before o_proj
+
+Query head h belongs to KV head ``h // (Hq // Hkv)`` (transformers' ``repeat_kv``).
+Logits are bit-identical to ``attn_implementation="sdpa"`` (the same function runs).
+Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``
+(Qwen2/Qwen3/Llama/Mistral and most decoder-only models in transformers 5).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+CAPTURE_ATTN = "oscar_capture"
+Callback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+_CALLBACK_ATTR = "_oscar_capture_callback"
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    callback = getattr(module, _CALLBACK_ATTR, None)
+    if callback is not None:
+        callback(module.layer_idx, query, key, value, out.transpose(1, 2))
+    return out, weights
+
+
+def register() -> None:
+    """Make ``attn_implementation=CAPTURE_ATTN`` known to transformers (idempotent)."""
+    AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The self-attention modules, in layer order (those with ``layer_idx`` and ``o_proj``)."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")
+            and hasattr(m, "num_key_value_groups")]
+    if not mods:
+        raise ValueError(f"{type(model).__name__}: no attention modules with layer_idx/o_proj found "
+                         "(supported: Qwen2, Qwen3, Llama, Mistral families)")
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+@contextmanager
+def capture_attention(model, callback: Callback):
+    """Within the block every forward of ``model`` calls ``callback`` once per layer."""
+    register()
+    before = model.config._attn_implementation
+    mods = attention_modules(model)
+    model.set_attn_implementation(CAPTURE_ATTN)
+    for m in mods:
+        setattr(m, _CALLBACK_ATTR, callback)
+    try:
+        yield
+    finally:
+        for m in mods:
+            if hasattr(m, _CALLBACK_ATTR):
+                delattr(m, _CALLBACK_ATTR)
+        model.set_attn_implementation(before)
+
+
+def group_by_kv_head(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, Hq, T, D] -> [Hkv, B * (Hq/Hkv) * T, D]: the rows each KV head's query heads see."""
+    b, hq, t, d = x.shape
+    rep = hq // num_kv_heads
+    return x.reshape(b, num_kv_heads, rep, t, d).permute(1, 0, 2, 3, 4).reshape(num_kv_heads, -1, d)

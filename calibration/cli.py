@@ -1,0 +1,174 @@
+"""``oscar-calibrate``: HF model + text -> OSCAR rotations file.
+
+    oscar-calibrate --model DIR --out FILE [--recipe oscar|hadamard|naive] [--variant V]
+                    [--data PATH ...] [--tokens N] [--seq-len 2048] [--batch-size 1]
+                    [--group-size 128] [--scale-dtype float16] [--clip none|layer|head|channel]
+                    [--clip-objective attn|mse] [--device cpu|cuda] [--dtype ...]
+    oscar-calibrate import-oscar-zoo --model DIR --src DIR --out FILE [--transpose] [--clip ...]
+    oscar-calibrate proxy --model DIR --rotations FILE [FILE ...] [--data PATH ...] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_TOKENS, DEFAULT_VARIANT,
+                        CalibrationConfig)
+from .clip import GRANULARITIES, OBJECTIVES
+from .compose import VARIANTS
+from .rotations_file import RECIPES, SCALE_DTYPES
+
+SUBCOMMANDS = ("import-oscar-zoo", "proxy")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model folder (config.json, weights, tokenizer)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                   help="text files, folders (recursive) or .jsonl with a 'text' field")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None:
+    p.add_argument("--clip", default=default_clip, choices=GRANULARITIES,
+                   help=f"clip threshold granularity (default: {DEFAULT_CLIP}; none for naive)")
+    p.add_argument("--clip-objective", default=DEFAULT_CLIP_OBJECTIVE, choices=OBJECTIVES,
+                   help="attn: C_Q-weighted key error, o_proj-weighted value error; mse: plain")
+    p.add_argument("--clip-sample", type=int, default=4096,
+                   help="tokens per layer kept (reservoir) for the clip search")
+    p.add_argument("--clip-skip-first", type=int, default=4,
+                   help="first positions of every window left out of the clip sample (BF16 sinks)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration token budget")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    p.add_argument("--group-size", type=int, default=128, help="INT2 quantisation group (channels)")
+    p.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES)
+
+
+def _config(a, **kw) -> CalibrationConfig:
+    return CalibrationConfig(clip=a.clip, clip_objective=a.clip_objective, clip_sample_tokens=a.clip_sample,
+                             skip_first=a.clip_skip_first, group_size=a.group_size, scale_dtype=a.scale_dtype,
+                             data=a.data, tokens=a.tokens, seq_len=a.seq_len, batch_size=a.batch_size,
+                             seed=a.seed, device=a.device, dtype=a.dtype, **kw)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    from .calibrate import calibrate
+    from .rotations_file import save_rotations
+
+    p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(p)
+    p.add_argument("--out", required=True, help="rotations file to write (.safetensors)")
+    p.add_argument("--recipe", default="oscar", choices=RECIPES)
+    p.add_argument("--variant", default=DEFAULT_VARIANT, choices=tuple(VARIANTS),
+                   help="factor order for recipe oscar: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+    _add_clip_args(p, None)
+    a = p.parse_args(argv)
+    rot = calibrate(a.model, _config(a, recipe=a.recipe, variant=a.variant), progress=not a.quiet, log=_log)
+    save_rotations(a.out, rot)
+    _log(f"oscar-calibrate: wrote {a.out} ({rot.meta.recipe}, {rot.meta.recipe_detail.get('variant')}, "
+         f"clip {rot.meta.recipe_detail.get('clip')}, group {rot.meta.group_size})")
+    return 0
+
+
+def cmd_import(argv: list[str]) -> int:
+    from .calibrate import calibrate, model_shape
+    from .rotations_file import save_rotations
+    from .zoo_import import import_oscar_zoo
+
+    p = argparse.ArgumentParser(prog="oscar-calibrate import-oscar-zoo",
+                                description="Convert upstream OSCAR {k,v}_rotation_<layer>.pt files.")
+    _add_model_args(p)
+    p.add_argument("--src", required=True, help="folder with k_rotation_<l>.pt / v_rotation_<l>.pt")
+    p.add_argument("--out", required=True)
+    p.add_argument("--transpose", action="store_true",
+                   help="upstream matrices act on column vectors (x' = R x): store R^T")
+    _add_clip_args(p, "none")
+    a = p.parse_args(argv)
+    shape = model_shape(a.model)
+    name = os.path.basename(os.path.normpath(a.model))
+    rot = import_oscar_zoo(a.src, shape, name, transpose=a.transpose, group_size=a.group_size,
+                           scale_dtype=a.scale_dtype)
+    if a.clip != "none":
+        fixed = [(lr.k_rot, lr.v_rot) for lr in rot.layers]
+        extra = {k: v for k, v in rot.meta.recipe_detail.items() if k in ("imported", "source", "order")}
+        extra["variant"] = "imported"
+        rot = calibrate(a.model, _config(a, recipe="oscar"), progress=not a.quiet, log=_log,
+                        fixed=fixed, extra_detail=extra)
+    save_rotations(a.out, rot)
+    _log(f"oscar-calibrate: imported {a.src} -> {a.out} (clip {a.clip})")
+    return 0
+
+
+def cmd_proxy(argv: list[str]) -> int:
+    import torch
+
+    from . import text_sources
+    from .calibrate import load_model
+    from .model_shape import ModelShape
+    from .proxy import format_table, run_proxy
+    from .rotations_file import load_rotations
+
+    p = argparse.ArgumentParser(prog="oscar-calibrate proxy",
+                                description="Per-layer attention error of rotations files with fake-INT2 K/V "
+                                            "(default text: the stdlib test suite, disjoint from the default "
+                                            "calibration text).")
+    _add_model_args(p)
+    p.add_argument("--rotations", nargs="+", required=True, metavar="FILE")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--sink", type=int, default=0, help="first positions kept exact (BF16)")
+    p.add_argument("--recent", type=int, default=0, help="most recent positions kept exact (BF16)")
+    p.add_argument("--query-stride", type=int, default=8, help="evaluate every n-th query position")
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model, tok = load_model(a.model, device, dtype)
+    shape = ModelShape.from_hf_config(model.config)
+    rots = {}
+    for f in a.rotations:
+        name = os.path.basename(f).removesuffix(".safetensors")
+        if name in rots:
+            name = f
+        rots[name] = load_rotations(f, expect=shape)
+    files = text_sources.expand_paths(a.data) if a.data else text_sources.stdlib_test_files()
+    texts = text_sources.read_texts(text_sources.shuffled(files, a.seed))
+    windows = list(text_sources.token_stream(tok, texts, a.seq_len, a.tokens))
+    res = run_proxy(model, windows, rots, sink=a.sink, recent=a.recent, device=device, progress=not a.quiet,
+                    query_stride=a.query_stride)
+    print(format_table(res))
+    if a.json:
+        report = {"model": os.path.abspath(a.model), "tokens": sum(w.numel() for w in windows),
+                  "seq_len": a.seq_len, "sink": a.sink, "recent": a.recent,
+                  "data": text_sources.describe(a.data) if a.data else "python stdlib test suite",
+                  "rotations": {k: os.path.abspath(f) for k, f in zip(rots, a.rotations)}, "results": res}
+        with open(a.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "import-oscar-zoo":
+            return cmd_import(argv[1:])
+        if argv and argv[0] == "proxy":
+            return cmd_proxy(argv[1:])
+        return cmd_calibrate(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"oscar-calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
