@@ -1,0 +1,56 @@
+"""Data-free rotations files for the baselines: ``naive`` (R = I) and ``hadamard`` (R = H,
+the normalised Hadamard over the whole head_dim), no clipping. Used by the tests and to
+evaluate before a calibrated file exists; ``oscar-calibrate`` is the tool for real files.
+
+    python -m calibration.fidelity.baseline_rotations --model DIR --recipe hadamard --out FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from calibration.model_shape import ModelShape
+from calibration.rotations_file import Rotations, make_meta, no_clip, save_rotations
+from oscar_kernels.hybrid_cache import LayerRotation
+from oscar_kernels.transforms import hadamard_matrix
+
+BASELINES = ("naive", "hadamard")
+
+
+def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_size: int) -> Rotations:
+    if recipe not in BASELINES:
+        raise ValueError(f"baseline recipe must be one of {BASELINES}, got {recipe!r}")
+    h, d = shape.num_kv_heads, shape.head_dim
+    r = torch.eye(d) if recipe == "naive" else hadamard_matrix(d, torch.float32)
+    r = r.expand(h, d, d).contiguous()
+    layers = []
+    for _ in range(shape.num_layers):
+        k_lo, k_hi = no_clip(h, d)
+        v_lo, v_hi = no_clip(h, d)
+        layers.append(LayerRotation(r.clone(), r.clone(), k_lo, k_hi, v_lo, v_hi))
+    meta = make_meta(shape, model_name, group_size, recipe,
+                     recipe_detail={"rotation": "identity" if recipe == "naive" else "hadamard(head_dim)",
+                                    "clip": "none", "source": "calibration.fidelity.baseline_rotations"},
+                     calib_data="none (data-free)", calib_tokens=0)
+    return Rotations(meta, layers)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model folder (config.json is read)")
+    ap.add_argument("--recipe", choices=BASELINES, required=True)
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    with open(os.path.join(a.model, "config.json")) as f:
+        shape = ModelShape.from_hf_config(json.load(f))
+    save_rotations(a.out, baseline_rotations(shape, os.path.basename(os.path.normpath(a.model)),
+                                             a.recipe, a.group_size))
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()

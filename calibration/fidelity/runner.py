@@ -1,0 +1,108 @@
+"""The two measurements, driven through a KV simulator like the server drives its cache:
+prompts are prefilled in chunks of ``chunk`` tokens and answers decoded token by token.
+
+- :func:`perplexity`: teacher-forced next-token NLL over held-out windows; each window is
+  one sequence prefilled chunk by chunk, so every chunk after the first reads the
+  simulated cache of the previous ones.
+- :func:`passkey`: tinylm's passkey task (prompts from tasks.passkey_prompts): chunked
+  prefill of the prompt, then greedy decoding of up to 10 tokens, each step reading the
+  cache; stops early once the answer's first 6 characters are settled (exact, see
+  tasks.passkey_answer_settled) or at an end-of-sequence token.
+"""
+from __future__ import annotations
+
+import math
+from itertools import groupby
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from . import tasks
+from .attention import forward_step
+
+
+def chunk_bounds(length: int, chunk: int) -> list[tuple[int, int]]:
+    if chunk < 1:
+        raise ValueError(f"chunk size must be >= 1, got {chunk}")
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    """tinylm's NLL-by-position buckets (0-256, 256-L/8, L/8-L/4, L/4-L/2, L/2-L)."""
+    edges = sorted({0, min(length, 256), length // 8, length // 4, length // 2, length})
+    return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+
+
+@torch.no_grad()
+def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk: int,
+               batch: int = 1, desc: str = "ppl") -> dict:
+    starts = tasks.ppl_window_starts(len(stream), length, windows)
+    dev = next(model.parameters()).device
+    nll_sum = torch.zeros(length, dtype=torch.float64, device=dev)
+    bar = tqdm(total=len(starts), desc=desc, unit="win", leave=False)
+    for b0 in range(0, len(starts), batch):
+        rows = np.stack([stream[s:s + length + 1] for s in starts[b0:b0 + batch]])
+        ids = torch.from_numpy(rows).to(dev)
+        sim.begin(ids.shape[0])
+        for lo, hi in chunk_bounds(length, chunk):
+            logits = forward_step(model, sim, ids[:, lo:hi])
+            nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, lo + 1:hi + 1], reduction="none")
+            nll_sum[lo:hi] += nll.double().sum(0)
+        bar.update(ids.shape[0])
+    bar.close()
+    per_pos = nll_sum / len(starts)
+    mean = per_pos.mean().item()
+    return {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
+            "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
+                                for lo, hi in position_buckets(length)}}
+
+
+@torch.no_grad()
+def greedy_answers(model, sim, tokenizer, prompt_ids: np.ndarray, chunk: int, eos_ids: set[int],
+                   max_new_tokens: int = tasks.PASSKEY_MAX_NEW_TOKENS) -> list[str]:
+    """Chunked prefill of equal-length prompts [B, P], then greedy decoding step by step."""
+    dev = next(model.parameters()).device
+    ids = torch.from_numpy(np.ascontiguousarray(prompt_ids)).to(dev)
+    b = ids.shape[0]
+    sim.begin(b)
+    for lo, hi in chunk_bounds(ids.shape[1], chunk):
+        logits = forward_step(model, sim, ids[:, lo:hi], logits_to_keep=1)
+    gen, done = [[] for _ in range(b)], [False] * b
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if done[i]:
+                continue
+            if t in eos_ids:
+                done[i] = True
+                continue
+            gen[i].append(t)
+            done[i] = tasks.passkey_answer_settled(tasks.decode(tokenizer, gen[i]))
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = forward_step(model, sim, nxt.unsqueeze(1), logits_to_keep=1)
+    return [tasks.decode(tokenizer, g) for g in gen]
+
+
+def passkey(model, sim, tokenizer, prompts: list[tasks.PasskeyPrompt], chunk: int, eos_ids: set[int],
+            batch: int = 1, desc: str = "passkey", examples: int = 1) -> dict:
+    """Accuracy per (length, depth) cell, its mean over depths per length, and a few answers."""
+    by_depth, shown = {}, []
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
+    for (length, depth), cell in groupby(prompts, key=lambda p: (p.length, p.depth)):
+        cell = list(cell)
+        hits = 0
+        for b0 in range(0, len(cell), batch):
+            part = cell[b0:b0 + batch]
+            answers = greedy_answers(model, sim, tokenizer, np.stack([p.ids for p in part]), chunk, eos_ids)
+            for p, a in zip(part, answers):
+                hits += tasks.passkey_hit(a, p.value)
+                if p.trial < examples:
+                    shown.append({"len": length, "depth": depth, "want": p.value, "got": a[:12]})
+            bar.update(len(part))
+        by_depth.setdefault(str(length), {})[str(depth)] = hits / len(cell)
+    bar.close()
+    mean = {k: sum(v.values()) / len(v) for k, v in by_depth.items()}
+    return {"mean": mean, "by_depth": by_depth, "examples": shown}

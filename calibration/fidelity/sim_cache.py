@@ -1,0 +1,168 @@
+"""KV caches the HF model attends through during the fidelity evaluation.
+
+Both classes serve ``B`` sequences that advance together (same length), one request row
+per sequence, and are driven by :mod:`calibration.fidelity.attention` (the attention
+function registered in transformers' AttentionInterface):
+
+- :class:`HybridKVSim` stores and reads K/V exactly as the server does, through the
+  server's kernel API over an :mod:`oscar_kernels.hybrid_cache` pool:
+    extend (prefill chunk of T tokens after a prefix of n):
+        store_kv(int2 + sinks) -> extend_attention(prefix via the read rule, chunk in BF16,
+        causal) -> store_kv(ring cells of the last W positions)
+    decode (one token):  store_kv(int2 + sinks + ring) -> decode_attention(n + 1 positions)
+  so every query of a later chunk and every decoded token reads the INT2 history
+  (positions S .. n - W), the BF16 sink (< S) and the BF16 ring (last W).
+- :class:`Bf16KVSim` is the BF16 reference with the same numerics otherwise: K/V kept in
+  BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from oscar_kernels import api
+from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
+                                        assign_sink_slots)
+from oscar_kernels.int2 import SCALE_DTYPES
+
+CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
+
+
+class _KVSim:
+    """Bookkeeping shared by the simulators: ``batch`` rows at a common length."""
+
+    def __init__(self, num_layers: int, max_batch: int, max_len: int, device):
+        self.num_layers, self.max_batch, self.max_len = num_layers, max_batch, max_len
+        self.device = torch.device(device)
+        self.batch = 0
+        self.length = 0
+
+    def begin(self, batch: int) -> None:
+        """Start ``batch`` new sequences at position 0."""
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"batch {batch} outside 1..{self.max_batch} of this simulator")
+        self.batch, self.length = batch, 0
+
+    def check_step(self, tokens: int) -> None:
+        if self.batch == 0:
+            raise RuntimeError("call begin(batch) before running the model")
+        if self.length + tokens > self.max_len:
+            raise ValueError(f"sequence length {self.length + tokens} exceeds the simulator's "
+                             f"max_len {self.max_len}")
+
+    def advance(self, tokens: int) -> None:
+        """All layers have attended over this step's tokens: they are now history."""
+        self.length += tokens
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Bf16KVSim(_KVSim):
+    """Plain BF16 KV cache (the `bf16` method)."""
+
+    name = "bf16"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_batch: int,
+                 max_len: int, device="cpu"):
+        super().__init__(num_layers, max_batch, max_len, device)
+        shape = (max_batch, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=CACHE_DTYPE, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=CACHE_DTYPE, device=self.device) for _ in range(num_layers)]
+
+    def attend(self, layer_idx, q, k, v, scaling):
+        """q [B, Hq, T, D], k/v [B, H, T, D] (post-RoPE) -> o [B, T, Hq, D]."""
+        b, _, t, _ = q.shape
+        n0, n = self.length, self.length + t
+        self.k[layer_idx][:b, n0:n] = k.transpose(1, 2).to(CACHE_DTYPE)
+        self.v[layer_idx][:b, n0:n] = v.transpose(1, 2).to(CACHE_DTYPE)
+        kk = self.k[layer_idx][:b, :n].transpose(1, 2).float()
+        vv = self.v[layer_idx][:b, :n].transpose(1, 2).float()
+        qi = torch.arange(t, device=q.device).unsqueeze(1)
+        kj = torch.arange(n, device=q.device).unsqueeze(0)
+        mask = kj <= qi + n0
+        o = F.scaled_dot_product_attention(q.to(CACHE_DTYPE).float(), kk, vv, attn_mask=mask,
+                                           scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2).to(CACHE_DTYPE).to(q.dtype)
+
+
+class HybridKVSim(_KVSim):
+    """The server's hybrid INT2 + BF16 sink/ring cache, through oscar_kernels.api."""
+
+    name = "hybrid"
+
+    def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
+                 recent_window: int, max_batch: int, max_len: int, device="cpu",
+                 scale_dtype: str = "float16", page_size: int | None = None):
+        num_layers = len(rotations)
+        super().__init__(num_layers, max_batch, max_len, device)
+        if sink_tokens < 0 or recent_window < 0:
+            raise ValueError("sink tokens and recent window must be >= 0")
+        h, d = rotations[0].k_rot.shape[0], rotations[0].k_rot.shape[-1]
+        self.page_size = page_size or max(64, sink_tokens)
+        if sink_tokens > self.page_size:
+            raise ValueError(f"sink tokens {sink_tokens} exceed the page size {self.page_size} "
+                             "(sinks live on a sequence's first page)")
+        self.row_len = -(-max_len // self.page_size) * self.page_size  # rows start on a page
+        num_slots = max_batch * self.row_len
+        self.rotations = [r.to(self.device) for r in rotations]
+        sdt = SCALE_DTYPES[scale_dtype]
+        self.layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
+                                      num_sink_slots=max_batch, num_rows=max_batch,
+                                      scale_dtype=sdt, device=self.device)
+                       for _ in range(num_layers)]
+        self.index = allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device)
+        self.req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device) \
+            .view(max_batch, self.row_len)
+        self.sink_tokens, self.recent_window, self.group_size = sink_tokens, recent_window, group_size
+        self._meta = None
+
+    def begin(self, batch: int) -> None:
+        super().begin(batch)
+        ix = self.index
+        ix.sink_slot_of_page.fill_(-1)
+        ix.page_of_sink_slot.fill_(-1)
+        ix.sink_cursor = 0
+        ix.ring_valid_from.zero_()  # every request computes from position 0
+        assign_sink_slots(ix, self.req_to_token[:batch, 0], self.max_batch)
+        self._meta = None
+
+    def _step_meta(self, t: int):
+        """Per-token and per-request metadata of this step (computed once, shared by layers)."""
+        key = (self.batch, self.length, t)
+        if self._meta is None or self._meta[0] != key:
+            b, n0, dev = self.batch, self.length, self.device
+            rows = torch.arange(b, device=dev)
+            tok_rows = rows.repeat_interleave(t)
+            positions = (n0 + torch.arange(t, device=dev)).repeat(b)
+            slots = self.req_to_token[tok_rows, positions]
+            seq_ends = torch.full((b * t,), n0 + t, device=dev)
+            self._meta = (key, dict(rows=rows, tok_rows=tok_rows, positions=positions, slots=slots,
+                                    seq_ends=seq_ends,
+                                    prefix_lens=torch.full((b,), n0, device=dev),
+                                    seq_lens=torch.full((b,), n0 + t, device=dev),
+                                    qo_indptr=torch.arange(b + 1, device=dev) * t))
+        return self._meta[1]
+
+    def attend(self, layer_idx, q, k, v, scaling):
+        """q [B, Hq, T, D], k/v [B, H, T, D] (post-RoPE, unrotated) -> o [B, T, Hq, D]."""
+        b, hq, t, d = q.shape
+        m = self._step_meta(t)
+        layer, rot = self.layers[layer_idx], self.rotations[layer_idx]
+        qf = q.transpose(1, 2).reshape(b * t, hq, d).to(CACHE_DTYPE)
+        kf = k.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
+        vf = v.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
+        common = (layer, self.index, rot, self.req_to_token)
+        if t == 1 and self.length > 0:  # decode
+            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"])
+            o = api.decode_attention(qf, *common, m["rows"], m["seq_lens"], scaling)
+        else:  # extend: the ring is written after attention (it still holds the prefix window)
+            k_rot, v_rot = torch.empty_like(kf), torch.empty_like(vf)
+            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"],
+                         write_ring=False, rotated_out=(k_rot, v_rot))
+            o = api.extend_attention(qf, k_rot, v_rot, *common, m["rows"], m["prefix_lens"],
+                                     m["qo_indptr"], t, scaling)
+            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"],
+                         write_int2=False, write_ring=True)
+        return o.view(b, t, hq, d).to(q.dtype)

@@ -1,0 +1,160 @@
+"""oscar-eval: the simulated hybrid cache, the eval tasks and the CLI (CPU, tinylm-A)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from multiprocessing.dummy import Pool as ThreadPool
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.fidelity import tasks
+from calibration.fidelity.attention import forward_step, use_simulated_attention
+from calibration.fidelity.baseline_rotations import baseline_rotations
+from calibration.fidelity.sim_cache import Bf16KVSim, HybridKVSim
+from calibration.model_shape import ModelShape
+from calibration.rotations_file import save_rotations
+
+L, CHUNK = 128, 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import TINYLM
+    if not (TINYLM / "config.json").is_file():
+        pytest.skip(f"tinylm-A not found at {TINYLM}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    plain = AutoModelForCausalLM.from_pretrained(TINYLM, dtype=torch.float32, attn_implementation="sdpa").eval()
+    sim_model = AutoModelForCausalLM.from_pretrained(TINYLM, dtype=torch.float32).eval()
+    use_simulated_attention(sim_model)
+    tok = AutoTokenizer.from_pretrained(TINYLM)
+    return plain, sim_model, tok, ModelShape.from_hf_config(plain.config)
+
+
+@pytest.fixture(scope="module")
+def stream(tiny):
+    return tasks.load_heldout_stream(tiny[2], corpus_mb=0.3).tokens
+
+
+def _chunked(model, sim, ids, chunk):
+    sim.begin(ids.shape[0])
+    return torch.cat([forward_step(model, sim, ids[:, s:s + chunk]) for s in range(0, ids.shape[1], chunk)], 1)
+
+
+def _hybrid(shape, recipe, sink, recent, max_len, batch=1):
+    rot = baseline_rotations(shape, "tinylm-A", recipe, group_size=32)
+    return HybridKVSim(rot.layers, 32, sink, recent, batch, max_len)
+
+
+def test_identity_full_windows_reproduce_plain_model(tiny, stream):
+    plain, sim_model, _, shape = tiny
+    ids = torch.from_numpy(np.stack([stream[:L], stream[1000:1000 + L]]))
+    with torch.no_grad():
+        ref = plain(input_ids=ids, use_cache=False).logits
+    hyb = _chunked(sim_model, _hybrid(shape, "naive", 4, L, L, batch=2), ids, CHUNK)
+    bf = _chunked(sim_model, Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 2, L), ids, CHUNK)
+    # identical up to the BF16 rounding of q/k/v/o that the server's cache implies
+    assert (hyb - ref).abs().max() < 0.1
+    assert (hyb - bf).abs().max() < 0.05
+    assert (hyb.argmax(-1) == ref.argmax(-1)).float().mean() > 0.98
+
+
+def test_identity_full_windows_decode_matches_bf16(tiny, stream):
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    hyb, bf = _hybrid(shape, "naive", 4, L, L), Bf16KVSim(shape.num_layers, shape.num_kv_heads,
+                                                          shape.head_dim, 1, L)
+    outs = []
+    for sim in (hyb, bf):
+        _chunked(sim_model, sim, ids[:, :L - 4], CHUNK)
+        outs.append(torch.cat([forward_step(sim_model, sim, ids[:, j:j + 1]) for j in range(L - 4, L)], 1))
+    assert (outs[0] - outs[1]).abs().max() < 0.05
+
+
+def test_chunked_int2_reads_quantised_history(tiny, stream):
+    plain, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    with torch.no_grad():
+        ref = plain(input_ids=ids, use_cache=False).logits
+    # one chunk = the full-sequence forward: queries never read INT2, so it measures nothing
+    whole = _chunked(sim_model, _hybrid(shape, "naive", 4, 16, L), ids, L)
+    assert (whole - ref).abs().max() < 0.1
+    # chunked prefill: the first chunk has no history, later chunks read INT2 history
+    chunked = _chunked(sim_model, _hybrid(shape, "naive", 4, 16, L), ids, CHUNK)
+    assert (chunked[:, :CHUNK] - ref[:, :CHUNK]).abs().max() < 0.1
+    assert (chunked[:, CHUNK:] - ref[:, CHUNK:]).abs().max() > 0.5
+    # decoding also reads it
+    sim = _hybrid(shape, "naive", 4, 16, L)
+    _chunked(sim_model, sim, ids[:, :L - 1], CHUNK)
+    step = forward_step(sim_model, sim, ids[:, L - 1:])
+    assert (step[:, 0] - ref[:, L - 1]).abs().max() > 0.5
+
+
+def _load_tinylm_train(tinylm_dir):
+    spec = importlib.util.spec_from_file_location("tinylm_train", tinylm_dir / "tinylm_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_passkey_prompts_match_tinylm(tinylm_dir, tiny, stream):
+    from tokenizers import Tokenizer
+    tt = _load_tinylm_train(tinylm_dir)
+    raw = Tokenizer.from_file(str(tinylm_dir / "tokenizer.json"))
+    eot = raw.token_to_id(tt.EOT)
+    nl = tt.line_start_mask(raw, raw.get_vocab_size())
+    assert (nl == tasks.line_start_mask(tiny[2])).all()
+    theirs = tt.Passkey(raw, stream, nl, eot)
+    ours = tasks.Passkey(tiny[2], stream)
+    r1, r2 = np.random.default_rng(777), np.random.default_rng(777)
+    for length in (512, 2048 - 16):
+        for d in tasks.PASSKEY_DEPTHS:
+            (a_ids, a_val), (b_ids, b_val) = theirs.eval_prompt(r1, length, d), ours.eval_prompt(r2, length, d)
+            assert a_val == b_val and np.array_equal(a_ids, b_ids) and len(b_ids) == length
+    p = tasks.passkey_prompts(ours, [512], trials=2)
+    text = tasks.decode(tiny[2], p[0].ids, skip_special_tokens=False)
+    assert text.startswith(tasks.EOT) and text.endswith(f'\nassert PASSKEY_{text.split("PASSKEY_")[1][:6]} == "')
+    assert f'\nPASSKEY_{text.split("PASSKEY_")[1][:6]} = "{p[0].value}"' in text
+    assert [(q.length, q.depth, q.trial) for q in p[:3]] == [(512, 0.1, 0), (512, 0.1, 1), (512, 0.5, 0)]
+    assert tasks.passkey_hit('7f5355"\n', "7f5355") and not tasks.passkey_hit("7f535", "7f5355")
+
+
+def test_heldout_files_match_tinylm_discovery(tinylm_dir):
+    tt = _load_tinylm_train(tinylm_dir)
+    roots = tasks.site_roots()
+    with ThreadPool(2) as pool:
+        _, held, _, _ = tt.discover_files(pool, roots, list(tasks.HELDOUT_PACKAGES), 1024 * 1024, False)
+    held.sort()
+    import random
+    random.Random(12345).shuffle(held)
+    assert tasks.heldout_files(roots=roots) == held
+
+
+def test_oscar_eval_smoke(tinylm_dir, tmp_path):
+    from calibration.fidelity import cli
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    rot_path = tmp_path / "hadamard.safetensors"
+    save_rotations(str(rot_path), baseline_rotations(shape, "tinylm-A", "hadamard", 32))
+    out = tmp_path / "fid.json"
+    assert cli.main(["--model", str(tinylm_dir), "--method", f"hadamard={rot_path}", "--ppl-len", "256",
+                     "--ppl-windows", "1", "--chunk", "128", "--passkey-trials", "1", "--lengths", "256",
+                     "--corpus-mb", "0.3", "--sink", "4", "--recent", "64", "--out", str(out),
+                     "--device", "cpu"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"model", "settings", "methods"}
+    s = res["settings"]
+    assert (s["sink"], s["recent"], s["group_size"], s["chunk"]) == (4, 64, 32, 128)
+    assert {"calib", "eval", "passkey_trials", "rotations"} <= set(s)
+    assert s["rotations"]["hadamard"]["recipe_detail"]["rotation"] == "hadamard(head_dim)"
+    assert set(res["methods"]) == {"bf16", "hadamard"}
+    for m in res["methods"].values():
+        assert 1.0 < m["ppl_256"] < 100.0
+        assert set(m["passkey"]) == {"256"} and 0.0 <= m["passkey"]["256"] <= 1.0
+        assert set(m["passkey_by_depth"]["256"]) == {"0.1", "0.5", "0.9"}
+
+
+def test_oscar_eval_rejects_bad_method(tinylm_dir):
+    from calibration.fidelity import cli
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(tinylm_dir), "--method", "nofile"])
