@@ -1,0 +1,232 @@
+"""Start, probe and stop SGLang servers for the server benchmarks (server_fidelity.py,
+capacity.py, soak.py).
+
+Every server runs ``python -m sglang_ext.launcher serve ...`` (the ``oscar-sglang``
+console script, also for the BF16 / FP8 references) in its own process group with its
+log in a file; ``stop()``, ``atexit`` and SIGINT/SIGTERM end the whole group (SIGTERM,
+then SIGKILL). When the ``oscar`` plugin entry point is not installed in this Python
+(a plain checkout), a minimal dist-info declaring it is written to a temporary folder and
+put on the server's PYTHONPATH, so the scheduler subprocesses load the plugin too.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+_LIVE: list["Server"] = []
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def default_model(name: str) -> str:
+    """.device/models/<name> on the GPU machine, else ../shared/models/<name>."""
+    for cand in (os.path.join(ROOT, ".device", "models", name),
+                 os.path.join(os.path.dirname(ROOT), "shared", "models", name)):
+        if os.path.isfile(os.path.join(cand, "config.json")):
+            return cand
+    return os.path.join(ROOT, ".device", "models", name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plugin_env() -> dict:
+    """Environment for a server process: the checkout on PYTHONPATH and, if needed, a
+    dist-info that declares the ``oscar`` plugin entry point."""
+    from importlib.metadata import entry_points
+
+    paths = [ROOT]
+    if "oscar" not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}:
+        from sglang_ext.plugin import write_entry_point_metadata
+
+        site_dir = tempfile.mkdtemp(prefix="oscar-entry-point-")
+        write_entry_point_metadata(site_dir)
+        paths.insert(0, site_dir)
+    old = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+class Server:
+    """One ``oscar-sglang serve`` process group."""
+
+    def __init__(self, name: str, args: list[str], log_dir: str, port: int | None = None,
+                 env: dict | None = None):
+        self.name = name
+        self.port = port or free_port()
+        self.cmd = [sys.executable, "-m", "sglang_ext.launcher", "serve", *args,
+                    "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.env = {**os.environ, **plugin_env(), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> float:
+        """Start and wait until /health answers; returns the start-up seconds."""
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        self._log.write("$ " + shlex.join(self.cmd) + "\n")
+        self._log.flush()
+        log(f"{self.name}: starting server on port {self.port} (log {self.log_path})")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        _LIVE.append(self)
+        next_note = t0 + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerDied(f"{self.name}: server exited with code {self.proc.returncode} "
+                                 f"before it was ready; last log lines:\n{self.log_tail()}")
+            if self.get("/health", timeout=5) is not None:
+                took = time.monotonic() - t0
+                log(f"{self.name}: ready after {took:.0f} s")
+                return took
+            if time.monotonic() - t0 > timeout:
+                raise ServerDied(f"{self.name}: not ready after {timeout:.0f} s; last log lines:\n"
+                                 f"{self.log_tail()}")
+            if time.monotonic() > next_note:
+                log(f"{self.name}: still starting ({time.monotonic() - t0:.0f} s)")
+                next_note += 30
+            time.sleep(1)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def get(self, path: str, timeout: float = 30.0):
+        """JSON (or text) of GET path; None when the server does not answer 200."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                body = r.read()
+                if r.status != 200:
+                    return None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        try:
+            return json.loads(body) if body else {}
+        except json.JSONDecodeError:
+            return body.decode("utf-8", "replace")
+
+    def post(self, path: str, payload: dict, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "".join(self.log_text().splitlines(keepends=True)[-lines:])
+
+    def max_total_num_tokens(self) -> tuple[int, str]:
+        """(tokens, source): /server_info, else the scheduler's start-up log line."""
+        info = self.get("/server_info")
+        if isinstance(info, dict) and isinstance(info.get("max_total_num_tokens"), int):
+            return info["max_total_num_tokens"], "/server_info"
+        found = re.findall(r"max_total_num_tokens=(\d+)", self.log_text())
+        if found:
+            return int(found[-1]), "server log"
+        raise RuntimeError(f"{self.name}: max_total_num_tokens neither in /server_info nor in the log")
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.proc is not None and self.proc.poll() is None or _group_alive(self.proc):
+            log(f"{self.name}: stopping server")
+            _kill_group(self.proc.pid, self.proc, grace)
+        if self in _LIVE:
+            _LIVE.remove(self)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _group_alive(proc) -> bool:
+    if proc is None:
+        return False
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill_group(pgid: int, proc: subprocess.Popen | None, grace: float) -> None:
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            if proc is not None:
+                proc.poll()
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+
+def stop_all() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop(grace=10.0)
+        except Exception as e:  # keep stopping the others
+            print(f"warning: could not stop {server.name}: {e}", file=sys.stderr, flush=True)
+
+
+def _on_signal(signum, _frame):
+    stop_all()
+    sys.exit(128 + signum)
+
+
+atexit.register(stop_all)
+for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _on_signal)
