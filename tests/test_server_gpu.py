@@ -1,0 +1,193 @@
+"""End-to-end on a GPU: a real SGLang 0.5.17 server with --kv-cache-dtype oscar_int2
+(plugin entry point, OscarKVPool, OscarAttnBackend, CUDA-graph decode, chunked prefill
+1024, radix cache) against a BF16 server on the same model, through the openai client.
+
+Run on the GPU machine (SGLang under /tmp/site, tinylm-A under .device/models):
+    PYTHONPATH=/tmp/site python3 -m pytest -m gpu tests/test_server_gpu.py -v
+
+Servers: one BF16 reference (started, queried, stopped), one OSCAR server for the module.
+The OSCAR server keeps S = 64 sink tokens (one page): a radix hit on a one-page prefix then
+reads the shared page's BF16 sinks, so its greedy output must equal the uncached run's
+(with S < page size the hit reads shared positions >= S as INT2 by design, which moves
+logits slightly). Rotations: made on the fly by oscar-calibrate (recipe oscar) on the
+checkout's own Python sources.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINYLM
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.gpu
+
+SINKS, WINDOW = 64, 128  # the OSCAR server's S and W: prompts + outputs <= S + W stay BF16
+COMMON = ["--sampling-backend", "pytorch", "--mem-fraction-static", "0.5", "--page-size", "64",
+          "--chunked-prefill-size", "1024", "--cuda-graph-max-bs-decode", "8", "--enable-cache-report",
+          "--log-level", "warning"]
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(",
+]
+CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+MAX_TOKENS = 32
+
+
+def _harness():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import server_harness
+
+    return server_harness
+
+
+def _client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+
+
+def _complete(client, prompt, stream=False, max_tokens=MAX_TOKENS, ignore_eos=False):
+    """(text, usage) of a greedy /v1/completions request."""
+    kw = dict(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0,
+              extra_body={"ignore_eos": True} if ignore_eos else None)
+    if not stream:
+        r = client.completions.create(**kw)
+        return r.choices[0].text, r.usage
+    text, usage = "", None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text or ""
+        usage = chunk.usage or usage
+    return text, usage
+
+
+def _chat(client, stream=False):
+    kw = dict(model="default", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.usage
+    text, usage = "", None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    return text, usage
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    if not (TINYLM / "config.json").is_file():
+        pytest.skip(f"tinylm-A not found at {TINYLM}")
+    return TINYLM
+
+
+@pytest.fixture(scope="module")
+def rotations(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors"
+    data = [str(ROOT / d) for d in ("calibration", "oscar_kernels", "sglang_ext")]
+    cmd = [sys.executable, "-m", "calibration.cli", "--model", str(model_dir), "--out", str(out),
+           "--recipe", "oscar", "--tokens", "16384", "--seq-len", "1024", "--quiet", "--data", *data]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"oscar-calibrate failed:\n{done.stderr[-3000:]}"
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def bf16(model_dir, tmp_path_factory):
+    """Greedy outputs and capacity of the BF16 reference server (then stopped)."""
+    h = _harness()
+    log_dir = str(tmp_path_factory.mktemp("logs"))
+    with h.Server("bf16", ["--model-path", str(model_dir), "--attention-backend", "triton",
+                           "--disable-prefill-cuda-graph", *COMMON], log_dir) as server:
+        client = _client(server)
+        return {"completions": [_complete(client, p)[0] for p in PROMPTS],
+                "chat": _chat(client)[0],
+                "max_total_num_tokens": server.max_total_num_tokens()[0]}
+
+
+@pytest.fixture(scope="module")
+def oscar(model_dir, rotations, bf16, tmp_path_factory):
+    h = _harness()
+    log_dir = str(tmp_path_factory.mktemp("logs"))
+    server = h.Server("oscar", ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2",
+                                "--oscar-rotations", rotations, "--oscar-sink-tokens", str(SINKS),
+                                "--oscar-recent-window", str(WINDOW), *COMMON], log_dir)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_capacity_is_at_least_6_5x_bf16(oscar, bf16):
+    tokens = oscar.max_total_num_tokens()[0]
+    assert tokens >= 6.5 * bf16["max_total_num_tokens"], (tokens, bf16["max_total_num_tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_match_bf16_within_the_windows(oscar, bf16, stream):
+    client = _client(oscar)
+    for prompt, want in zip(PROMPTS, bf16["completions"]):
+        text, usage = _complete(client, prompt, stream=stream)
+        assert usage.prompt_tokens + usage.completion_tokens <= SINKS + WINDOW
+        assert text == want, (prompt, text, want)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_matches_bf16_within_the_windows(oscar, bf16, stream):
+    text, usage = _chat(_client(oscar), stream=stream)
+    assert usage.prompt_tokens + usage.completion_tokens <= SINKS + WINDOW
+    assert text == bf16["chat"]
+
+
+def test_radix_hit_matches_uncached_run(oscar, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    source = (ROOT / "sglang_ext" / "backend.py").read_text()
+    prefix = tok(source)["input_ids"][:64]  # exactly one page: the shared sinks
+    first = prefix + tok("\n\ndef first_helper(x):\n")["input_ids"]
+    second = prefix + tok("\n\nclass SecondHelper:\n")["input_ids"]
+    assert first[64] != second[64]
+    client = _client(oscar)
+    assert oscar.get("/flush_cache") is not None
+    _complete(client, first)
+    hit, hit_usage = _complete(client, second)
+    assert hit_usage.prompt_tokens_details.cached_tokens == 64
+    assert oscar.get("/flush_cache") is not None
+    cold, cold_usage = _complete(client, second)
+    assert not cold_usage.prompt_tokens_details.cached_tokens
+    assert hit == cold
+
+
+def test_long_prompt_chunked_prefill_and_int2_history(oscar, model_dir):
+    """~2500 prompt tokens: three prefill chunks, INT2 history, then a radix hit on it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok((ROOT / "sglang_ext" / "pool.py").read_text() * 3)["input_ids"][:2500]
+    client = _client(oscar)
+    assert oscar.get("/flush_cache") is not None
+    for expect_hit in (False, True):
+        text, usage = _complete(client, ids, max_tokens=48, ignore_eos=True)
+        assert usage.prompt_tokens == 2500 and usage.completion_tokens == 48 and text.strip()
+        cached = usage.prompt_tokens_details.cached_tokens or 0
+        assert (cached > 2000) == expect_hit
+
+
+def test_concurrent_requests_share_graph_decode_batches(oscar, model_dir):
+    """Eight requests at once (short and long, cache hits and misses): decode runs in
+    padded CUDA-graph batches over several request rows; every request completes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    long_ids = tok((ROOT / "sglang_ext" / "backend.py").read_text())["input_ids"][:1500]
+    prompts = PROMPTS + [long_ids[:n] for n in (300, 700, 1100, 1500)]
+    client = _client(oscar)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: _complete(client, p, max_tokens=40, ignore_eos=True), prompts))
+    for text, usage in results:
+        assert usage.completion_tokens == 40 and text.strip()
