@@ -1,0 +1,123 @@
+"""KV capacity: ``max_total_num_tokens`` of SGLang for BF16, FP8 (e4m3) and OSCAR INT2 KV
+caches at the same memory budget, on a shape-only model (``--load-format dummy``).
+
+One server per KV dtype, identical arguments except ``--kv-cache-dtype``
+(``--mem-fraction-static 0.88 --page-size 64 --load-format dummy``); the figure is the one
+the server reports in ``/server_info`` (else the scheduler's ``max_total_num_tokens=`` log
+line). The oscar server needs a rotations file for the shape: a data-free ``hadamard``
+file is written for it (capacity depends on the file's shape and group size only, not on
+its values; calibration needs real weights).
+
+    python benchmarks/capacity.py            # .device/shapes/qwen3-8b-shape on the GPU machine
+
+writes benchmarks/results/capacity_qwen3-8b-shape.json
+({"bf16": n, "fp8_e4m3": n, "oscar_int2": n, "meta": {...}}) after every server, and the
+server logs to benchmarks/results/capacity_logs/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from server_harness import ROOT, Server, log, save_json, stop_all  # noqa: E402
+
+DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
+
+
+def default_shape(name: str = "qwen3-8b-shape") -> str:
+    for cand in (os.path.join(ROOT, ".device", "shapes", name),
+                 os.path.join(os.path.dirname(ROOT), "shared", "shapes", name)):
+        if os.path.isfile(os.path.join(cand, "config.json")):
+            return cand
+    return os.path.join(ROOT, ".device", "shapes", name)
+
+
+def write_shape_rotations(model_dir: str, out: str, group_size: int) -> str:
+    """A data-free hadamard rotations file for the model's attention shape."""
+    from calibration.fidelity.baseline_rotations import baseline_rotations
+    from calibration.model_shape import ModelShape
+    from calibration.rotations_file import save_rotations
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        shape = ModelShape.from_hf_config(json.load(f))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    save_rotations(out, baseline_rotations(shape, os.path.basename(os.path.normpath(model_dir)),
+                                           "hadamard", group_size))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=default_shape(), help="model folder (config + tokenizer)")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.88)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"subset of {','.join(DTYPES)}")
+    ap.add_argument("--rotations", default=None,
+                    help="rotations file for oscar_int2 (default: write a hadamard one for the shape)")
+    ap.add_argument("--group-size", type=int, default=128, help="group size of the generated file")
+    ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--log-dir", default=os.path.join(ROOT, "benchmarks", "results", "capacity_logs"))
+    args = ap.parse_args(argv)
+    t_all = time.time()
+    name = os.path.basename(os.path.normpath(args.model))
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"capacity_{name}.json")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"unknown dtype(s) {unknown}; choose from {DTYPES}")
+    rotations = args.rotations
+    if "oscar_int2" in dtypes and rotations is None:
+        import tempfile
+
+        rotations = write_shape_rotations(
+            args.model, os.path.join(tempfile.gettempdir(), "oscar-capacity",
+                                     f"{name}.hadamard.g{args.group_size}.safetensors"), args.group_size)
+        log(f"wrote the data-free hadamard rotations {rotations}")
+    common = ["--model-path", args.model, "--load-format", "dummy",
+              "--mem-fraction-static", str(args.mem_fraction_static), "--page-size", str(args.page_size),
+              *shlex.split(args.server_args)]
+    result = {"meta": {"model": name, "mem_fraction_static": args.mem_fraction_static,
+                       "page_size": args.page_size, "server_args": common, "rotations": rotations,
+                       "group_size": args.group_size if args.rotations is None else "from --rotations",
+                       "source": {}, "startup_s": {}}}
+    try:
+        import torch
+
+        result["meta"]["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        pass
+    for dtype in dtypes:
+        extra = ["--kv-cache-dtype", dtype]
+        if dtype == "oscar_int2":
+            extra += ["--oscar-rotations", rotations]
+        server = Server(f"capacity-{dtype}", common + extra, args.log_dir)
+        try:
+            result["meta"]["startup_s"][dtype] = round(server.start(), 1)
+            tokens, source = server.max_total_num_tokens()
+        finally:
+            server.stop()
+        result[dtype] = tokens
+        result["meta"]["source"][dtype] = source
+        log(f"{dtype}: max_total_num_tokens = {tokens} ({source})")
+        if "bf16" in result:
+            result["meta"]["ratio_vs_bf16"] = {d: round(result[d] / result["bf16"], 3)
+                                               for d in DTYPES if d in result}
+        result["meta"]["wall_s"] = round(time.time() - t_all, 1)
+        save_json(out, result)
+    log(f"{json.dumps({d: result[d] for d in dtypes})} -> {out}")
+    log(f"total wall time {time.time() - t_all:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        stop_all()
