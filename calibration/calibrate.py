@@ -199,7 +199,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                 lo, hi, det = search_clip(xr, cfg.clip, cfg.group_size, scale_dtype, weight=w)
             clips += [lo, hi]
             clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
-        layers.append(LayerRotation(r_k.float(), r_v.float(), clips[0], clips[1], clips[2], clips[3]))
+        layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips))
     detail = {
         "order": "x' = x @ R (row vectors); " + (VARIANTS[cfg.variant] if cfg.recipe == "oscar" else
                                                    {"hadamard": "R = H", "naive": "R = I"}[cfg.recipe]),
@@ -210,7 +210,8 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
         "value_basis": "eig(C_S), C_S = O^T O of per-head attention outputs" if cfg.recipe == "oscar" else None,
         "clip": cfg.clip,
         "clip_method": None if cfg.clip == "none" else
-        f"two-level grid search (0.3..1.0 step 0.1, then +-0.075 step 0.025) of a ratio of the sample range ({cfg.clip} granularity) minimising "
+        f"mean +- m * std ({cfg.clip} granularity), m by a two-level grid search (1..8 std, then +-0.375 "
+        f"step 0.125) including no clip, minimising "
         + ("the C_Q-weighted key error and o_proj-weighted value error" if cfg.clip_objective == "attn"
            else "the squared error") + " of oscar_kernels.int2.fake_quantise",
         "clip_objective": None if cfg.clip == "none" else cfg.clip_objective,

@@ -96,7 +96,7 @@ def save_rotations(path: str, rotations: Rotations) -> None:
     tensors = {}
     for l, lr in enumerate(rotations.layers):
         for kind in _TENSOR_KINDS:
-            tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone()
+            tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone(memory_format=torch.contiguous_format)
     md = {
         "format": FORMAT, "version": meta.version, "architecture": meta.architecture,
         "model_name": meta.model_name, "recipe": meta.recipe,
