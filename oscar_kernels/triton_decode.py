@@ -31,7 +31,8 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
-from .triton_hybrid_attn import bf16_range, int2_range, load_q_planes, request_layout
+from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, plane_corr,
+                                 request_layout)
 
 LOG2E = 1.4426950408889634
 
@@ -101,29 +102,39 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc * inv[:, None], mask=hmask[:, None])
     else:
-        # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo)
+        # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         DQ: tl.constexpr = D // 4
+        NG: tl.constexpr = D // G if G >= D // 4 else 1
+        KN: tl.constexpr = BN if G >= D // 4 else 1
         length = ring_lo - s_b
         ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
-        q0, q1, q2, q3, qs0, qs1, qs2, qs3 = load_q_planes(q_rows, hmask, D)
-        a0 = tl.zeros([BH, DQ], tl.float32)
-        a1 = tl.zeros([BH, DQ], tl.float32)
-        a2 = tl.zeros([BH, DQ], tl.float32)
-        a3 = tl.zeros([BH, DQ], tl.float32)
-        m_i, l_i, a0, a1, a2, a3 = int2_range(
-            q0, q1, q2, q3, qs0, qs1, qs2, qs3, m_i, l_i, a0, a1, a2, a3, lo, hi,
-            r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
+        q_vec = qr_ptr + b * sqr_b + hq * sqr_h
+        qt0, qs0 = load_q_plane(q_vec, hmask, 0, D)
+        qt1, qs1 = load_q_plane(q_vec, hmask, 1, D)
+        qt2, qs2 = load_q_plane(q_vec, hmask, 2, D)
+        qt3, qs3 = load_q_plane(q_vec, hmask, 3, D)
+        m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
+            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, tl.zeros([BN, BH], tl.float32),
+            tl.zeros([DQ, BH], tl.float32), tl.zeros([DQ, BH], tl.float32),
+            tl.zeros([DQ, BH], tl.float32), tl.zeros([DQ, BH], tl.float32),
+            tl.zeros([KN, BH], tl.float32), tl.zeros([KN if NG >= 2 else 1, BH], tl.float32),
+            tl.zeros([KN if NG == 4 else 1, BH], tl.float32), tl.zeros([KN if NG == 4 else 1, BH], tl.float32),
+            lo, hi, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
             ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
+        l_i = tl.sum(l_t, 0)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        jq = tl.arange(0, DQ)
-        o_rows = mid_o_ptr + mid_row[:, None] * D + jq[None, :]
-        tl.store(o_rows, a0 * inv[:, None], mask=hmask[:, None])
-        tl.store(o_rows + DQ, a1 * inv[:, None], mask=hmask[:, None])
-        tl.store(o_rows + 2 * DQ, a2 * inv[:, None], mask=hmask[:, None])
-        tl.store(o_rows + 3 * DQ, a3 * inv[:, None], mask=hmask[:, None])
+        o_base = mid_o_ptr + mid_row[None, :] * D + tl.arange(0, DQ)[:, None]
+        tl.store(o_base, finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), inv, G, DQ),
+                 mask=hmask[None, :])
+        tl.store(o_base + DQ, finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), inv, G, DQ),
+                 mask=hmask[None, :])
+        tl.store(o_base + 2 * DQ, finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), inv, G, DQ),
+                 mask=hmask[None, :])
+        tl.store(o_base + 3 * DQ, finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), inv, G, DQ),
+                 mask=hmask[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     tl.store(mid_lse_ptr + mid_row, lse, mask=hmask)
 
@@ -288,9 +299,6 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     magic = cfg.magic_unpack
     kpk, vpk = lay.k_packed, lay.v_packed
     spk_s, spk_h = kpk.stride(0), kpk.stride(1)
-    if magic:
-        kpk, vpk = kpk.view(torch.int32), vpk.view(torch.int32)
-        spk_s, spk_h = spk_s // 4, spk_h // 4
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,

@@ -22,7 +22,8 @@ import triton.language as tl
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
 from .triton_decode import rotate_queries
-from .triton_hybrid_attn import bf16_range, int2_range, load_q_planes, mm, online_softmax, request_layout
+from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, mm, online_softmax,
+                                 plane_corr, request_layout)
 
 
 @triton.jit
@@ -66,23 +67,32 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         m_i = tl.full([R], float("-inf"), tl.float32)
         l_i = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
-        a0 = tl.zeros([R, DQ], tl.float32)
-        a1 = tl.zeros([R, DQ], tl.float32)
-        a2 = tl.zeros([R, DQ], tl.float32)
-        a3 = tl.zeros([R, DQ], tl.float32)
         # ---- prefix: sinks (BF16)
         if S > 0:
             cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
             m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
                                        0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
-        # ---- prefix: INT2 history
-        q0, q1, q2, q3, qs0, qs1, qs2, qs3 = load_q_planes(q_rows, rmask, D)
+        # ---- prefix: INT2 history (transposed plane tiles, see triton_hybrid_attn)
+        DQ: tl.constexpr = D // 4
+        NG: tl.constexpr = D // G if G >= D // 4 else 1
+        KN: tl.constexpr = BN if G >= D // 4 else 1
+        q_vec = qr_ptr + tok * sq_t + hq * sq_h
+        qt0, qs0 = load_q_plane(q_vec, rmask, 0, D)
+        qt1, qs1 = load_q_plane(q_vec, rmask, 1, D)
+        qt2, qs2 = load_q_plane(q_vec, rmask, 2, D)
+        qt3, qs3 = load_q_plane(q_vec, rmask, 3, D)
         m_pre = m_i
-        m_i, l_i, a0, a1, a2, a3 = int2_range(
-            q0, q1, q2, q3, qs0, qs1, qs2, qs3, m_i, l_i, a0, a1, a2, a3, s_b, ring_lo,
-            r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
+        m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
+            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, tl.zeros([BN, R], tl.float32),
+            tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
+            tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
+            tl.zeros([KN, R], tl.float32), tl.zeros([KN if NG >= 2 else 1, R], tl.float32),
+            tl.zeros([KN if NG == 4 else 1, R], tl.float32), tl.zeros([KN if NG == 4 else 1, R], tl.float32),
+            s_b, ring_lo, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
             ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
-        acc = acc * _rescale(m_pre, m_i)[:, None]
+        f_pre = _rescale(m_pre, m_i)
+        acc = acc * f_pre[:, None]
+        l_i = l_i * f_pre + tl.sum(l_t, 0)
         m_int2 = m_i
         # ---- prefix: ring (BF16)
         if W > 0:
@@ -102,13 +112,13 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
             acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
-        f = _rescale(m_int2, m_i)[:, None]
-        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        acc = acc * inv
-        a0 = a0 * (f * inv)
-        a1 = a1 * (f * inv)
-        a2 = a2 * (f * inv)
-        a3 = a3 * (f * inv)
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        acc = acc * inv[:, None]
+        f_int2 = _rescale(m_int2, m_i) * inv  # INT2 tiles: from m_int2 to the final max, normalised
+        o0 = tl.trans(finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), f_int2, G, DQ))
+        o1 = tl.trans(finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), f_int2, G, DQ))
+        o2 = tl.trans(finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), f_int2, G, DQ))
+        o3 = tl.trans(finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), f_int2, G, DQ))
         # ---- epilogue: o = o' @ R_V^T, column block by column block
         ec = tl.arange(0, EB)
         jq = tl.arange(0, DQ)
@@ -117,10 +127,10 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             rcol = rot + (e0 + ec)[None, :] * D  # R[e, :] as a column of R^T
             oc = mma_f32(acc, tl.load(rcol + d[:, None]).to(tl.float32), tl.zeros([R, EB], tl.float32),
                          PRECISION)
-            oc = mma_f32(a0, tl.load(rcol + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(a1, tl.load(rcol + DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(a2, tl.load(rcol + 2 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(a3, tl.load(rcol + 3 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(o0, tl.load(rcol + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(o1, tl.load(rcol + DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(o2, tl.load(rcol + 2 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
+            oc = mma_f32(o3, tl.load(rcol + 3 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
             tl.store(out_ptr + tok[:, None] * so_t + hq[:, None] * so_h + e0 + ec[None, :],
                      oc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -178,9 +188,6 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     lay = layer
     kpk, vpk = lay.k_packed, lay.v_packed
     spk_s, spk_h = kpk.stride(0), kpk.stride(1)
-    if cfg.magic_unpack:
-        kpk, vpk = kpk.view(torch.int32), vpk.view(torch.int32)
-        spk_s, spk_h = spk_s // 4, spk_h // 4
     grid = (triton.cdiv(max_extend_len, bm), b, h)
     _extend_kernel[grid](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),

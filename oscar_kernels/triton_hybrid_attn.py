@@ -29,44 +29,55 @@ def mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit
-def unpack_words(w, SHIFT: tl.constexpr, BN: tl.constexpr, NW: tl.constexpr):
-    """int32 words [BN, NW] (4 packed bytes each) -> bf16 [BN, 4*NW] = 128 + code of plane
-    SHIFT/2, in byte order. (code | 0x4300) is the bf16 bit pattern of 128 + code."""
-    x = w >> SHIFT
-    lo = (x & 0x00030003) | 0x43004300  # bytes 0, 2 of each word
-    hi = ((x >> 8) & 0x00030003) | 0x43004300  # bytes 1, 3
-    b0 = (lo & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b2 = (lo >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b1 = (hi & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    b3 = (hi >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BN, 4 * NW])
+# bf16 bit pattern 0x4300 | c is 128 + c (c < 128): four 2-bit codes (one per byte, at bit
+# SHIFT) become four bf16 values 128 + code with one shift, one and and two byte permutes.
+_PLANE_ASM_0: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t; and.b32 t, $2, 0x03030303; "
+    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
+_PLANE_ASM_1: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303; "
+    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
+_PLANE_ASM_2: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303; "
+    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
+_PLANE_ASM_3: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; "
+    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
 
 
 @triton.jit
-def plane_codes(tile, i: tl.constexpr, BN: tl.constexpr, DQ: tl.constexpr, MAGIC: tl.constexpr):
-    """Codes of plane i as bf16 [BN, DQ] (plus 128 when MAGIC). ``tile`` is the block's
-    packed K or V: int32 words [BN, DQ/4] when MAGIC, else uint8 bytes [BN, DQ]."""
-    if MAGIC:
-        return unpack_words(tile, 2 * i, BN, DQ // 4)
+def plane_codes(packed, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr):
+    """Codes of plane i of a packed uint8 tile [BN, D/4] as bf16 [BN, D/4] (channel
+    i*D/4 + j in column j); 128 + code when MAGIC (no int->float conversion on the GPU)."""
+    if MAGIC and not INTERP:
+        if i == 0:
+            asm: tl.constexpr = _PLANE_ASM_0
+        elif i == 1:
+            asm: tl.constexpr = _PLANE_ASM_1
+        elif i == 2:
+            asm: tl.constexpr = _PLANE_ASM_2
+        else:
+            asm: tl.constexpr = _PLANE_ASM_3
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
     else:
-        return ((tile >> (2 * i)) & 3).to(tl.float32).to(tl.bfloat16)
+        c = ((packed >> (2 * i)) & 3).to(tl.float32)
+        if MAGIC:
+            c = c + 128.0
+        return c.to(tl.bfloat16)
 
 
 @triton.jit
-def load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot, MAGIC: tl.constexpr):
-    """Packed codes of a block of slots: uint8 [BN, DQ], or int32 words [BN, DQ/4] (MAGIC)."""
-    if MAGIC:
-        j = tl.arange(0, DQ // 4)
-    else:
-        j = tl.arange(0, DQ)
+def load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot):
+    """Packed codes of a block of slots: uint8 [BN, D/4]."""
+    j = tl.arange(0, DQ)
     return tl.load(pk_ptr + slot[:, None] * s_slot + hoff + j[None, :], mask=mask[:, None], other=0)
 
 
 @triton.jit
 def online_softmax(s, mask2d, m_i, l_i):
-    """Masked base-2 online-softmax step; safe for rows with every score masked.
-    Returns (p, alpha, m_new, l_new) with acc_new = acc * alpha + p @ v."""
+    """Masked base-2 online-softmax step over axis 1; safe for rows with every score
+    masked. Returns (p, alpha, m_new, l_new) with acc_new = acc * alpha + p @ v."""
     s = tl.where(mask2d, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,19 +87,18 @@ def online_softmax(s, mask2d, m_i, l_i):
 
 
 @triton.jit
-def plane_scale(sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
-                DQ: tl.constexpr, G: tl.constexpr):
-    """(scale, min) of plane i's group for every token of the block (G >= D/4)."""
-    base = sc_ptr + slot * s_slot + hoff + ((i * DQ) // G) * s_grp
-    sc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    mn = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+def group_scales(sc_tile, g: tl.constexpr, NG: tl.constexpr):
+    """(scale, min) float32 [BN] of group g from a [BN, 2*NG] tile (scale, min per group)."""
+    col = tl.arange(0, 2 * NG)[None, :]
+    sc = tl.sum(tl.where(col == 2 * g, sc_tile, 0.0), 1)
+    mn = tl.sum(tl.where(col == 2 * g + 1, sc_tile, 0.0), 1)
     return sc, mn
 
 
 @triton.jit
-def channel_dequant(codes, sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.constexpr,
+def channel_dequant(codes, i: tl.constexpr, sc_ptr, slot, hoff, s_grp, s_slot, mask,
                     DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr):
-    """Dequantise plane i per channel (G < D/4): bf16 [BN, DQ] = min_g + code * scale_g."""
+    """Dequantise plane i per channel (G < D/4): bf16 [BN, D/4] = min_g + code * scale_g."""
     grp = (i * DQ + tl.arange(0, DQ)) // G
     base = sc_ptr + slot[:, None] * s_slot + hoff + grp[None, :] * s_grp
     sc = tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32)
@@ -97,90 +107,189 @@ def channel_dequant(codes, sc_ptr, slot, hoff, s_slot, s_grp, mask, i: tl.conste
 
 
 @triton.jit
-def int2_score_plane(s, qi, qsum, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
-                     i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                     MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """s [R, BN] + q'_i . k^_{t, plane i} for a block of INT2 keys (packed tile ``kt``)."""
+def load_q_plane(q_vec, rmask, i: tl.constexpr, D: tl.constexpr):
+    """q'^T of plane i: [D/4, R] bf16 and its column sums (float32 [R]); ``q_vec``: [R]
+    pointers to the q' rows."""
     DQ: tl.constexpr = D // 4
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    ci = plane_codes(kt, i, BN, DQ, MAGIC)
+    qt = tl.load(q_vec[None, :] + (i * DQ + tl.arange(0, DQ))[:, None], mask=rmask[None, :], other=0.0)
+    return qt, tl.sum(qt.to(tl.float32), 0)
+
+
+@triton.jit
+def finish_plane(acc, corr, inv, G: tl.constexpr, DQ: tl.constexpr):
+    """Normalised o'^T [D/4, R] of a plane: (acc + sum over tokens of corr) * inv."""
     if G >= DQ:
-        sc, mn = plane_scale(ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
-        dots = mm(qi, tl.trans(ci), tl.zeros(s.shape, tl.float32), USE_DOT, INTERP)
-        s += dots * sc[None, :] + qsum[:, None] * (mn - OFF * sc)[None, :]
-    else:
-        ki = channel_dequant(ci, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
-        s = mm(qi, tl.trans(ki), s, USE_DOT, INTERP)
-    return s
+        acc = acc + tl.sum(corr, 0)[None, :]
+    return acc * inv[None, :]
 
 
 @triton.jit
-def int2_pv_plane(acc, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask,
-                  i: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc_i [R, D/4] * alpha + sum_t p_t v^_{t, plane i} for a block of INT2 values."""
-    DQ: tl.constexpr = D // 4
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    ci = plane_codes(vt, i, BN, DQ, MAGIC)
-    acc = acc * alpha[:, None]
-    if G >= DQ:
-        sc, mn = plane_scale(vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G)
-        w = (p * sc[None, :]).to(tl.bfloat16)
-        corr = tl.sum(p * mn[None, :] - OFF * w.to(tl.float32), 1)
-        acc = mm(w, ci, acc, USE_DOT, INTERP) + corr[:, None]
-    else:
-        vi = channel_dequant(ci, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, i, DQ, G, OFF)
-        acc = mm(p.to(tl.bfloat16), vi, acc, USE_DOT, INTERP)
-    return acc
+def _k_plane(s, qt, kt, i: tl.constexpr, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask,
+             DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr,
+             USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """s^T [BN, R] + codes_i . q'_i (G >= D/4: raw codes; else dequantised k_i . q'_i)."""
+    c = plane_codes(kt, i, MAGIC, INTERP)
+    if G < DQ:
+        c = channel_dequant(c, i, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF)
+    return mm(c, qt, s, USE_DOT, INTERP)
 
 
 @triton.jit
-def load_q_planes(q_rows, rmask, D: tl.constexpr):
-    """q' rows [R, D] (pointers ``q_rows`` [R, 1]) as four planes [R, D/4] + their sums."""
-    DQ: tl.constexpr = D // 4
-    jq = tl.arange(0, DQ)
-    q0 = tl.load(q_rows + jq[None, :], mask=rmask[:, None], other=0.0)
-    q1 = tl.load(q_rows + DQ + jq[None, :], mask=rmask[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * DQ + jq[None, :], mask=rmask[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * DQ + jq[None, :], mask=rmask[:, None], other=0.0)
-    return (q0, q1, q2, q3, tl.sum(q0.to(tl.float32), 1), tl.sum(q1.to(tl.float32), 1),
-            tl.sum(q2.to(tl.float32), 1), tl.sum(q3.to(tl.float32), 1))
+def _v_plane(acc, w, vt, i: tl.constexpr, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask,
+             DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr,
+             USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc_i^T [D/4, R] + codes_i^T w (or dequantised v_i^T p when G < D/4)."""
+    c = plane_codes(vt, i, MAGIC, INTERP)
+    if G < DQ:
+        c = channel_dequant(c, i, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF)
+    return mm(tl.trans(c), w, acc, USE_DOT, INTERP)
 
 
 @triton.jit
-def int2_range(q0, q1, q2, q3, qs0, qs1, qs2, qs3, m_i, l_i, a0, a1, a2, a3, lo, hi,
-               r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-               qk_scale, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
+               k0, k1, k2, k3, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+               ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, qk_scale,
+               BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """Attend rows (q' planes q0..q3) to INT2 positions [lo, hi) whose slots are
-    r2t_row[pos]; updates (m, l) and the four plane accumulators a0..a3 [R, D/4]."""
+    """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]).
+
+    Transposed orientation: scores s^T [BN, R]; plane accumulators a_i^T [D/4, R]; running
+    max m_i [R]; token tiles [BN, R]: l_t (sum of p) and, per quantisation group g (when
+    G >= D/4, NG = D/G groups of 4/NG planes), k_g (p * min_g - OFF * w_g with
+    w_g = bf16(p * scale_g) the weights of the P@V dots), summed over tokens by the caller.
+    qt_i / qs_i: q'^T of plane i and its column sums (load_q_plane)."""
     DQ: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G if G >= DQ else 1
+    PG: tl.constexpr = 4 // NG  # planes per group
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     nb = tl.arange(0, BN)
+    g2 = tl.arange(0, 2 * NG)
     for p0 in range(lo, hi, BN):
         pos = p0 + nb
         mask = pos < hi
         slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
-        kt = load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
-        s = tl.zeros([a0.shape[0], BN], tl.float32)
-        s = int2_score_plane(s, q0, qs0, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
-                             BN, D, G, MAGIC, USE_DOT, INTERP)
-        s = int2_score_plane(s, q1, qs1, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
-                             BN, D, G, MAGIC, USE_DOT, INTERP)
-        s = int2_score_plane(s, q2, qs2, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
-                             BN, D, G, MAGIC, USE_DOT, INTERP)
-        s = int2_score_plane(s, q3, qs3, kt, ksc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
-                             BN, D, G, MAGIC, USE_DOT, INTERP)
-        p, alpha, m_i, l_i = online_softmax(s * qk_scale, mask[None, :], m_i, l_i)
-        vt = load_packed(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s, MAGIC)
-        a0 = int2_pv_plane(a0, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 0,
-                           BN, D, G, MAGIC, USE_DOT, INTERP)
-        a1 = int2_pv_plane(a1, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 1,
-                           BN, D, G, MAGIC, USE_DOT, INTERP)
-        a2 = int2_pv_plane(a2, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 2,
-                           BN, D, G, MAGIC, USE_DOT, INTERP)
-        a3 = int2_pv_plane(a3, p, alpha, vt, vsc_ptr, slot, hoff_sc, ssc_s, ssc_g, mask, 3,
-                           BN, D, G, MAGIC, USE_DOT, INTERP)
-    return m_i, l_i, a0, a1, a2, a3
+        kt = load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
+        vt = load_packed(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
+        if G >= DQ:
+            sc_off = slot[:, None] * ssc_s + hoff_sc + g2[None, :]
+            ksc = tl.load(ksc_ptr + sc_off, mask=mask[:, None], other=0.0).to(tl.float32)
+            vsc = tl.load(vsc_ptr + sc_off, mask=mask[:, None], other=0.0).to(tl.float32)
+        # ---- scores: per group, dot over its planes, then scale / min terms
+        zero = tl.zeros([BN, qt0.shape[1]], tl.float32)
+        if G >= DQ:
+            d0 = _k_plane(zero, qt0, kt, 0, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            if PG >= 2:
+                d0 = _k_plane(d0, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                              MAGIC, USE_DOT, INTERP)
+            if PG == 4:
+                d0 = _k_plane(d0, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                              MAGIC, USE_DOT, INTERP)
+                d0 = _k_plane(d0, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                              MAGIC, USE_DOT, INTERP)
+            sc, mn = group_scales(ksc, 0, NG)
+            qs = qs0
+            if PG >= 2:
+                qs = qs + qs1
+            if PG == 4:
+                qs = qs + qs2 + qs3
+            s = d0 * sc[:, None] + (mn - OFF * sc)[:, None] * qs[None, :]
+            if NG >= 2:  # group 1: planes 2, 3 (NG = 2) or plane 1 (NG = 4)
+                if NG == 2:
+                    d1 = _k_plane(zero, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
+                                  OFF, MAGIC, USE_DOT, INTERP)
+                    d1 = _k_plane(d1, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
+                                  OFF, MAGIC, USE_DOT, INTERP)
+                    qs = qs2 + qs3
+                else:
+                    d1 = _k_plane(zero, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
+                                  OFF, MAGIC, USE_DOT, INTERP)
+                    qs = qs1
+                sc, mn = group_scales(ksc, 1, NG)
+                s += d1 * sc[:, None] + (mn - OFF * sc)[:, None] * qs[None, :]
+            if NG == 4:
+                d2 = _k_plane(zero, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
+                              OFF, MAGIC, USE_DOT, INTERP)
+                sc, mn = group_scales(ksc, 2, NG)
+                s += d2 * sc[:, None] + (mn - OFF * sc)[:, None] * qs2[None, :]
+                d3 = _k_plane(zero, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
+                              OFF, MAGIC, USE_DOT, INTERP)
+                sc, mn = group_scales(ksc, 3, NG)
+                s += d3 * sc[:, None] + (mn - OFF * sc)[:, None] * qs3[None, :]
+        else:
+            s = _k_plane(zero, qt0, kt, 0, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                         MAGIC, USE_DOT, INTERP)
+            s = _k_plane(s, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                         MAGIC, USE_DOT, INTERP)
+            s = _k_plane(s, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                         MAGIC, USE_DOT, INTERP)
+            s = _k_plane(s, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                         MAGIC, USE_DOT, INTERP)
+        # ---- online softmax over the token axis (0)
+        s = tl.where(mask[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        m_i = m_new
+        l_t = l_t * alpha[None, :] + p
+        a0 = a0 * alpha[None, :]
+        a1 = a1 * alpha[None, :]
+        a2 = a2 * alpha[None, :]
+        a3 = a3 * alpha[None, :]
+        # ---- values: per group weights w_g = bf16(p * scale_g)
+        if G >= DQ:
+            sc, mn = group_scales(vsc, 0, NG)
+            w = (p * sc[:, None]).to(tl.bfloat16)
+            k0 = k0 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
+            a0 = _v_plane(a0, w, vt, 0, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            if NG == 4:
+                sc, mn = group_scales(vsc, 1, NG)
+                w = (p * sc[:, None]).to(tl.bfloat16)
+                k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
+            a1 = _v_plane(a1, w, vt, 1, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            if NG >= 2:
+                sc, mn = group_scales(vsc, NG // 2, NG)
+                w = (p * sc[:, None]).to(tl.bfloat16)
+                if NG == 2:
+                    k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
+                else:
+                    k2 = k2 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
+            a2 = _v_plane(a2, w, vt, 2, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            if NG == 4:
+                sc, mn = group_scales(vsc, 3, NG)
+                w = (p * sc[:, None]).to(tl.bfloat16)
+                k3 = k3 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
+            a3 = _v_plane(a3, w, vt, 3, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+        else:
+            pb = p.to(tl.bfloat16)
+            a0 = _v_plane(a0, pb, vt, 0, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            a1 = _v_plane(a1, pb, vt, 1, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            a2 = _v_plane(a2, pb, vt, 2, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+            a3 = _v_plane(a3, pb, vt, 3, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
+                          MAGIC, USE_DOT, INTERP)
+    return m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3
+
+
+@triton.jit
+def plane_corr(k0, k1, k2, k3, i: tl.constexpr, NG: tl.constexpr):
+    """The correction tile of plane i's group."""
+    g: tl.constexpr = (i * NG) // 4
+    if g == 0:
+        return k0
+    elif g == 1:
+        return k1
+    elif g == 2:
+        return k2
+    else:
+        return k3
 
 
 @triton.jit
