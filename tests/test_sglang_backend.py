@@ -74,7 +74,7 @@ class Sim:
 
     def extend(self, reqs, mode=ForwardMode.EXTEND):
         """reqs: dicts rid, row, content, prefix, new. Returns per-layer outputs [T, HQ*D]."""
-        rows, prefix, ext, slots, pos, qs = [], [], [], [], [], []
+        rows, prefix, ext, slots, pos = [], [], [], [], []
         for r in reqs:
             span = range(r["prefix"], r["prefix"] + r["new"])
             if r["new"] and self.pool.req_to_token[r["row"], span[-1]] == 0:
