@@ -11,6 +11,7 @@ put on the server's PYTHONPATH, so the scheduler subprocesses load the plugin to
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import re
@@ -60,9 +61,10 @@ def save_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def plugin_env() -> dict:
-    """Environment for a server process: the checkout on PYTHONPATH and, if needed, a
-    dist-info that declares the ``oscar`` plugin entry point."""
+@functools.lru_cache(maxsize=None)
+def _plugin_pythonpath() -> str:
+    """The checkout and, if needed, a folder with a dist-info that declares the ``oscar``
+    plugin entry point (written once per run)."""
     from importlib.metadata import entry_points
 
     paths = [ROOT]
@@ -72,8 +74,14 @@ def plugin_env() -> dict:
         site_dir = tempfile.mkdtemp(prefix="oscar-entry-point-")
         write_entry_point_metadata(site_dir)
         paths.insert(0, site_dir)
+    return os.pathsep.join(paths)
+
+
+def plugin_env() -> dict:
+    """Environment for a server process: the checkout (and the plugin entry point when it
+    is not installed) in front of the current PYTHONPATH."""
     old = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
+    return {"PYTHONPATH": _plugin_pythonpath() + (os.pathsep + old if old else "")}
 
 
 class ServerDied(RuntimeError):
