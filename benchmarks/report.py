@@ -1,0 +1,234 @@
+"""Render README.md's result tables from benchmarks/results/*.json (figures are never typed).
+
+README.md holds one section per table between two markers:
+
+    <!-- report:e2e -->
+    ...generated markdown...
+    <!-- /report:e2e -->
+
+    python3 benchmarks/report.py --write README.md   # regenerate every section in place
+    python3 benchmarks/report.py --check README.md   # exit 1 when a section is stale
+    python3 benchmarks/report.py e2e                 # print one section
+
+tests/test_release_readme.py runs the check, so a new or changed results file must be
+followed by ``--write``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+E2E_CONFIGS = ("bf16_triton", "bf16_flashinfer", "fp8_e4m3", "oscar_int2")
+
+
+def _load(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _files(results_dir: str, pattern: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(results_dir, pattern)))
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def fmt(v, digits: int = 1) -> str:
+    """A table cell: '-' for a missing value, thousands separators for integers."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def none_yet(command: str, where: str) -> str:
+    return f"_No results yet: run `{command}` ({where})._"
+
+
+# ------------------------------------------------------------------------- sections
+
+
+def render_e2e(results_dir: str) -> str:
+    files = _files(results_dir, "e2e_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
+    parts = []
+    for path in files:
+        data = _load(path)
+        configs = data.get("configs", {})
+        names = [c for c in E2E_CONFIGS if c in configs] + [c for c in configs if c not in E2E_CONFIGS]
+        base = configs.get("bf16_triton", {}).get("max_total_num_tokens")
+        env, st = data.get("environment", {}), data.get("settings", {})
+        parts.append(
+            f"**{data.get('model', '?')}** (random weights) on {env.get('gpu', 'an unnamed GPU')}, "
+            f"SGLang {env.get('sglang', '?')}, `--mem-fraction-static {st.get('mem_fraction_static')} "
+            f"--page-size {st.get('page_size')} --max-running-requests {st.get('max_running_requests')}` "
+            f"for every configuration. Source: `{_rel(path)}`, plot: "
+            f"`{_rel(os.path.splitext(path)[0] + '.png')}`.")
+        rows = []
+        for n in names:
+            c = configs[n]
+            tp = c.get("throughput", {})
+            mtt = c.get("max_total_num_tokens")
+            ratio = f"{mtt / base:.2f}x" if isinstance(mtt, int) and base else "-"
+            ttft = (tp.get("median_ttft_ms"), tp.get("p99_ttft_ms"))
+            itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
+            rows.append([
+                n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
+                fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
+                fmt(c.get("throughput_tok_s")), fmt(tp.get("settings", {}).get("max_concurrency")),
+                " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
+                " / ".join(fmt(x, 1) for x in itl),
+                "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items()) or "",
+            ])
+        parts.append(table(
+            ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
+             "decode ms/step @32k", "@64k", "@128k", "output tok/s", "in flight",
+             "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "notes"], rows))
+        tps = next((configs[n].get("throughput", {}).get("settings") for n in names
+                    if configs[n].get("throughput", {}).get("settings")), None)
+        if tps:
+            lo = int(tps["input_len"] * tps["range_ratio"])
+            parts.append(
+                f"Throughput workload: {tps['num_prompts']} requests of "
+                f"{lo if lo != tps['input_len'] else ''}{'-' if lo != tps['input_len'] else ''}"
+                f"{tps['input_len']} random input tokens and {tps['output_len']} output tokens, all sent at once, "
+                f"at most 'in flight' = as many as fit in the pool (`sglang.benchmark.serving`, random-ids). "
+                f"Decode: one request at a time, median inter-token latency.")
+    return "\n\n".join(parts)
+
+
+def render_capacity(results_dir: str) -> str:
+    files = _files(results_dir, "capacity_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/capacity.py", "one GPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        meta = data.get("meta", {})
+        dtypes = [k for k in data if k != "meta"]
+        base = data.get("bf16")
+        rows = [[d, fmt(data[d]), f"{data[d] / base:.2f}x" if isinstance(data[d], int) and base else "-"]
+                for d in dtypes]
+        parts.append(f"**{meta.get('model', '?')}** on {meta.get('gpu') or 'an unnamed GPU'}, "
+                     f"`--mem-fraction-static {meta.get('mem_fraction_static')} --page-size "
+                     f"{meta.get('page_size')}`. Source: `{_rel(path)}`.")
+        parts.append(table(["--kv-cache-dtype", "max_total_num_tokens", "vs bf16"], rows))
+    return "\n\n".join(parts)
+
+
+def _flatten(entry: dict) -> dict:
+    out = {}
+    for k, v in entry.items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                if not isinstance(v2, (dict, list)):
+                    out[f"{k} {k2}"] = v2
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def render_server_fidelity(results_dir: str) -> str:
+    files = _files(results_dir, "server_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
+    parts = []
+    for path in files:
+        methods = _load(path).get("methods", {})
+        flat = {m: _flatten(v) for m, v in methods.items() if isinstance(v, dict)}
+        cols = []
+        for f in flat.values():
+            cols += [k for k in f if k not in cols]
+        parts.append(f"Source: `{_rel(path)}`.")
+        parts.append(table(["method", *cols], [[m, *(fmt(f.get(c), 3) for c in cols)] for m, f in flat.items()]))
+    return "\n\n".join(parts)
+
+
+SECTIONS = {
+    "e2e": render_e2e,
+    "capacity": render_capacity,
+    "server-fidelity": render_server_fidelity,
+}
+
+
+# ------------------------------------------------------------------------- README
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
+
+
+def sections_in(text: str) -> list[str]:
+    return re.findall(r"<!-- report:([a-z0-9-]+) -->", text)
+
+
+def update(text: str, results_dir: str = RESULTS) -> str:
+    """``text`` with every report section regenerated."""
+    for name in sections_in(text):
+        if name not in SECTIONS:
+            raise ValueError(f"README section report:{name} has no renderer (known: {', '.join(SECTIONS)})")
+        begin, end = _markers(name)
+        if text.count(begin) != 1 or text.count(end) != 1 or text.index(end) < text.index(begin):
+            raise ValueError(f"README section report:{name} needs exactly one '{begin}' followed by one '{end}'")
+        a, b = text.index(begin) + len(begin), text.index(end)
+        text = text[:a] + "\n" + SECTIONS[name](results_dir).strip() + "\n" + text[b:]
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Render README tables from benchmarks/results/*.json")
+    ap.add_argument("section", nargs="?", help=f"print one section ({', '.join(SECTIONS)})")
+    ap.add_argument("--write", metavar="README", help="regenerate the sections of this file in place")
+    ap.add_argument("--check", metavar="README", help="exit 1 if this file's sections are stale")
+    ap.add_argument("--results", default=RESULTS, help="results folder")
+    a = ap.parse_args(argv)
+    if a.section:
+        if a.section not in SECTIONS:
+            ap.error(f"unknown section {a.section!r} (known: {', '.join(SECTIONS)})")
+        print(SECTIONS[a.section](a.results))
+    for path, write in ((a.write, True), (a.check, False)):
+        if not path:
+            continue
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        new = update(old, a.results)
+        if write:
+            if new != old:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(new)
+            print(f"{path}: {len(sections_in(new))} report sections {'updated' if new != old else 'up to date'}")
+        elif new != old:
+            stale = [n for n in sections_in(old) if update(_only(old, n), a.results) != _only(old, n)]
+            print(f"{path}: stale report sections {', '.join(stale)}; run: "
+                  f"python3 benchmarks/report.py --write {path}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _only(text: str, name: str) -> str:
+    begin, end = _markers(name)
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

