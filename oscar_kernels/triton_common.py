@@ -57,10 +57,23 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_cache_layout(layer) -> None:
-    """The kernels index K and V buffers with one set of strides and unit last strides."""
+    """The kernels index K and V buffers with one set of strides and unit last strides;
+    each token's (scale, min) pairs are contiguous."""
     for name in ("k_packed", "k_scales", "k_sink", "k_ring"):
         kt, vt = getattr(layer, name), getattr(layer, "v" + name[1:])
         if kt.stride() != vt.stride() or kt.dtype != vt.dtype:
             raise ValueError(f"{name} and v{name[1:]} must share strides and dtype")
         if kt.numel() and kt.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
+    if layer.k_scales.numel() and layer.k_scales.stride(2) != 2:
+        raise ValueError("k/v_scales must be contiguous in their last two dimensions")
+
+
+def group_scale_args(layer):
+    """(kgs, vgs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are read
+    as one int32 (scale, min) pair per token and group."""
+    ks, vs = layer.k_scales, layer.v_scales
+    if ks.element_size() == 2 and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
+        return (ks.view(torch.int32), vs.view(torch.int32), ks.stride(0) // 2, ks.stride(1) // 2,
+                SCALE_TL_DTYPES[ks.dtype])
+    return ks, vs, ks.stride(0), ks.stride(1), None

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
+from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
+                            mma_f32)
 from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, plane_corr,
                                  request_layout)
 
@@ -64,13 +65,14 @@ def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
 def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride,
                    sop_ptr, pos_of_ptr, page_size, vf_ptr,
                    kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
+                   kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                    mid_o_ptr, mid_lse_ptr, qk_scale,
                    NS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
-                   MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+                   PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -123,7 +125,8 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
             tl.zeros([KN, BH], tl.float32), tl.zeros([KN if NG >= 2 else 1, BH], tl.float32),
             tl.zeros([KN if NG == 4 else 1, BH], tl.float32), tl.zeros([KN if NG == 4 else 1, BH], tl.float32),
             lo, hi, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
-            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
+            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale,
+            BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
         l_i = tl.sum(l_t, 0)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         o_base = mid_o_ptr + mid_row[None, :] * D + tl.arange(0, DQ)[:, None]
@@ -304,12 +307,13 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
         lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
+        *group_scale_args(lay)[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
-        MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
+        PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_merge[(b, h)](

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, mma_f32
+from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
+                            mma_f32)
 from .triton_decode import rotate_queries
 from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, mm, online_softmax,
                                  plane_corr, request_layout)
@@ -36,12 +37,13 @@ def _rescale(m_before, m_after):
 def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                    rows_ptr, pre_ptr, qo_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size, vf_ptr,
                    kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
+                   kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                    vrot_ptr, out_ptr, so_t, so_h, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
-                   BN_BF16: tl.constexpr, EB: tl.constexpr, MAGIC: tl.constexpr,
+                   BN_BF16: tl.constexpr, EB: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
                    USE_DOT: tl.constexpr, INTERP: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (cdiv(max_extend_len, BM), B, H); see module doc."""
     mb = tl.program_id(0)
@@ -89,7 +91,8 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             tl.zeros([KN, R], tl.float32), tl.zeros([KN if NG >= 2 else 1, R], tl.float32),
             tl.zeros([KN if NG == 4 else 1, R], tl.float32), tl.zeros([KN if NG == 4 else 1, R], tl.float32),
             s_b, ring_lo, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
-            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, qk_scale, BN, D, G, MAGIC, USE_DOT, INTERP)
+            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale,
+            BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
         f_pre = _rescale(m_pre, m_i)
         acc = acc * f_pre[:, None]
         l_i = l_i * f_pre + tl.sum(l_t, 0)
@@ -195,11 +198,12 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
         lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
+        *group_scale_args(lay)[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1), sm_scale * 1.4426950408889634,
         GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
-        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, EB=min(32, d), MAGIC=cfg.magic_unpack,
+        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, EB=min(32, d), PAIR=group_scale_args(lay)[4], MAGIC=cfg.magic_unpack,
         USE_DOT=cfg.use_dot, INTERP=INTERPRET, PRECISION=cfg.fp32_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -75,6 +75,13 @@ def load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot):
 
 
 @triton.jit
+def load_packed_t(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot):
+    """Packed codes of a block of slots, transposed: uint8 [D/4, BN] (for P@V operands)."""
+    j = tl.arange(0, DQ)
+    return tl.load(pk_ptr + slot[None, :] * s_slot + hoff + j[:, None], mask=mask[None, :], other=0)
+
+
+@triton.jit
 def online_softmax(s, mask2d, m_i, l_i):
     """Masked base-2 online-softmax step over axis 1; safe for rows with every score
     masked. Returns (p, alpha, m_new, l_new) with acc_new = acc * alpha + p @ v."""
@@ -87,12 +94,19 @@ def online_softmax(s, mask2d, m_i, l_i):
 
 
 @triton.jit
-def group_scales(sc_tile, g: tl.constexpr, NG: tl.constexpr):
-    """(scale, min) float32 [BN] of group g from a [BN, 2*NG] tile (scale, min per group)."""
-    col = tl.arange(0, 2 * NG)[None, :]
-    sc = tl.sum(tl.where(col == 2 * g, sc_tile, 0.0), 1)
-    mn = tl.sum(tl.where(col == 2 * g + 1, sc_tile, 0.0), 1)
-    return sc, mn
+def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr):
+    """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
+    tl.bfloat16, else None): the 16-bit scales are addressed as int32 (scale, min) pairs,
+    one load per token (strides in int32 units)."""
+    if PAIR is not None:
+        x = tl.load(sc_ptr + slot * s_slot + hoff + g, mask=mask, other=0)
+        sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True)
+        mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True)
+        return sc.to(tl.float32), mn.to(tl.float32)
+    else:
+        base = sc_ptr + slot * s_slot + hoff + 2 * g
+        return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -138,18 +152,22 @@ def _k_plane(s, qt, kt, i: tl.constexpr, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, m
 def _v_plane(acc, w, vt, i: tl.constexpr, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask,
              DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr,
              USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc_i^T [D/4, R] + codes_i^T w (or dequantised v_i^T p when G < D/4)."""
-    c = plane_codes(vt, i, MAGIC, INTERP)
+    """acc_i^T [D/4, R] + codes_i^T w (or dequantised v_i^T p when G < D/4). The packed
+    tile is transposed *before* unpacking, so the code pairs along tokens that the tensor
+    core needs come out of the unpack directly (the transpose moves bytes, not bf16)."""
     if G < DQ:
-        c = channel_dequant(c, i, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF)
-    return mm(tl.trans(c), w, acc, USE_DOT, INTERP)
+        c = plane_codes(tl.trans(vt), i, MAGIC, INTERP)
+        c = tl.trans(channel_dequant(c, i, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF))
+    else:
+        c = plane_codes(vt, i, MAGIC, INTERP)
+    return mm(c, w, acc, USE_DOT, INTERP)
 
 
 @triton.jit
 def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
                k0, k1, k2, k3, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-               ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, qk_scale,
-               BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+               ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
+               BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]).
 
@@ -157,23 +175,20 @@ def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
     max m_i [R]; token tiles [BN, R]: l_t (sum of p) and, per quantisation group g (when
     G >= D/4, NG = D/G groups of 4/NG planes), k_g (p * min_g - OFF * w_g with
     w_g = bf16(p * scale_g) the weights of the P@V dots), summed over tokens by the caller.
-    qt_i / qs_i: q'^T of plane i and its column sums (load_q_plane)."""
+    qt_i / qs_i: q'^T of plane i and its column sums (load_q_plane). ksc/vsc (element
+    strides ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
+    hoff_gs) per group as in group_scales (the same tensors, as int32 pairs when PAIR)."""
     DQ: tl.constexpr = D // 4
     NG: tl.constexpr = D // G if G >= DQ else 1
     PG: tl.constexpr = 4 // NG  # planes per group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     nb = tl.arange(0, BN)
-    g2 = tl.arange(0, 2 * NG)
     for p0 in range(lo, hi, BN):
         pos = p0 + nb
         mask = pos < hi
         slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
         kt = load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
-        vt = load_packed(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
-        if G >= DQ:
-            sc_off = slot[:, None] * ssc_s + hoff_sc + g2[None, :]
-            ksc = tl.load(ksc_ptr + sc_off, mask=mask[:, None], other=0.0).to(tl.float32)
-            vsc = tl.load(vsc_ptr + sc_off, mask=mask[:, None], other=0.0).to(tl.float32)
+        vt = load_packed_t(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
         # ---- scores: per group, dot over its planes, then scale / min terms
         zero = tl.zeros([BN, qt0.shape[1]], tl.float32)
         if G >= DQ:
@@ -187,7 +202,7 @@ def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
                               MAGIC, USE_DOT, INTERP)
                 d0 = _k_plane(d0, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
                               MAGIC, USE_DOT, INTERP)
-            sc, mn = group_scales(ksc, 0, NG)
+            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 0, mask, PAIR)
             qs = qs0
             if PG >= 2:
                 qs = qs + qs1
@@ -205,16 +220,16 @@ def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
                     d1 = _k_plane(zero, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
                                   OFF, MAGIC, USE_DOT, INTERP)
                     qs = qs1
-                sc, mn = group_scales(ksc, 1, NG)
+                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 1, mask, PAIR)
                 s += d1 * sc[:, None] + (mn - OFF * sc)[:, None] * qs[None, :]
             if NG == 4:
                 d2 = _k_plane(zero, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
                               OFF, MAGIC, USE_DOT, INTERP)
-                sc, mn = group_scales(ksc, 2, NG)
+                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 2, mask, PAIR)
                 s += d2 * sc[:, None] + (mn - OFF * sc)[:, None] * qs2[None, :]
                 d3 = _k_plane(zero, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
                               OFF, MAGIC, USE_DOT, INTERP)
-                sc, mn = group_scales(ksc, 3, NG)
+                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 3, mask, PAIR)
                 s += d3 * sc[:, None] + (mn - OFF * sc)[:, None] * qs3[None, :]
         else:
             s = _k_plane(zero, qt0, kt, 0, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
@@ -239,19 +254,19 @@ def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
         a3 = a3 * alpha[None, :]
         # ---- values: per group weights w_g = bf16(p * scale_g)
         if G >= DQ:
-            sc, mn = group_scales(vsc, 0, NG)
+            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 0, mask, PAIR)
             w = (p * sc[:, None]).to(tl.bfloat16)
             k0 = k0 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
             a0 = _v_plane(a0, w, vt, 0, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
                           MAGIC, USE_DOT, INTERP)
             if NG == 4:
-                sc, mn = group_scales(vsc, 1, NG)
+                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 1, mask, PAIR)
                 w = (p * sc[:, None]).to(tl.bfloat16)
                 k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
             a1 = _v_plane(a1, w, vt, 1, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
                           MAGIC, USE_DOT, INTERP)
             if NG >= 2:
-                sc, mn = group_scales(vsc, NG // 2, NG)
+                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, NG // 2, mask, PAIR)
                 w = (p * sc[:, None]).to(tl.bfloat16)
                 if NG == 2:
                     k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
@@ -260,7 +275,7 @@ def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
             a2 = _v_plane(a2, w, vt, 2, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
                           MAGIC, USE_DOT, INTERP)
             if NG == 4:
-                sc, mn = group_scales(vsc, 3, NG)
+                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 3, mask, PAIR)
                 w = (p * sc[:, None]).to(tl.bfloat16)
                 k3 = k3 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
             a3 = _v_plane(a3, w, vt, 3, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
