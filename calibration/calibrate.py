@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -33,6 +33,7 @@ DEFAULT_VARIANT = "U-H"
 DEFAULT_CLIP = "channel"
 DEFAULT_CLIP_OBJECTIVE = "attn"
 DEFAULT_TOKENS = 65536
+DEFAULT_GROUP_SIZE = 128
 
 
 @dataclass
@@ -43,7 +44,7 @@ class CalibrationConfig:
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
-    group_size: int = 128
+    group_size: int | None = None  # None: min(128, head_dim)
     scale_dtype: str = "float16"
     data: list[str] = field(default_factory=list)  # empty: the Python stdlib source
     tokens: int = DEFAULT_TOKENS
@@ -169,13 +170,20 @@ def hadamard_span(cfg: CalibrationConfig) -> str:
     return "head" if "H" in factors else "none"
 
 
+def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
+    """``cfg`` with the group size resolved (default min(128, head_dim)) and checked."""
+    g = cfg.group_size if cfg.group_size is not None else min(DEFAULT_GROUP_SIZE, shape.head_dim)
+    check_group_size(shape.head_dim, g)
+    return replace(cfg, group_size=g)
+
+
 def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                     stats: AttentionStats | None, value_metric: list[torch.Tensor] | None = None,
                     fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                     extra_detail: dict | None = None) -> Rotations:
     """Rotations (+ clips) from the statistics; ``value_metric`` feeds the ``attn`` clip
     objective; ``fixed`` gives the per-layer (R_K, R_V) instead of the recipe's."""
-    check_group_size(shape.head_dim, cfg.group_size)
+    cfg = for_shape(cfg, shape)
     scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
     rots = [(k.double(), v.double()) for k, v in fixed] if fixed is not None else rotations_for(cfg, shape, stats)
     c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
@@ -245,11 +253,12 @@ def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log
     cfg = cfg.resolved()
     t0 = time.time()
     shape = model_shape(model_dir)
-    check_group_size(shape.head_dim, cfg.group_size)
+    cfg = for_shape(cfg, shape)
     name = os.path.basename(os.path.normpath(model_dir))
     needs_forward = cfg.clip != "none" if fixed is not None else cfg.needs_forward
     if not needs_forward:
         return build_rotations(cfg, shape, name, None, fixed=fixed, extra_detail=extra_detail)
+    text_sources.expand_paths(cfg.data)  # a missing text path fails before the model loads
     model, tok = load_model(model_dir, cfg.device, cfg.dtype)
     log(f"oscar-calibrate: {name} {shape} on {cfg.device}/{cfg.dtype}, recipe {cfg.recipe}"
         + (f" variant {cfg.variant}" if cfg.recipe == "oscar" else "") + f", clip {cfg.clip}, "

@@ -46,7 +46,8 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
                    help="first positions of every window left out of the clip sample (BF16 sinks)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration token budget")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
-    p.add_argument("--group-size", type=int, default=128, help="INT2 quantisation group (channels)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="INT2 quantisation group in channels (default: min(128, head_dim))")
     p.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES)
 
 

@@ -43,8 +43,10 @@ def _load_matrix(path: str, shape: ModelShape) -> torch.Tensor:
 
 
 def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bool = False,
-                     group_size: int = 128, scale_dtype: str = "float16") -> Rotations:
-    """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``."""
+                     group_size: int | None = None, scale_dtype: str = "float16") -> Rotations:
+    """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``
+    (group size default: min(128, head_dim))."""
+    group_size = group_size or min(128, shape.head_dim)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such folder")
     found: dict[tuple[str, int], str] = {}

@@ -20,3 +20,24 @@ def tiny_model(family: str = "qwen3", num_layers: int = 2, q_heads: int = 4, kv_
     model = model_cls(cfg).to(dtype).eval()
     model.config.architectures = [model_cls.__name__]
     return model
+
+
+def save_tiny_model_dir(path, family: str = "qwen3", **kw) -> str:
+    """A complete local HF model folder (config, weights, byte-level BPE tokenizer of 300
+    tokens trained in-process on a few stdlib lines), for CLI tests without downloads."""
+    import inspect
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([inspect.getsource(inspect)[:20000]], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    model = tiny_model(family, vocab=fast.vocab_size, **kw)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
