@@ -19,13 +19,18 @@ run keeps what it measured; server and client logs go to ``--log-dir``; the serv
 whole process group is stopped on exit, on error and on SIGTERM; ``--deadline-s`` bounds
 the wall time of one invocation (whatever does not fit is recorded as skipped).
 
-GPU machine (one call per configuration keeps each call under 10 minutes):
+GPU machine (wheelhouse installed, .device/shapes carried): one call per configuration
+keeps each call under 10 minutes; results accumulate in the JSON given to --out:
 
     export PYTHONPATH=/tmp/site:$PWD
+    cp benchmarks/results/e2e_qwen3-8b-shape.json $OUT/ 2>/dev/null || true
     python3 benchmarks/e2e.py --configs bf16_triton --out $OUT/e2e_qwen3-8b-shape.json \
-        --log-dir $OUT/e2e_logs --deadline-s 560
+        --log-dir $OUT/e2e_logs
 
-then ``python3 benchmarks/e2e.py --plot-only`` here renders the plot from the JSON.
+(then bf16_flashinfer, fp8_e4m3, oscar_int2; copy the JSON and logs back to
+benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
+``--phases capacity,decode`` and ``--phases throughput``. Here, afterwards:
+``python3 benchmarks/e2e.py --plot-only`` and ``python3 benchmarks/report.py --write README.md``.
 """
 from __future__ import annotations
 
@@ -418,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     # how the processes are started (every server: oscar-sglang serve, as benchmarks/capacity.py)
     ap.add_argument("--launcher", default=None,
                     help="server launcher command (default: python -m sglang_ext.launcher serve)")
-    ap.add_argument("--bench-serving", default=f"{sys.executable} -m sglang.benchmark.serving")
+    ap.add_argument("--bench-serving", default=f"{sys.executable} {os.path.join(HERE, 'bench_serving_client.py')}",
+                    help="benchmark client (default: sglang.benchmark.serving via bench_serving_client.py)")
     return ap
 
 
@@ -462,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     if "oscar_int2" in args.configs and not rotations:
         from capacity import write_shape_rotations  # the data-free hadamard file capacity.py uses
 
-        rotations = os.path.join(args.log_dir, f"{data['model']}.hadamard.g{args.group_size}.safetensors")
+        import tempfile  # not next to the logs: 38 MB for Qwen3-8B, and reproducible from the shape
+
+        rotations = os.path.join(tempfile.gettempdir(), "oscar-e2e",
+                                 f"{data['model']}.hadamard.g{args.group_size}.safetensors")
         log(f"writing the data-free hadamard rotations {rotations}")
         write_shape_rotations(args.model, rotations, args.group_size)
     data["settings"]["oscar_rotations"] = rotations

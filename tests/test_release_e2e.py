@@ -187,3 +187,18 @@ def test_server_that_dies_is_reported_with_its_log(fakes, monkeypatch):
     entry = json.loads((tmp_path / "out" / "e2e.json").read_text())["configs"]["fp8_e4m3"]
     assert "exited with code 3" in entry["errors"]["server"] and "refusing to start" in entry["errors"]["server"]
     assert "max_total_num_tokens" not in entry
+
+
+def test_bench_client_runs_without_hf_datasets_and_takes_our_options(tmp_path):
+    import subprocess
+
+    args = e2e.resolve_args(["--model", str(tmp_path)])
+    ours = [a for a in e2e.bench_command(args, input_len=1, output_len=1, num_prompts=1, range_ratio=1.0,
+                                         concurrency=1, warmup=0, output_file="x") if a.startswith("--")]
+    client = ROOT / "benchmarks" / "bench_serving_client.py"
+    code = ("import runpy, sys; sys.modules['datasets'] = None; "  # as on a machine without it
+            f"sys.argv = ['c', '--help']; runpy.run_path({str(client)!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--dataset-name" in r.stdout
+    assert [o for o in ours if o not in r.stdout] == []
