@@ -164,10 +164,31 @@ def render_server_fidelity(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_soak(results_dir: str) -> str:
+    files = _files(results_dir, "soak_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/soak.py", "one GPU")
+    parts = []
+    for path in files:
+        configs = _load(path).get("configs", {})
+        rows = [[n, fmt(c.get("pass")), fmt(c.get("requests")), fmt(c.get("aborted_mid_stream")),
+                 fmt(c.get("shared_prefix_requests")), fmt(c.get("error_count")),
+                 fmt(len(c.get("leak_messages") or [])) if "leak_messages" in c else "-",
+                 fmt(c.get("traceback_count")),
+                 f"{fmt(c.get('exact_equal'))} / {fmt(c.get('compared'))}"]
+                for n, c in configs.items()]
+        parts.append(f"Source: `{_rel(path)}`.")
+        parts.append(table(["config", "pass", "requests", "aborted mid-stream", "on shared prefixes",
+                            "failed requests", "leak messages", "tracebacks",
+                            "greedy outputs equal to sequential"], rows))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "e2e": render_e2e,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
+    "soak": render_soak,
 }
 
 

@@ -179,3 +179,10 @@ def test_openai_client_example_runs_against_a_server():
     assert r.returncode == 0, r.stderr
     assert "model: tinylm-A" in r.stdout and "completion: '\\n    return n'" in r.stdout
     assert "streamed: \n    return n" in r.stdout and "usage: 5 prompt + 4 completion tokens" in r.stdout
+
+
+def test_soak_table(tmp_path):
+    (tmp_path / "soak_t.json").write_text(json.dumps({"configs": {"oscar_int2": {
+        "pass": True, "requests": 200, "aborted_mid_stream": 19, "shared_prefix_requests": 100,
+        "error_count": 0, "leak_messages": [], "traceback_count": 0, "exact_equal": 170, "compared": 181}}}))
+    assert "| oscar_int2 | yes | 200 | 19 | 100 | 0 | 0 | 0 | 170 / 181 |" in report.render_soak(str(tmp_path))
