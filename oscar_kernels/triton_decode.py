@@ -22,7 +22,6 @@ ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +41,9 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
                      GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """q'[b, h*GQ + g] = q[b, h*GQ + g] @ R[h] (float32 dot, stored bf16). Grid (B, H)."""
+                     TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr):
+    """out[t, h*GQ + g] = x[t, h*GQ + g] @ R[h] (R[h]^T when TRANSPOSE); float32 dot over
+    K chunks read from memory (few registers), stored in out's dtype. Grid (T, H)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = tl.arange(0, BH)
@@ -51,13 +51,17 @@ def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
     hq = h * GQ + g
     d = tl.arange(0, D)
     kb = tl.arange(0, KB)
+    rot = rot_ptr + h.to(tl.int64) * D * D
     acc = tl.zeros([BH, D], tl.float32)
     for c0 in tl.static_range(0, D, KB):
         qs = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + c0 + kb[None, :], mask=hmask[:, None],
                      other=0.0).to(tl.float32)
-        rs = tl.load(rot_ptr + h.to(tl.int64) * D * D + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
+        if TRANSPOSE:  # rs[k, e] = R[e, c0 + k]
+            rs = tl.load(rot + d[None, :] * D + (c0 + kb)[:, None]).to(tl.float32)
+        else:
+            rs = tl.load(rot + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
         acc = mma_f32(qs, rs, acc, PRECISION)
-    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + d[None, :], acc.to(tl.bfloat16),
+    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
 
@@ -194,8 +198,9 @@ class DecodeConfig:
     min_chunk: int = 256  # fewest INT2 tokens per split
     magic_unpack: bool = True  # int32-word bit trick (no int->float conversions)
     use_dot: bool = True  # tensor cores for q.k and p.v
-    min_block_h: int = 16  # query-head rows per program (>= Hq/H, power of two)
-    fp32_precision: str = "ieee"  # input precision of the float32 rotation dots
+    min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
+    fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
+    merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
 
     def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
         target = self.target_programs or _default_target(device)
@@ -259,17 +264,19 @@ def check_decode_inputs(q, layer, rotation, rows, seq_lens):
 
 
 def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
-                   num_warps: int = 4) -> torch.Tensor:
-    """out[t, hq] = bf16(q[t, hq] @ rot[hq // (Hq/H)]) for q [T, Hq, D]; rot [H, D, D] fp32."""
+                   num_warps: int = 4, transpose: bool = False) -> torch.Tensor:
+    """out[t, hq] = q[t, hq] @ rot[hq // (Hq/H)] (or @ rot^T when ``transpose``) for q
+    [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store)."""
     t, hq, d = q.shape
     h = rot.shape[0]
     gq = hq // h
     check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("out", out)
     if t == 0:
         return out
     _rotate_q_kernel[(t, h)](q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1),
                              GQ=gq, BH=triton.next_power_of_2(gq), D=d, KB=min(32, d),
-                             PRECISION=precision, num_warps=num_warps)
+                             TRANSPOSE=bool(transpose), PRECISION=precision, num_warps=num_warps)
     return out
 
 
@@ -318,7 +325,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     )
     _decode_merge[(b, h)](
         mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-        NSP=ns + 1, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.fp32_precision, num_warps=4,
+        NSP=ns + 1, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.merge_precision, num_warps=4,
     )
     return out
 

@@ -7,9 +7,8 @@ of L_b = prefix_lens[b] positions. New token i (query q_i, position L_b + i) att
     and causally to the new tokens j <= i (BF16 k', v' from the store's rotated_out).
 Program (m, b, h) serves BLOCK_M new tokens x the Hq/H query heads of KV head h (rows
 r = token * GQP + head), flash-attention style with one running (max, sum) per row; the
-INT2 part uses the plane algebra of triton_hybrid_attn. The epilogue fuses the output
-un-rotation o = o' @ R_V[h]^T (o' = BF16-part accumulator + the four INT2 plane
-accumulators, each multiplied by its row block of R_V^T).
+INT2 part uses the plane algebra of triton_hybrid_attn. Three launches: q' = q R_K,
+the attention (o' in float32), o = o' R_V^T (the rotation kernels of triton_decode).
 """
 from __future__ import annotations
 
@@ -20,17 +19,10 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            mma_f32)
+from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args
 from .triton_decode import rotate_queries
 from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, mm, online_softmax,
                                  plane_corr, request_layout)
-
-
-@triton.jit
-def _rescale(m_before, m_after):
-    """Factor that carries an accumulator from running max m_before to m_after."""
-    return tl.where(m_after == float("-inf"), 1.0, tl.exp2(m_before - m_after))
 
 
 @triton.jit
@@ -40,12 +32,16 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                    kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
-                   vrot_ptr, out_ptr, so_t, so_h, qk_scale,
+                   o_ptr, so_t, so_h, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
-                   BN_BF16: tl.constexpr, EB: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
-                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (cdiv(max_extend_len, BM), B, H); see module doc."""
+                   BN_BF16: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
+                   USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
+
+    Two phases keep the live state small: (1) the INT2 prefix with plane accumulators,
+    normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring, causal new
+    tokens) with one [R, D] accumulator, then the log-sum-exp merge with the parked part."""
     mb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -55,6 +51,8 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
     if m0 < e:
         R: tl.constexpr = BM * GQP
         DQ: tl.constexpr = D // 4
+        NG: tl.constexpr = D // G if G >= D // 4 else 1
+        KN: tl.constexpr = BN if G >= D // 4 else 1
         r = tl.arange(0, R)
         tq = m0 + r // GQP  # new-token index of each row
         gg = r % GQP
@@ -62,30 +60,18 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         tok = qo_lo + tq
         hq = (h * GQ + gg).to(tl.int64)
         d = tl.arange(0, D)
-        q_rows = qr_ptr + tok[:, None] * sq_t + hq[:, None] * sq_h
-        q = tl.load(q_rows + d[None, :], mask=rmask[:, None], other=0.0)
         row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                                  pos_of_ptr, page_size, vf_ptr, S, W)
-        m_i = tl.full([R], float("-inf"), tl.float32)
-        l_i = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, D], tl.float32)
-        # ---- prefix: sinks (BF16)
-        if S > 0:
-            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
-                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
-        # ---- prefix: INT2 history (transposed plane tiles, see triton_hybrid_attn)
-        DQ: tl.constexpr = D // 4
-        NG: tl.constexpr = D // G if G >= D // 4 else 1
-        KN: tl.constexpr = BN if G >= D // 4 else 1
+        o_vec = o_ptr + tok * so_t + hq * so_h  # [R] row pointers of o'
+        # ---- phase 1: INT2 history [s_b, ring_lo) (transposed plane tiles)
         q_vec = qr_ptr + tok * sq_t + hq * sq_h
         qt0, qs0 = load_q_plane(q_vec, rmask, 0, D)
         qt1, qs1 = load_q_plane(q_vec, rmask, 1, D)
         qt2, qs2 = load_q_plane(q_vec, rmask, 2, D)
         qt3, qs3 = load_q_plane(q_vec, rmask, 3, D)
-        m_pre = m_i
-        m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
-            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, tl.zeros([BN, R], tl.float32),
+        m2, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
+            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, tl.full([R], float("-inf"), tl.float32),
+            tl.zeros([BN, R], tl.float32),
             tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
             tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
             tl.zeros([KN, R], tl.float32), tl.zeros([KN if NG >= 2 else 1, R], tl.float32),
@@ -93,16 +79,30 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             s_b, ring_lo, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
             ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale,
             BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
-        f_pre = _rescale(m_pre, m_i)
-        acc = acc * f_pre[:, None]
-        l_i = l_i * f_pre + tl.sum(l_t, 0)
-        m_int2 = m_i
-        # ---- prefix: ring (BF16)
+        l2 = tl.sum(l_t, 0)
+        inv2 = 1.0 / tl.where(l2 > 0, l2, 1.0)
+        jq = tl.arange(0, DQ)[:, None]
+        tl.store(o_vec[None, :] + jq, finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), inv2, G, DQ),
+                 mask=rmask[None, :])
+        tl.store(o_vec[None, :] + DQ + jq, finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), inv2, G, DQ),
+                 mask=rmask[None, :])
+        tl.store(o_vec[None, :] + 2 * DQ + jq,
+                 finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), inv2, G, DQ), mask=rmask[None, :])
+        tl.store(o_vec[None, :] + 3 * DQ + jq,
+                 finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), inv2, G, DQ), mask=rmask[None, :])
+        # ---- phase 2: BF16 sinks, ring, then the new tokens causally
+        q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+        m_i = tl.full([R], float("-inf"), tl.float32)
+        l_i = tl.zeros([R], tl.float32)
+        acc = tl.zeros([R, D], tl.float32)
+        if S > 0:
+            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
+                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
         if W > 0:
             rr = row * srg_r + h * srg_h
             m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
                                        ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
-        # ---- new tokens, causal (BF16)
         nb = tl.arange(0, BN_BF16)
         kv_new = h * sn_h
         for j0 in range(0, tl.minimum(e, m0 + BM), BN_BF16):
@@ -115,27 +115,18 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
             acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
-        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        acc = acc * inv[:, None]
-        f_int2 = _rescale(m_int2, m_i) * inv  # INT2 tiles: from m_int2 to the final max, normalised
-        o0 = tl.trans(finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), f_int2, G, DQ))
-        o1 = tl.trans(finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), f_int2, G, DQ))
-        o2 = tl.trans(finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), f_int2, G, DQ))
-        o3 = tl.trans(finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), f_int2, G, DQ))
-        # ---- epilogue: o = o' @ R_V^T, column block by column block
-        ec = tl.arange(0, EB)
-        jq = tl.arange(0, DQ)
-        rot = vrot_ptr + h.to(tl.int64) * D * D
-        for e0 in tl.static_range(0, D, EB):
-            rcol = rot + (e0 + ec)[None, :] * D  # R[e, :] as a column of R^T
-            oc = mma_f32(acc, tl.load(rcol + d[:, None]).to(tl.float32), tl.zeros([R, EB], tl.float32),
-                         PRECISION)
-            oc = mma_f32(o0, tl.load(rcol + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(o1, tl.load(rcol + DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(o2, tl.load(rcol + 2 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
-            oc = mma_f32(o3, tl.load(rcol + 3 * DQ + jq[:, None]).to(tl.float32), oc, PRECISION)
-            tl.store(out_ptr + tok[:, None] * so_t + hq[:, None] * so_h + e0 + ec[None, :],
-                     oc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+        # ---- merge the parked INT2 part (written by other threads of this program)
+        tl.debug_barrier()
+        o2 = tl.load(o_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+        m = tl.maximum(m_i, m2)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        f1 = tl.exp2(m_i - m_safe)
+        f2 = tl.exp2(m2 - m_safe) * l2
+        den = l_i * f1 + f2
+        den = tl.where(den > 0, den, 1.0)
+        o = (acc * f1[:, None] + o2 * f2[:, None]) / den[:, None]
+        tl.debug_barrier()
+        tl.store(o_vec[:, None] + d[None, :], o, mask=rmask[:, None])
 
 
 @dataclass
@@ -143,9 +134,9 @@ class ExtendConfig:
     """Launch parameters of the extend kernel."""
 
     block_rows: int = 64  # query rows (tokens x query heads of a KV head) per program
-    block_n: int = 64  # INT2 prefix tokens per step
-    block_n_bf16: int = 64  # BF16 (sink / ring / new) tokens per step
-    num_warps: int = 4
+    block_n: int = 32  # INT2 prefix tokens per step
+    block_n_bf16: int = 32  # BF16 (sink / ring / new) tokens per step
+    num_warps: int = 8  # (64 rows, 32-token steps, 8 warps: no register spills on sm_90)
     num_stages: int = 1
     magic_unpack: bool = True
     use_dot: bool = True
@@ -156,7 +147,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor,
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
-                  q_rot_buffer: torch.Tensor | None = None,
+                  q_rot_buffer: torch.Tensor | None = None, o_rot_buffer: torch.Tensor | None = None,
                   config: ExtendConfig | None = None) -> torch.Tensor:
     """Extend attention (api.extend_attention semantics): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
@@ -184,27 +175,28 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         return out
     if q_rot_buffer is None:
         q_rot_buffer = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
+    if o_rot_buffer is None:
+        o_rot_buffer = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     q_rot = rotate_queries(q, rotation.k_rot.contiguous(), q_rot_buffer[:t], cfg.fp32_precision)
+    o_rot = o_rot_buffer[:t]
     gq = hq // h
     gqp = triton.next_power_of_2(gq)
     bm = max(1, cfg.block_rows // gqp)
     lay = layer
-    kpk, vpk = lay.k_packed, lay.v_packed
-    spk_s, spk_h = kpk.stride(0), kpk.stride(1)
+    gs = group_scale_args(lay)
     grid = (triton.cdiv(max_extend_len, bm), b, h)
     _extend_kernel[grid](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
         rows, prefix_lens, qo_indptr, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
-        kpk, vpk, spk_s, spk_h,
+        lay.k_packed, lay.v_packed, lay.k_packed.stride(0), lay.k_packed.stride(1),
         lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
-        *group_scale_args(lay)[:4],
+        *gs[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
-        rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1), sm_scale * 1.4426950408889634,
+        o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
         GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
-        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, EB=min(32, d), PAIR=group_scale_args(lay)[4], MAGIC=cfg.magic_unpack,
-        USE_DOT=cfg.use_dot, INTERP=INTERPRET, PRECISION=cfg.fp32_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
+        USE_DOT=cfg.use_dot, INTERP=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+    return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)

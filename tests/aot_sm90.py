@@ -1,0 +1,177 @@
+"""Compile the oscar Triton kernels ahead of time for Hopper (sm_90a) without a GPU.
+
+The host wrappers (triton_store / triton_decode / triton_extend) run on CPU tensors; each
+kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 target,
+then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
+layouts, shared memory) on a machine without CUDA.
+
+Usage: python tests/aot_sm90.py [--case NAME ...]   (prints one JSON line per kernel)
+Must run without TRITON_INTERPRET (tests/test_kernels_compile.py runs it as a subprocess).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+       torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+
+
+def _compile(kernel, args, kwargs):
+    """triton.compile the JIT kernel for sm_90 with the launch's arguments."""
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = kernel.arg_names
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        v = bound[name]
+        if i in kernel.constexprs:
+            sig[name] = "constexpr"
+            consts[name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + _TY[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool) or v is None:
+            sig[name] = "constexpr"
+            consts[name] = v
+        elif isinstance(v, int):
+            if v == 1:
+                sig[name] = "constexpr"
+                consts[name] = 1
+            else:
+                sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: unsupported argument {type(v)}")
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=opts)
+
+
+def _ptxas_stats(compiled) -> dict:
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        ptx = Path(d) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) if spill else None,
+            "shared_bytes": compiled.metadata.shared}
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](...)`` compiles instead of launching."""
+
+    def __init__(self, kernel, case, results):
+        self.kernel, self.case, self.results = kernel, case, results
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            rec = {"case": self.case, "kernel": self.kernel.__name__, "grid": [int(g) for g in grid]}
+            try:
+                rec.update(_ptxas_stats(_compile(self.kernel, args, dict(kwargs))))
+                rec["ok"] = True
+            except Exception as e:  # report, keep compiling the others
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            self.results.append(rec)
+        return launch
+
+
+def _patch(case, results):
+    from oscar_kernels import triton_decode, triton_extend, triton_store
+    saved = []
+    for mod, name in ((triton_store, "_store_kernel"), (triton_decode, "_rotate_q_kernel"),
+                      (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge"),
+                      (triton_extend, "_extend_kernel")):
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, _Recorder(getattr(mod, name), case, results))
+    return saved
+
+
+def _unpatch(saved):
+    for mod, name, k in saved:
+        setattr(mod, name, k)
+
+
+CASES = {
+    # name: (scenario kwargs, decode config kwargs, extend config kwargs, Hq)
+    "g128": (dict(D=128, G=128, S=16, W=64, page=64), {}, {}, 32),
+    "g32_nw4": (dict(D=128, G=32, S=16, W=64, page=64), dict(num_warps=4), {}, 32),
+    "g64_d64": (dict(D=64, G=64, S=4, W=16, page=16), {}, {}, 16),
+    "g8_gq1": (dict(D=128, G=8, S=4, W=16, page=16), {}, {}, 8),
+    "nodot_convert": (dict(D=128, G=128, S=0, W=0, page=16), dict(use_dot=False, magic_unpack=False),
+                      dict(magic_unpack=False), 32),
+}
+
+
+def run(case: str) -> list[dict]:
+    import kernel_cases as kc
+    from oscar_kernels.triton_decode import DecodeConfig, triton_decode
+    from oscar_kernels.triton_extend import ExtendConfig, triton_extend
+    from oscar_kernels.triton_store import triton_store
+    scen, dcfg, ecfg, hq = CASES[case]
+    sc = kc.build([70, 5], H=8, fill=False, seed=0, **scen)
+    h, d = sc.layer.num_kv_heads, sc.layer.head_dim
+    results: list[dict] = []
+    saved = _patch(case, results)
+    try:
+        t = 3
+        k = torch.zeros(t, h, d, dtype=torch.bfloat16)
+        idx = torch.zeros(t, dtype=torch.int64)
+        triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, k.clone(), idx, idx, idx, idx + 1,
+                     rotated_out=(k.clone(), k.clone()))
+        q = torch.zeros(2, hq, d, dtype=torch.bfloat16)
+        lens = torch.tensor(sc.lens, dtype=torch.int32)
+        triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale,
+                      config=DecodeConfig(**dcfg))
+        qe = torch.zeros(t, hq, d, dtype=torch.bfloat16)
+        triton_extend(qe, k, k.clone(), sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
+                      torch.tensor([0, 2, 3], dtype=torch.int32), 2, sc.sm_scale, config=ExtendConfig(**ecfg))
+    finally:
+        _unpatch(saved)
+    return results
+
+
+def main(argv=None):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("aot_sm90: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: all")
+    args = ap.parse_args(argv)
+    failed = 0
+    for case in args.case or list(CASES):
+        for rec in run(case):
+            print(json.dumps(rec), flush=True)
+            failed += not rec["ok"]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
