@@ -99,8 +99,12 @@ def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, see
     return to_device(sc, device)
 
 
+def layer_to(layer: HybridLayerCache, device) -> HybridLayerCache:
+    return HybridLayerCache(*(getattr(layer, f).to(device) for f in layer.__dataclass_fields__))
+
+
 def to_device(sc: Scenario, device) -> Scenario:
-    lay = HybridLayerCache(*(getattr(sc.layer, f).to(device) for f in sc.layer.__dataclass_fields__))
+    lay = layer_to(sc.layer, device)
     idx = HybridCacheIndex(sc.index.page_size, sc.index.sink_slot_of_page.to(device),
                            sc.index.page_of_sink_slot.to(device), sc.index.ring_valid_from.to(device),
                            sc.index.sink_cursor)
@@ -132,3 +136,169 @@ def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache, max_frac
     for name in ("k_sink", "v_sink", "k_ring", "v_ring"):
         a, b = getattr(test, name).float(), getattr(want, name).float()
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=None, device="cuda",
+                 seed=0, valid_from=None) -> Scenario:
+    """Large scenario filled with random INT2 codes/scales and BF16 sinks/rings directly on
+    ``device`` (no store pass: for long-context GPU tests and benchmarks). Every request
+    owns whole pages (permuted) and a sink slot."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    b = len(lens)
+    pages_per_req = [-(-max(n, 1) // page) for n in lens]
+    num_pages = sum(pages_per_req) + 1
+    num_slots = num_pages * page
+    sink_slots = sink_slots or max(b, 1)
+    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, device=device)
+    index = allocate_index(num_slots, page, sink_slots, b + 1, device=device)
+    layer.k_packed.copy_(torch.randint(0, 256, layer.k_packed.shape, generator=g, device=device,
+                                       dtype=torch.int32).to(torch.uint8))
+    layer.v_packed.copy_(torch.randint(0, 256, layer.v_packed.shape, generator=g, device=device,
+                                       dtype=torch.int32).to(torch.uint8))
+    for sc in (layer.k_scales, layer.v_scales):
+        sc[..., 0] = (0.2 + 0.4 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
+        sc[..., 1] = (-0.3 - 0.2 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
+    for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+        t.copy_(torch.randn(t.shape, generator=g, device=device).to(t.dtype))
+    perm = torch.randperm(num_pages - 1, generator=g, device=device) + 1
+    max_ctx = max(max(lens), 1)
+    req_to_token = torch.zeros(b + 1, max_ctx, dtype=torch.int32, device=device)
+    cursor = 0
+    ar = torch.arange(page, device=device)
+    for i, (n, npg) in enumerate(zip(lens, pages_per_req)):
+        slots = (perm[cursor:cursor + npg, None] * page + ar[None, :]).flatten()[:max_ctx]
+        req_to_token[i + 1, :slots.numel()] = slots.to(torch.int32)
+        cursor += npg
+    rows = torch.arange(1, b + 1, dtype=torch.int32, device=device)
+    if S > 0:
+        assign_sink_slots(index, req_to_token[rows.long(), 0], sink_slots)
+    if valid_from is not None:
+        index.ring_valid_from[rows.long()] = torch.tensor(valid_from, dtype=torch.int32, device=device)
+    rotation = random_rotation(H, D, torch.Generator().manual_seed(seed)).to(device)
+    return Scenario(layer, index, rotation, req_to_token, rows, list(lens), D ** -0.5)
+
+
+def head_subset(sc: Scenario, heads: list[int]) -> Scenario:
+    """The scenario restricted to some KV heads (copies of their buffers), for a cheaper
+    reference on large caches."""
+    hs = torch.tensor(heads, device=sc.device)
+    lay = HybridLayerCache(*(getattr(sc.layer, f).index_select(-3 if f.endswith("scales") else -2, hs)
+                             for f in sc.layer.__dataclass_fields__))
+    rot = LayerRotation(*(getattr(sc.rotation, f)[hs] for f in LayerRotation.FIELDS))
+    return Scenario(lay, sc.index, rot, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)
+
+
+# ---------------------------------------------------------------- checks shared by CPU / GPU tests
+def store_batch(sc: Scenario, starts, seed=7):
+    """New tokens: request i stores positions starts[i]..lens[i]-1 (seq_end = lens[i])."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
+    slots, pos, rows, ends = [], [], [], []
+    for i, (s0, n) in enumerate(zip(starts, sc.lens)):
+        r = int(sc.rows[i])
+        p = torch.arange(s0, n, device=dev)
+        pos.append(p)
+        slots.append(sc.req_to_token[r, s0:n].long())
+        rows.append(torch.full_like(p, r))
+        ends.append(torch.full_like(p, n))
+    t = sum(n - s0 for s0, n in zip(starts, sc.lens))
+    k = (torch.randn(t, h, d, generator=g) * 2).bfloat16().to(dev)
+    v = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    return k, v, torch.cat(slots), torch.cat(pos), torch.cat(rows).int(), torch.cat(ends).int()
+
+
+def check_store(sc: Scenario, starts, store_fn, write_int2=True, write_ring=True):
+    """store_fn (triton_store signature) against reference_store on clones of the cache."""
+    k, v, slots, pos, rows, ends = store_batch(sc, starts)
+    want = clone_layer(sc.layer)
+    got = clone_layer(sc.layer)
+    k_rot, v_rot = ref.reference_store(want, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
+                                       rows, ends, write_int2, write_ring)
+    ko = torch.zeros(k.shape, dtype=torch.bfloat16, device=k.device)
+    vo = torch.zeros_like(ko)
+    store_fn(got, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends, write_int2,
+             write_ring, rotated_out=(ko, vo))
+    assert_layers_close(got, want)
+    torch.testing.assert_close(ko.float(), k_rot.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(vo.float(), v_rot.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    return got
+
+
+def decode_reference(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
+    """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
+    hq = q.shape[1]
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_decode(q_rot, sc.layer, sc.index, sc.req_to_token, sc.rows,
+                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale)
+    return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+
+
+def random_q(sc: Scenario, hq: int, seed=3, n=None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n or len(sc.lens), hq, sc.layer.head_dim, generator=g) * 2).bfloat16().to(sc.device)
+
+
+def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, tol=3e-2):
+    q = random_q(sc, hq, seed)
+    want = decode_reference(sc, q)
+    got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                    torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, config=None, seed=4, tol=3e-2):
+    g = torch.Generator().manual_seed(seed)
+    h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
+    t = sum(new_lens)
+    q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16().to(dev)
+    k_rot = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    v_rot = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    qo = torch.tensor([0] + list(new_lens)).cumsum(0).to(torch.int32).to(dev)
+    pre = torch.tensor(sc.lens, dtype=torch.int32, device=dev)
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_extend(q_rot, k_rot, v_rot, sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
+                                 qo, sc.sm_scale)
+    want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+    got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
+                    max(new_lens), sc.sm_scale, config=config)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def api_session(api, sc: Scenario, steps, hq, seed=21):
+    """Prefill chunks then decode steps through oscar_kernels.api in the server's call
+    order (store without ring, extend, ring store; or store + decode) on a copy of the
+    scenario's cache; returns (outputs of every step, final layer)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = sc.device
+    lay = clone_layer(sc.layer)
+    idx = HybridCacheIndex(sc.index.page_size, sc.index.sink_slot_of_page.clone(),
+                           sc.index.page_of_sink_slot.clone(), sc.index.ring_valid_from.clone(),
+                           sc.index.sink_cursor)
+    h, d = lay.num_kv_heads, lay.head_dim
+    b = len(sc.rows)
+    rows = sc.rows.long()
+    n = torch.zeros(b, dtype=torch.long, device=dev)
+    outs = []
+    for t in steps:
+        tok_rows = rows.repeat_interleave(t)
+        pos = (n[:, None] + torch.arange(t, device=dev)[None, :]).flatten()
+        slots = sc.req_to_token[tok_rows, pos]
+        ends = (n + t).repeat_interleave(t)
+        q = torch.randn(b * t, hq, d, generator=g).bfloat16().to(dev)
+        k = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
+        v = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
+        common = (lay, idx, sc.rotation, sc.req_to_token)
+        if t == 1 and int(n[0]) > 0:
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends)
+            outs.append(api.decode_attention(q, *common, rows, n + 1, sc.sm_scale))
+        else:
+            k_rot, v_rot = torch.empty_like(k), torch.empty_like(v)
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_ring=False,
+                         rotated_out=(k_rot, v_rot))
+            qo = torch.arange(b + 1, device=dev) * t
+            outs.append(api.extend_attention(q, k_rot, v_rot, *common, rows, n, qo, t, sc.sm_scale))
+            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_int2=False, write_ring=True)
+        n += t
+    return outs, lay

@@ -1,0 +1,216 @@
+"""Triton kernels vs the PyTorch reference on a GPU, plus long contexts and CUDA graphs.
+
+Run on the GPU machine:  python -m pytest -m gpu tests/test_kernels_gpu.py
+(Skipped without CUDA by tests/conftest.py; never under TRITON_INTERPRET.)
+"""
+import os
+
+import pytest
+import torch
+
+import kernel_cases as kc
+
+pytestmark = pytest.mark.gpu
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("GPU tests need compiled kernels (unset TRITON_INTERPRET)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from oscar_kernels import api, triton_decode, triton_extend, triton_store
+    return api, triton_store, triton_decode, triton_extend
+
+
+def _gpu(sc):
+    return kc.to_device(sc, "cuda")
+
+
+# ---------------------------------------------------------------- same checks as on CPU
+@pytest.mark.parametrize("cfg", [
+    dict(D=64, G=16, S=4, W=8, page=8),
+    dict(D=128, G=128, S=16, W=64, page=64),
+    dict(D=128, G=32, S=4, W=0, page=16),
+    dict(D=128, G=8, S=0, W=16, page=16),
+])
+@pytest.mark.parametrize("flags", [(True, True), (True, False), (False, True)])
+def test_store_gpu(kernels, cfg, flags):
+    _, ts, _, _ = kernels
+    lens = [211, 90, 65, 128]
+    starts = [210, 3, 0, 0]
+    sc = kc.build(lens, H=4, fill=False, no_sink=(3,), seed=1, device="cuda", **cfg)
+    kc.check_store(sc, starts, ts.triton_store, *flags)
+
+
+_DECODE_CASES = [
+    # (D, G, Hq, H, S, W, page)
+    (128, 128, 32, 8, 16, 128, 64),
+    (128, 64, 16, 8, 16, 64, 64),
+    (128, 32, 8, 8, 4, 16, 16),
+    (128, 8, 16, 2, 4, 16, 16),
+    (64, 64, 4, 4, 4, 16, 16),
+    (64, 16, 2, 2, 0, 16, 16),
+    (128, 128, 16, 2, 16, 0, 64),
+    (128, 128, 8, 8, 0, 0, 64),
+]
+
+
+@pytest.mark.parametrize("case", _DECODE_CASES)
+def test_decode_gpu(kernels, case):
+    _, _, td, _ = kernels
+    d, g, hq, h, s, w, page = case
+    lens = [1, 7, max(s + w, 1), s + w + 1, 300, 1000, 4099]  # empty history, boundaries, splits
+    sc = kc.build(lens, H=h, D=d, G=g, S=s, W=w, page=page, seed=d + g + hq, device="cuda")
+    kc.check_decode(sc, hq, td.triton_decode)
+
+
+def test_decode_gpu_invalid_sink_and_late_ring(kernels):
+    _, _, td, _ = kernels
+    lens = [300, 450, 120, 2000]
+    sc = kc.build(lens, H=4, D=128, G=128, S=16, W=64, page=64, evict_sink_of=(0,), no_sink=(2,),
+                  valid_from=[0, 420, 100, 1990], seed=5, device="cuda")
+    kc.check_decode(sc, 16, td.triton_decode)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4), dict(block_n=32),
+    dict(block_n=128), dict(max_splits=1), dict(min_block_h=16), dict(num_stages=3),
+    dict(min_chunk=64, target_programs=4096),
+])
+def test_decode_gpu_variants(kernels, variant):
+    _, _, td, _ = kernels
+    sc = kc.build([5, 900, 3000], H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda")
+    kc.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**variant))
+
+
+@pytest.mark.parametrize("case", [
+    (128, 128, 32, 8, 16, 64, 64),
+    (128, 32, 8, 8, 4, 16, 16),
+    (64, 16, 4, 2, 4, 8, 8),
+    (128, 8, 16, 2, 0, 0, 16),
+])
+def test_extend_gpu(kernels, case):
+    _, _, _, te = kernels
+    d, g, hq, h, s, w, page = case
+    prefix = [0, 5, 130, 700]
+    new = [70, 1, 200, 33]
+    sc = kc.build(prefix, H=h, D=d, G=g, S=s, W=w, page=page, seed=d + hq, device="cuda")
+    kc.check_extend(sc, hq, new, te.triton_extend)
+
+
+def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
+    _, _, _, te = kernels
+    sc = kc.build([240, 300, 190], H=4, D=128, G=128, S=16, W=64, page=64, valid_from=[240, 100, 0],
+                  evict_sink_of=(2,), seed=9, device="cuda")
+    kc.check_extend(sc, 16, [50, 120, 0], te.triton_extend)
+
+
+def test_api_end_to_end_gpu_vs_cpu_reference(kernels):
+    api, _, _, _ = kernels
+    from oscar_kernels.hybrid_cache import assign_sink_slots
+    sc = kc.build([400, 400, 400], H=4, D=128, G=128, S=16, W=64, page=64, fill=False, seed=13)
+    assign_sink_slots(sc.index, sc.req_to_token[sc.rows.long(), 0], sc.layer.k_sink.shape[0])
+    steps = [130, 200, 1, 1, 1]
+    want, lay_ref = kc.api_session(api, sc, steps, 16)  # CPU tensors: the reference path
+    got, lay_gpu = kc.api_session(api, _gpu(sc), steps, 16)  # CUDA tensors: Triton
+    kc.assert_layers_close(kc.layer_to(lay_gpu, "cpu"), lay_ref)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.float().cpu(), w.float(), rtol=3e-2, atol=3e-2)
+
+
+# ---------------------------------------------------------------- long contexts
+def _check_subset(sc, hq, out, q, requests, heads):
+    """Compare decode outputs of some requests and KV heads with the reference."""
+    sub = kc.head_subset(sc, heads)
+    gq = hq // sc.layer.num_kv_heads
+    qh = torch.cat([torch.arange(h * gq, (h + 1) * gq) for h in heads]).cuda()
+    part = kc.Scenario(sub.layer, sub.index, sub.rotation, sub.req_to_token, sc.rows[requests],
+                       [sc.lens[i] for i in requests], sc.sm_scale)
+    want = kc.decode_reference(part, q[requests][:, qh])
+    torch.testing.assert_close(out[requests][:, qh].float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("lens", [
+    [131072, 65536, 4096, 77, 1],
+    "batch64",
+])
+def test_decode_long_context(kernels, lens):
+    _, _, td, _ = kernels
+    if lens == "batch64":
+        g = torch.Generator().manual_seed(3)
+        lens = [131072] * 8 + torch.randint(1, 131072, (56,), generator=g).tolist()
+    sc = kc.build_random(lens, H=8, D=128, G=128, S=16, W=128, page=64, seed=2)
+    q = kc.random_q(sc, 32, seed=4)
+    out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale)
+    assert torch.isfinite(out.float()).all()
+    last = len(lens) - 1
+    _check_subset(sc, 32, out, q, [0, 1, last], [0, 5])
+
+
+def test_extend_long_prefix(kernels):
+    _, _, _, te = kernels
+    sc = kc.build_random([131072, 3000], H=8, D=128, G=32, S=16, W=128, page=64, seed=6)
+    sub = kc.head_subset(sc, [3])
+    part = kc.Scenario(sub.layer, sub.index, sub.rotation, sub.req_to_token, sc.rows, sc.lens, sc.sm_scale)
+    # the reference on one KV head; the kernel on that head alone too (same math per head)
+    kc.check_extend(part, 4, [256, 64], te.triton_extend)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+def test_cuda_graph_store_and_decode(kernels):
+    api, _, _, _ = kernels
+    from oscar_kernels import reference as ref
+    lens0 = [1000, 3000, 50, 64]
+    sc = kc.build_random([n + 8 for n in lens0], H=8, D=128, G=128, S=16, W=64, page=64, seed=8)
+    b, hq, h, d = len(lens0), 32, 8, 128
+    rows = sc.rows.long()
+    ref_layer = kc.clone_layer(sc.layer)
+    ws = api.make_decode_workspace(b, hq, h, d, "cuda")
+    n = torch.tensor(lens0, device="cuda")
+    st = dict(q=torch.zeros(b, hq, d, dtype=torch.bfloat16, device="cuda"),
+              k=torch.zeros(b, h, d, dtype=torch.bfloat16, device="cuda"),
+              v=torch.zeros(b, h, d, dtype=torch.bfloat16, device="cuda"),
+              pos=n.clone(), slots=sc.req_to_token[rows, n].long(), ends=n + 1, lens=(n + 1).int(),
+              out=torch.zeros(b, hq, d, dtype=torch.bfloat16, device="cuda"))
+
+    def step():
+        api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, st["k"], st["v"], st["slots"],
+                     st["pos"], rows, st["ends"])
+        api.decode_attention(st["q"], sc.layer, sc.index, sc.rotation, sc.req_to_token, rows, st["lens"],
+                             sc.sm_scale, out=st["out"], workspace=ws)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def fill(step_idx):
+        cur = n + step_idx
+        for key in ("q", "k", "v"):
+            st[key].copy_(torch.randn(st[key].shape, generator=gen, device="cuda").to(torch.bfloat16))
+        st["pos"].copy_(cur)
+        st["slots"].copy_(sc.req_to_token[rows, cur].long())
+        st["ends"].copy_(cur + 1)
+        st["lens"].copy_((cur + 1).int())
+
+    # warm up (compiles) on a side stream, then undo nothing: the reference replays the same steps
+    fill(0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    ref.reference_store(ref_layer, sc.index, sc.rotation, sc.req_to_token, st["k"], st["v"], st["slots"],
+                        st["pos"], rows, st["ends"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(1, 4):
+        fill(i)
+        graph.replay()
+        ref.reference_store(ref_layer, sc.index, sc.rotation, sc.req_to_token, st["k"], st["v"],
+                            st["slots"], st["pos"], rows, st["ends"])
+        cur = kc.Scenario(ref_layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                          [int(x) for x in (n + i + 1).tolist()], sc.sm_scale)
+        want = kc.decode_reference(cur, st["q"])
+        torch.cuda.synchronize()
+        torch.testing.assert_close(st["out"].float(), want, rtol=3e-2, atol=3e-2)
+    kc.assert_layers_close(sc.layer, ref_layer)
