@@ -340,4 +340,4 @@ def int2_bytes_read(layer: HybridLayerCache, seq_lens: list[int], num_q_heads: i
     for n in seq_lens:
         bf = min(n, s + w)
         total += h * ((n - bf) * per_int2 + bf * 2 * d * 2) + 4 * n
-    return total + len(seq_lens) * num_q_heads * d * 2 * 2
+    return total + len(seq_lens) * num_q_heads * d * 2

@@ -139,7 +139,7 @@ def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache, max_frac
 
 
 def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=None, device="cuda",
-                 seed=0, valid_from=None) -> Scenario:
+                 seed=0, valid_from=None, scale_dtype=torch.float16) -> Scenario:
     """Large scenario filled with random INT2 codes/scales and BF16 sinks/rings directly on
     ``device`` (no store pass: for long-context GPU tests and benchmarks). Every request
     owns whole pages (permuted) and a sink slot."""
@@ -149,12 +149,10 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
     num_pages = sum(pages_per_req) + 1
     num_slots = num_pages * page
     sink_slots = sink_slots or max(b, 1)
-    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, device=device)
+    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, scale_dtype, device=device)
     index = allocate_index(num_slots, page, sink_slots, b + 1, device=device)
-    layer.k_packed.copy_(torch.randint(0, 256, layer.k_packed.shape, generator=g, device=device,
-                                       dtype=torch.int32).to(torch.uint8))
-    layer.v_packed.copy_(torch.randint(0, 256, layer.v_packed.shape, generator=g, device=device,
-                                       dtype=torch.int32).to(torch.uint8))
+    for t in (layer.k_packed, layer.v_packed):
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, device=device, dtype=torch.uint8))
     for sc in (layer.k_scales, layer.v_scales):
         sc[..., 0] = (0.2 + 0.4 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
         sc[..., 1] = (-0.3 - 0.2 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)

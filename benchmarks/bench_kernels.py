@@ -1,0 +1,347 @@
+"""Kernel benchmark on one GPU: OSCAR INT2 hybrid decode vs SGLang's Triton BF16 decode vs
+FlashInfer's paged BF16 decode, plus the store kernel and the device copy bandwidth.
+
+    python benchmarks/bench_kernels.py [--sweep] [--out benchmarks/results/kernels_h200.json]
+
+Writes the JSON (after every stage, so an interrupted run keeps what it measured) and a
+plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 8 KV heads,
+head_dim 128), batch {1, 8, 64} x context {4k, 16k, 64k, 128k}, INT2 group 128 (the
+calibration default), BF16 sink 16 / ring 128 tokens, page 64. Timings: CUDA-graph replay
+(triton.testing.do_bench_cudagraph, mean), random data. Every baseline is optional: a
+failure is recorded as null with its reason. ``--sweep`` also times decode variants (block
+sizes, warps, stages, split policy, tensor cores, unpack, group size) on a few cases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+import kernel_cases as kc  # noqa: E402
+from oscar_kernels import api  # noqa: E402
+from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode  # noqa: E402
+
+HQ, H, D = 32, 8, 128
+S, W, PAGE, GROUP = 16, 128, 64, 128
+BATCHES = (1, 8, 64)
+CONTEXTS = (4096, 16384, 65536, 131072)
+MEM_LIMIT_GB = 120.0
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def time_us(fn) -> tuple[float, str]:
+    """Mean time of fn in microseconds: CUDA-graph replay, else events around launches."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40) * 1e3, "cudagraph"
+    except Exception:
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3, "events"
+
+
+def copy_bandwidth(gbytes: float = 4.0) -> float:
+    """Device-to-device copy: (bytes read + bytes written) / time, in GB/s."""
+    n = int(gbytes * 1e9)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def bf16_bytes(batch: int, context: int) -> int:
+    return batch * context * H * D * 2 * 2
+
+
+class Bf16Pool:
+    """BF16 K/V buffers for the baselines, allocated once for the largest case."""
+
+    def __init__(self, max_tokens: int):
+        self.k = torch.randn(max_tokens, H, D, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn(max_tokens, H, D, device="cuda", dtype=torch.bfloat16)
+
+
+def sglang_triton_decode(sc, q, pool: Bf16Pool):
+    """SGLang's Triton decode kernel (decode_attention_fwd), default max_kv_splits=8."""
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+    b = q.shape[0]
+    n = sc.lens[0]
+    max_splits = 8
+    num_slots = sc.layer.k_packed.shape[0]
+    kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * n
+    kv_indices = sc.req_to_token[sc.rows.long(), :n].reshape(-1).contiguous()
+    seq_lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+    num_kv_splits = torch.empty(b, device="cuda", dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    get_num_kv_splits_triton[(1,)](num_kv_splits, seq_lens, b, 1, HQ, H, max_splits, sms,
+                                   MAX_NUM_SEQ=max(256, triton.next_power_of_2(b)))
+    logits = torch.empty(b, HQ, max_splits, D, device="cuda", dtype=torch.float32)
+    lse = torch.empty(b, HQ, max_splits, device="cuda", dtype=torch.float32)
+    o = torch.empty_like(q)
+    kb, vb = pool.k[:num_slots], pool.v[:num_slots]
+
+    def run():
+        decode_attention_fwd(q, kb, vb, o, kv_indptr, kv_indices, logits, lse, num_kv_splits, max_splits,
+                             sc.sm_scale, 1.0, 1.0)
+    return run
+
+
+def flashinfer_decode(sc, q, pool: Bf16Pool, page_size: int = 16):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper over the same slots (pages of 16)."""
+    import flashinfer
+    b = q.shape[0]
+    n = sc.lens[0]
+    num_slots = sc.layer.k_packed.shape[0]
+    pages = (sc.req_to_token[sc.rows.long(), :n:page_size] // page_size).reshape(-1).to(torch.int32)
+    indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * (n // page_size)
+    last = torch.full((b,), page_size, device="cuda", dtype=torch.int32)
+    ws = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=HQ // H >= 4)
+    wrapper.plan(indptr, pages, last, HQ, H, D, page_size, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, sm_scale=sc.sm_scale)
+    kv = (pool.k[:num_slots].view(-1, page_size, H, D), pool.v[:num_slots].view(-1, page_size, H, D))
+    o = torch.empty_like(q)
+    return lambda: wrapper.run(q, kv, out=o)
+
+
+def oscar_decode(sc, q, config: DecodeConfig | None = None):
+    b = q.shape[0]
+    cfg = config or DecodeConfig()
+    ws = DecodeWorkspace(b, HQ, H, D, "cuda", cfg)
+    lens = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    return lambda: triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
+                                 sc.sm_scale, out=out, workspace=ws, config=cfg)
+
+
+def oscar_store(sc, precision: str | None = None):
+    """One decode step's store: B tokens at position n-1 of every request."""
+    from oscar_kernels.triton_store import triton_store
+    b, n = len(sc.lens), sc.lens[0]
+    rows = sc.rows.long()
+    k = torch.randn(b, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, H, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((b,), n - 1, device="cuda", dtype=torch.int64)
+    slots = sc.req_to_token[rows, n - 1].long()
+    ends = pos + 1
+    if precision is None:
+        return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
+                                    rows, ends)
+    return lambda: triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows,
+                                ends, precision=precision)
+
+
+def try_time(name: str, make):
+    try:
+        us, how = time_us(make())
+        return round(us, 2), how, None
+    except Exception as e:
+        log(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        return None, None, f"{type(e).__name__}: {str(e)[:500]}"
+
+
+def save(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        log(f"no plot: {e}")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = {"oscar_decode_us": "tab:red", "triton_bf16_us": "tab:blue", "flashinfer_bf16_us": "tab:green"}
+    styles = {1: ":", 8: "--", 64: "-"}
+    for batch in BATCHES:
+        rows = [c for c in result["cases"] if c["batch"] == batch and c.get("oscar_decode_us")]
+        for key, color in colors.items():
+            pts = [(c["context"], c[key]) for c in rows if c.get(key)]
+            if pts:
+                ax1.plot(*zip(*pts), styles[batch], marker="o", color=color,
+                         label=f"{key.replace('_us', '')} b={batch}")
+        pts = [(c["context"], c["oscar_GBps"]) for c in rows if c.get("oscar_GBps")]
+        if pts:
+            ax2.plot(*zip(*pts), styles[batch], marker="o", color="tab:red", label=f"oscar b={batch}")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("decode attention, one layer (us)")
+    ax1.legend(fontsize=7, ncol=3)
+    if result.get("copy_GBps"):
+        ax2.axhline(result["copy_GBps"], color="k", label="device copy")
+        ax2.axhline(0.7 * result["copy_GBps"], color="k", ls="--", label="0.7 x copy")
+    ax2.set_ylabel("OSCAR effective bandwidth (GB/s)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"{result.get('device', 'GPU')}: 32 q / 8 kv heads, d=128, INT2 g={GROUP}, "
+                 f"sink {S} + ring {W} BF16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot -> {path}")
+
+
+SWEEP_CASES = ((1, 65536), (8, 65536), (64, 16384), (64, 131072))
+
+
+def sweep_variants():
+    """One-factor-at-a-time variants around the default DecodeConfig (name, kwargs, group)."""
+    v = [("default", {}, GROUP)]
+    v += [(f"num_warps={w}", dict(num_warps=w), GROUP) for w in (1, 4, 8)]
+    v += [(f"block_n={n}", dict(block_n=n), GROUP) for n in (32, 128)]
+    v += [(f"num_stages={s}", dict(num_stages=s), GROUP) for s in (1, 3, 4)]
+    v += [("block_n=128,num_warps=4", dict(block_n=128, num_warps=4), GROUP)]
+    v += [("min_block_h=16", dict(min_block_h=16), GROUP)]
+    v += [("magic_unpack=False (int->float converts)", dict(magic_unpack=False), GROUP)]
+    v += [("use_dot=False (CUDA cores)", dict(use_dot=False), GROUP)]
+    v += [(f"target_programs={t}", dict(target_programs=t), GROUP) for t in (132, 264, 1056, 2112)]
+    v += [(f"min_chunk={c}", dict(min_chunk=c), GROUP) for c in (128, 512, 1024)]
+    v += [("max_splits=16", dict(max_splits=16), GROUP)]
+    v += [(f"group={g}", {}, g) for g in (32, 64)]
+    v += [(f"group={g},num_warps=4", dict(num_warps=4), g) for g in (32, 64)]
+    return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_h200.json"))
+    ap.add_argument("--sweep", action="store_true", help="also time decode variants")
+    ap.add_argument("--budget-s", type=float, default=450, help="stop the sweep after this many seconds")
+    ap.add_argument("--no-baselines", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    dev = torch.cuda.get_device_properties(0)
+    result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+              "triton": triton.__version__, "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D,
+                                                      "group_size": GROUP, "sink_tokens": S,
+                                                      "recent_window": W, "page_size": PAGE},
+              "timing": "CUDA-graph replay mean (triton.testing.do_bench_cudagraph); random data",
+              "bytes_note": "oscar_GBps = (INT2 codes+scales of history, BF16 sink+ring, req_to_token "
+                            "entries, q) / time; cases below ~50 MB may be partly L2-resident",
+              "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
+                                  "max_kv_splits=8 (SGLang default), splits from get_num_kv_splits_triton",
+              "flashinfer_note": "BatchDecodeWithPagedKVCacheWrapper, NHD, page 16, tensor cores for GQA>=4",
+              "copy_GBps": None, "cases": [], "skipped": [], "sweep": []}
+    log(f"device {dev.name}, {dev.multi_processor_count} SMs")
+    result["copy_GBps"] = round(copy_bandwidth(), 1)
+    log(f"copy bandwidth {result['copy_GBps']} GB/s")
+    save(result, out)
+
+    cases = []
+    for b in BATCHES:
+        for n in CONTEXTS:
+            need = (bf16_bytes(b, n) + b * n * H * 80) / 1e9
+            if need > MEM_LIMIT_GB:
+                result["skipped"].append({"batch": b, "context": n, "reason": f"needs {need:.0f} GB"})
+            else:
+                cases.append((b, n))
+    max_tokens = max(b * n for b, n in cases)
+    pool = None
+    if not args.no_baselines:
+        try:
+            pool = Bf16Pool(max_tokens + PAGE)
+        except Exception as e:
+            log(f"BF16 pool allocation failed: {e}")
+    for b, n in cases:
+        log(f"case batch={b} context={n}")
+        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
+        q = kc.random_q(sc, HQ)
+        rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D}
+        rec["oscar_decode_us"], rec["timing"], err = try_time("oscar", lambda: oscar_decode(sc, q))
+        if err:
+            rec["oscar_error"] = err
+        rec["oscar_bytes"] = int2_bytes_read(sc.layer, sc.lens, HQ)
+        rec["oscar_GBps"] = (round(rec["oscar_bytes"] / (rec["oscar_decode_us"] * 1e-6) / 1e9, 1)
+                             if rec["oscar_decode_us"] else None)
+        rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
+        if err:
+            rec["store_error"] = err
+        rec["bf16_bytes"] = bf16_bytes(b, n)
+        for key, fn in (("triton_bf16_us", sglang_triton_decode), ("flashinfer_bf16_us", flashinfer_decode)):
+            if pool is None:
+                rec[key], rec[key + "_error"] = None, "baselines disabled or BF16 pool allocation failed"
+                continue
+            rec[key], _, err = try_time(key, lambda: fn(sc, q, pool))
+            if err:
+                rec[key + "_error"] = err
+        if rec["oscar_decode_us"] and rec.get("flashinfer_bf16_us"):
+            rec["speedup_vs_flashinfer"] = round(rec["flashinfer_bf16_us"] / rec["oscar_decode_us"], 2)
+        if rec["oscar_GBps"] and result["copy_GBps"]:
+            rec["oscar_fraction_of_copy"] = round(rec["oscar_GBps"] / result["copy_GBps"], 3)
+        log("  " + ", ".join(f"{k}={rec[k]}" for k in ("oscar_decode_us", "oscar_GBps", "triton_bf16_us",
+                                                        "flashinfer_bf16_us", "store_us")))
+        result["cases"].append(rec)
+        save(result, out)
+        del sc
+        torch.cuda.empty_cache()
+    plot(result, out.with_suffix(".png"))
+
+    if args.sweep:
+        del pool
+        torch.cuda.empty_cache()
+        scen: dict = {}
+        for name, kwargs, group in sweep_variants():
+            for b, n in SWEEP_CASES:
+                if time.time() - T0 > args.budget_s:
+                    result["sweep"].append({"variant": name, "batch": b, "context": n,
+                                            "skipped": "time budget"})
+                    continue
+                key = (b, n, group)
+                if key not in scen:
+                    scen.clear()
+                    torch.cuda.empty_cache()
+                    sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
+                    scen[key] = (sc, kc.random_q(sc, HQ))
+                sc, q = scen[key]
+                try:
+                    cfg = DecodeConfig(**kwargs)
+                    us, _, err = try_time(name, lambda: oscar_decode(sc, q, cfg))
+                except Exception as e:
+                    us, err = None, f"{type(e).__name__}: {e}"
+                byts = int2_bytes_read(sc.layer, sc.lens, HQ)
+                rec = {"variant": name, "group": group, "batch": b, "context": n, "oscar_decode_us": us,
+                       "oscar_GBps": round(byts / (us * 1e-6) / 1e9, 1) if us else None}
+                if err:
+                    rec["error"] = err
+                log(f"sweep {name} b={b} n={n}: {us} us, {rec['oscar_GBps']} GB/s")
+                result["sweep"].append(rec)
+            save(result, out)
+        # store precision variants (decode-step store, batch 64)
+        sc = kc.build_random([4096] * 64, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=1)
+        for prec in ("ieee", "tf32x3", "tf32"):
+            us, _, err = try_time(f"store {prec}", lambda: oscar_store(sc, prec))
+            result["sweep"].append({"variant": f"store precision={prec}", "batch": 64, "store_us": us,
+                                    **({"error": err} if err else {})})
+        save(result, out)
+    result["elapsed_s"] = round(time.time() - T0, 1)
+    save(result, out)
+    log(f"done -> {out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
