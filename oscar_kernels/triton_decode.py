@@ -22,6 +22,7 @@ ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -210,8 +211,13 @@ class DecodeConfig:
 def _default_target(device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class DecodeWorkspace:

@@ -114,7 +114,7 @@ _SMALL_EXT = dict(block_rows=16, block_n=16, block_n_bf16=16)
     # (D, G, Hq, H, S, W, page, magic)
     (64, 16, 4, 2, 4, 8, 8, True),
     (64, 4, 2, 2, 0, 8, 8, False),
-    (128, 32, 8, 1, 2, 0, 4, True),
+    (128, 32, 8, 2, 2, 0, 4, True),
     (64, 64, 16, 2, 4, 16, 8, True),
 ])
 def test_extend_matches_reference(case):
