@@ -14,7 +14,9 @@ no allocation when a :class:`DecodeWorkspace` is given):
    (plane i = channels [i D/4, (i+1) D/4), one group per plane when G >= D/4), so codes go
    straight into tensor-core dots; for G < D/4 the codes are dequantised per channel.
    The number of INT2 splits of request b is decided on device:
-        ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b.
+        ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b,
+   under the static NS = clamp(cdiv(target_programs, B * H), 1, max_splits) of the batch
+   size (4 x SMs programs by default, so batch 1 still fills the GPU).
 3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T.
 
 Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;

@@ -7,10 +7,18 @@ INT2 algebra (plane i = channels [i D/4, (i+1) D/4), packed in bits 2i..2i+1 of 
 with one quantisation group per plane (G >= D/4) and k^_c = min + code_c * scale,
     q'.k^_t            = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
     sum_t p_t v^_t |_i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
-so raw codes (exact in bf16) go straight into tensor-core dots. With the "magic" unpack a
-code c is produced as the bf16 value 128 + c (bits 0x4300 | c, no int->float conversion)
-and the constant 128 is removed through the same min/sum terms. For G < D/4 codes are
-dequantised per channel (scale gathered per channel) before the dot.
+so raw codes (exact in bf16) go straight into tensor-core dots; the planes of one group
+(G = D: all four) share one dot chain and one scale. With the "magic" unpack a code c is
+produced as the bf16 value 128 + c (bits 0x4300 | c: shift, and, two byte permutes per four
+codes, no int->float conversion) and the constant 128 is removed through the same min/sum
+terms. For G < D/4 codes are dequantised per channel (scale gathered per channel).
+
+Orientation (chosen from sm_90 SASS, tests/aot_sm90.py): scores are computed transposed,
+s^T [tokens, rows] = codes [tokens, D/4] @ q'^T, so the unpacked K codes are the tensor-core
+A operand straight from registers; V codes are loaded transposed [D/4, tokens] so that the
+byte transpose (not a bf16 one) goes through shared memory, and acc^T [D/4, rows] +=
+codes^T @ w. Token sums (softmax denominator, min corrections) are kept as [tokens, rows]
+tiles and reduced once at the end instead of every step.
 """
 from __future__ import annotations
 
