@@ -29,8 +29,8 @@ from .model_shape import ModelShape
 from .rotations_file import RECIPES, Rotations, make_meta
 from .statistics import AttentionStats
 
-DEFAULT_VARIANT = "U-H"
-DEFAULT_CLIP = "channel"
+DEFAULT_VARIANT = "U-H-P"
+DEFAULT_CLIP = "head"
 DEFAULT_CLIP_OBJECTIVE = "attn"
 DEFAULT_TOKENS = 65536
 DEFAULT_GROUP_SIZE = 128
@@ -188,6 +188,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     rots = [(k.double(), v.double()) for k, v in fixed] if fixed is not None else rotations_for(cfg, shape, stats)
     c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
     layers, clip_detail = [], []
+    search_device = cfg.device if cfg.device and cfg.device.startswith("cuda") else "cpu"
     for l, (r_k, r_v) in enumerate(rots):
         clips = []
         if cfg.clip == "none":
@@ -199,12 +200,13 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                 lo, hi, det = search_clip(torch.empty(0, shape.num_kv_heads, shape.head_dim), "none",
                                           cfg.group_size, scale_dtype)
             else:
-                xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r).float()
+                xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r).float().to(search_device)
                 w = None
                 if cfg.clip_objective == "attn":
                     m = c_q[l] if x == "k" else value_metric[l]
-                    w = r.transpose(-1, -2) @ m @ r
+                    w = (r.transpose(-1, -2) @ m @ r).to(search_device)
                 lo, hi, det = search_clip(xr, cfg.clip, cfg.group_size, scale_dtype, weight=w)
+                lo, hi = lo.cpu(), hi.cpu()
             clips += [lo, hi]
             clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
         layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips))

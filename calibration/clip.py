@@ -85,7 +85,7 @@ def search_clip(x: torch.Tensor, granularity: str, group_size: int, scale_dtype:
     evaluate(list(multiples) + [NO_CLIP])
     evaluate({m + s for m in set(best_per_head()) if m != NO_CLIP for s in fine_steps})
     chosen = best_per_head()
-    m = torch.tensor(chosen, dtype=torch.float32)[:, None].expand(h, d)
+    m = torch.tensor(chosen, dtype=torch.float32, device=x.device)[:, None].expand(h, d)
     unclipped = torch.isinf(m)
     finite_m = torch.where(unclipped, torch.zeros_like(m), m)
     clip_min = torch.where(unclipped, -math.inf, mean - finite_m * std)

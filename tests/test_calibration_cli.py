@@ -30,7 +30,7 @@ def test_tinylm_end_to_end_small_budget(tinylm_dir, tmp_path):
     assert (m.architecture, m.num_layers, m.num_kv_heads, m.head_dim) == ("Qwen3ForCausalLM", 8, 2, 128)
     assert m.recipe == "oscar" and m.group_size == 128 and m.scale_dtype == "float16" and m.calib_tokens == 1024
     d = m.recipe_detail
-    assert d["tokens"] == 1024 and d["clip"] == "channel" and d["variant"] == "U-H" and d["seq_len"] == 512
+    assert d["tokens"] == 1024 and d["clip"] == "head" and d["variant"] == "U-H-P" and d["seq_len"] == 512
     assert "stdlib" in m.calib_data
     for lr in rot.layers:
         assert orthogonality_error(lr.k_rot) < 1e-5
