@@ -62,6 +62,7 @@ def main(argv=None) -> int:
                     help="rotations file for oscar_int2 (default: write a hadamard one for the shape)")
     ap.add_argument("--group-size", type=int, default=128, help="group size of the generated file")
     ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
+    ap.add_argument("--baseline-backend", default="triton", help="attention backend of bf16/fp8 runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "benchmarks", "results", "capacity_logs"))
     args = ap.parse_args(argv)
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
         extra = ["--kv-cache-dtype", dtype]
         if dtype == "oscar_int2":
             extra += ["--oscar-rotations", rotations]
+        else:  # the stock default (FA3) is not in every sgl_kernel build; triton always is
+            extra += ["--attention-backend", args.baseline_backend]
         server = Server(f"capacity-{dtype}", common + extra, args.log_dir)
         try:
             result["meta"]["startup_s"][dtype] = round(server.start(), 1)
