@@ -158,3 +158,24 @@ def test_oscar_eval_rejects_bad_method(tinylm_dir):
     from calibration.fidelity import cli
     with pytest.raises(SystemExit):
         cli.main(["--model", str(tinylm_dir), "--method", "nofile"])
+
+
+def test_decode_tail_scores_the_same_positions(tiny, stream):
+    from calibration.fidelity import runner
+    _, sim_model, _, shape = tiny
+    sim = Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L)
+    full = runner.perplexity(sim_model, sim, stream, L, 1, CHUNK)
+    tail = runner.perplexity(sim_model, sim, stream, L, 1, CHUNK, decode_tail=4)
+    assert abs(full["nll"] - tail["nll"]) < 1e-3 and tail["decode_tail"] == 4
+    int2 = runner.perplexity(sim_model, _hybrid(shape, "naive", 4, 16, L), stream, L, 1, CHUNK, decode_tail=4)
+    assert int2["nll_decode"] != tail["nll_decode"]
+
+
+def test_sweep_memory_costs():
+    from calibration.fidelity.sweep import memory_costs
+    shape = ModelShape("Qwen3ForCausalLM", 8, 4, 2, 128)
+    m = memory_costs(shape, 32, "float16", sink=16, recent=128)
+    assert m["bf16_bytes_per_token"] == 8 * 2 * 128 * 2 * 2
+    assert m["int2_bytes_per_token"] == 8 * 2 * 2 * (32 + 4 * 2 * 2)
+    assert m["ring_bytes_per_request"] == 128 * m["bf16_bytes_per_token"]
+    assert m["sink_in_int2_tokens"] == round(16 * 8192 / 1536, 1)

@@ -34,6 +34,7 @@ DEFAULT_PAGE_SIZE = 64
 DEFAULT_CHUNK = 1024
 DEFAULT_PPL_LEN = 8192
 DEFAULT_PPL_WINDOWS = 16
+DEFAULT_DECODE_TAIL = 0
 DEFAULT_PASSKEY_TRIALS = 4  # CPU budget; use 20+ on a GPU (see README of the results)
 DEFAULT_LENGTHS = "2048,4096,8192"
 DEFAULT_OUT = "benchmarks/results/fidelity_tinylm-A.json"
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk (server --chunked-prefill-size)")
     ap.add_argument("--ppl-len", type=int, default=DEFAULT_PPL_LEN, help="perplexity window length")
     ap.add_argument("--ppl-windows", type=int, default=DEFAULT_PPL_WINDOWS, help="perplexity windows (0 = skip)")
+    ap.add_argument("--decode-tail", type=int, default=DEFAULT_DECODE_TAIL,
+                    help="last tokens of every ppl window fed one per step (decode) instead of prefilled")
     ap.add_argument("--passkey-trials", type=int, default=DEFAULT_PASSKEY_TRIALS,
                     help="prompts per (length, depth) cell (0 = skip)")
     ap.add_argument("--lengths", type=_int_list, default=_int_list(DEFAULT_LENGTHS), help="passkey lengths")
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="model dtype (the KV cache is BF16/INT2 either way)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (1 is fastest on a shared, oversubscribed machine)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -127,6 +132,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"oscar-eval: method names must be unique, got {names}")
     if a.no_bf16 and not a.method:
         raise SystemExit("oscar-eval: nothing to evaluate (--no-bf16 and no --method)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     t_start = time.time()
     model, tok = _load_model(a.model, a.device, a.dtype)
     shape = ModelShape.from_hf_config(model.config)
@@ -155,13 +162,15 @@ def main(argv=None) -> int:
             "calib": calib,
             "eval": {"text": stream.description,
                      "ppl": f"{a.ppl_windows} windows of {a.ppl_len} tokens evenly spread over the held-out "
-                            "stream (tasks.ppl_window_starts), next-token NLL, chunked prefill",
+                            "stream (tasks.ppl_window_starts), next-token NLL; chunked prefill, the last "
+                            f"{a.decode_tail} tokens of each window decoded one per step",
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
+            "decode_tail": a.decode_tail,
             "passkey_trials": a.passkey_trials, "passkey_lengths": a.lengths, "passkey_depths": a.depths,
             "seeds": {"heldout_shuffle": tasks.HELDOUT_SHUFFLE_SEED, "passkey": tasks.PASSKEY_SEED},
-            "batch": a.batch, "device": a.device, "dtype": a.dtype, "cache_dtype": "bfloat16",
+            "batch": a.batch, "device": a.device, "threads": torch.get_num_threads(), "dtype": a.dtype, "cache_dtype": "bfloat16",
             "rotations": {n: {"file": os.path.abspath(p), "recipe": r.meta.recipe,
                               "recipe_detail": r.meta.recipe_detail, "calib_data": r.meta.calib_data,
                               "calib_tokens": r.meta.calib_tokens, "group_size": r.meta.group_size,
@@ -183,8 +192,10 @@ def main(argv=None) -> int:
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,
-                                  desc=f"{name} ppl")
+                                  a.decode_tail, desc=f"{name} ppl")
             res[ppl_key] = p["ppl"]
+            if a.decode_tail:
+                res["ppl_decode_tail"] = p["ppl_decode"]
             res["ppl_detail"] = p
         if prompts:
             pr = runner.passkey(model, sim, tok, prompts, a.chunk, eos, a.batch, desc=f"{name} passkey")
@@ -194,7 +205,7 @@ def main(argv=None) -> int:
         res["wall_s"] = round(time.time() - t0, 1)
         result["methods"][name] = res
         _write(a.out, result)
-        summary = {k: res[k] for k in (ppl_key, "passkey") if k in res}
+        summary = {k: res[k] for k in (ppl_key, "ppl_decode_tail", "passkey") if k in res}
         print(f"oscar-eval: {name}: {json.dumps(summary)} ({res['wall_s']} s)", file=sys.stderr, flush=True)
         del sim
     result["settings"]["wall_s"] = round(time.time() - t_start, 1)

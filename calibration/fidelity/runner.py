@@ -3,7 +3,8 @@ prompts are prefilled in chunks of ``chunk`` tokens and answers decoded token by
 
 - :func:`perplexity`: teacher-forced next-token NLL over held-out windows; each window is
   one sequence prefilled chunk by chunk, so every chunk after the first reads the
-  simulated cache of the previous ones.
+  simulated cache of the previous ones; optionally its last tokens are fed one per step
+  (decode), where only the sink and the recent window are BF16.
 - :func:`passkey`: tinylm's passkey task (prompts from tasks.passkey_prompts): chunked
   prefill of the prompt, then greedy decoding of up to 10 tokens, each step reading the
   cache; stops early once the answer's first 6 characters are settled (exact, see
@@ -37,16 +38,23 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk: int,
-               batch: int = 1, desc: str = "ppl") -> dict:
+               batch: int = 1, decode_tail: int = 0, desc: str = "ppl") -> dict:
+    """Mean next-token NLL over the windows. Positions ``< length - decode_tail`` are
+    scored from chunked prefill; the last ``decode_tail`` ones are fed one token per step
+    (teacher-forced decode, as generation reads the cache) and also reported apart."""
+    if not 0 <= decode_tail < length:
+        raise ValueError(f"decode tail {decode_tail} must be in 0..{length - 1}")
     starts = tasks.ppl_window_starts(len(stream), length, windows)
     dev = next(model.parameters()).device
     nll_sum = torch.zeros(length, dtype=torch.float64, device=dev)
+    split = length - decode_tail
     bar = tqdm(total=len(starts), desc=desc, unit="win", leave=False)
     for b0 in range(0, len(starts), batch):
         rows = np.stack([stream[s:s + length + 1] for s in starts[b0:b0 + batch]])
         ids = torch.from_numpy(rows).to(dev)
         sim.begin(ids.shape[0])
-        for lo, hi in chunk_bounds(length, chunk):
+        steps = chunk_bounds(split, chunk) + [(j, j + 1) for j in range(split, length)]
+        for lo, hi in steps:
             logits = forward_step(model, sim, ids[:, lo:hi])
             nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, lo + 1:hi + 1], reduction="none")
             nll_sum[lo:hi] += nll.double().sum(0)
@@ -54,9 +62,13 @@ def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk:
     bar.close()
     per_pos = nll_sum / len(starts)
     mean = per_pos.mean().item()
-    return {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
-            "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
-                                for lo, hi in position_buckets(length)}}
+    out = {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
+           "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
+                               for lo, hi in position_buckets(length)}}
+    if decode_tail:
+        out.update(decode_tail=decode_tail, nll_prefill=per_pos[:split].mean().item(),
+                   nll_decode=per_pos[split:].mean().item(), ppl_decode=math.exp(per_pos[split:].mean().item()))
+    return out
 
 
 @torch.no_grad()

@@ -1,0 +1,78 @@
+"""Sweep the BF16 sink size S and recent window W with oscar-eval; fidelity vs memory.
+
+    python -m calibration.fidelity.sweep --model DIR --method oscar=FILE [--method ...] \\
+        --sinks 4,16,64 --recents 64,128,256 --out JSON -- [oscar-eval options]
+
+bf16 runs once; every (S, W) runs each method through :func:`calibration.fidelity.cli.main`
+with the options after ``--`` (chunk, windows, trials, lengths, device, threads...). The
+JSON keeps every run's methods block and the memory each (S, W) costs:
+ring = W BF16 tokens per running request, sink = S BF16 tokens per sequence (sink slot),
+both also expressed in INT2 tokens of the same bytes (group size of the first method).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+from calibration.model_shape import ModelShape
+from calibration.rotations_file import load_rotations
+from oscar_kernels.int2 import SCALE_DTYPES, bytes_per_token_per_head
+
+from . import cli
+
+
+def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int, recent: int) -> dict:
+    """Bytes of the BF16 side caches for the whole model (all layers, K and V)."""
+    bf16_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * 2
+    int2_token = shape.num_layers * shape.num_kv_heads * bytes_per_token_per_head(
+        shape.head_dim, group_size, SCALE_DTYPES[scale_dtype])
+    return {"bf16_bytes_per_token": bf16_token, "int2_bytes_per_token": int2_token,
+            "ring_bytes_per_request": recent * bf16_token, "sink_bytes_per_sequence": sink * bf16_token,
+            "ring_in_int2_tokens": round(recent * bf16_token / int2_token, 1),
+            "sink_in_int2_tokens": round(sink * bf16_token / int2_token, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--method", action="append", type=cli._method, required=True, metavar="NAME=FILE")
+    ap.add_argument("--sinks", type=cli._int_list, default=[4, 16, 64])
+    ap.add_argument("--recents", type=cli._int_list, default=[64, 128, 256])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("eval_args", nargs=argparse.REMAINDER, help="-- then oscar-eval options")
+    a = ap.parse_args(argv)
+    extra = [x for x in a.eval_args if x != "--"]
+    with open(os.path.join(a.model, "config.json")) as f:
+        shape = ModelShape.from_hf_config(json.load(f))
+    first = load_rotations(a.method[0][1]).meta
+    methods = [x for n, p in a.method for x in ("--method", f"{n}={p}")]
+    result = {"model": os.path.basename(os.path.normpath(a.model)), "eval_args": extra, "bf16": None, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(args):
+            out = os.path.join(tmp, "run.json")
+            t0 = time.time()
+            cli.main(["--model", a.model, *args, *extra, "--out", out])
+            with open(out) as f:
+                return json.load(f), round(time.time() - t0, 1)
+
+        res, wall = run([])
+        result["bf16"] = dict(res["methods"]["bf16"], wall_s=wall)
+        result["settings"] = res["settings"]
+        for s in a.sinks:
+            for w in a.recents:
+                res, wall = run(["--no-bf16", *methods, "--sink", str(s), "--recent", str(w)])
+                result["runs"].append({"sink": s, "recent": w, "wall_s": wall,
+                                       "memory": memory_costs(shape, first.group_size, first.scale_dtype, s, w),
+                                       "methods": res["methods"]})
+                os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+                with open(a.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
