@@ -148,9 +148,9 @@ def test_radix_hit_matches_uncached_run(oscar, model_dir):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     source = (ROOT / "sglang_ext" / "backend.py").read_text()
     prefix = tok(source)["input_ids"][:64]  # exactly one page: the shared sinks
-    first = prefix + tok("\n\ndef first_helper(x):\n")["input_ids"]
-    second = prefix + tok("\n\nclass SecondHelper:\n")["input_ids"]
-    assert first[64] != second[64]
+    first = prefix + tok("first_helper = make_helper(1)\n")["input_ids"]
+    second = prefix + tok("class SecondHelper:\n")["input_ids"]
+    assert first[64] != second[64]  # the requests share exactly the one-page prefix
     client = _client(oscar)
     assert oscar.get("/flush_cache") is not None
     _complete(client, first)
