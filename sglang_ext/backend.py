@@ -143,6 +143,13 @@ class OscarAttnBackend(TritonAttnBackend):
         self.v_head_dim = v_head_dim
         self._extend_plan: Optional[ExtendPlan] = None
         self._checked_layers: set[int] = set()
+        # Decode scratch for the largest possible batch (one per request row), allocated
+        # once here, before CUDA-graph capture: decode then allocates nothing.
+        self._decode_workspace = None
+        if api.use_triton(pool.req_to_token):
+            self._decode_workspace = api.make_decode_workspace(
+                pool.req_to_token.shape[0], self.num_head, self.num_kv_head, pool.head_dim,
+                pool.req_to_token.device)
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -239,5 +246,6 @@ class OscarAttnBackend(TritonAttnBackend):
                            oscar_meta=OscarWriteMeta(forward_batch.positions, rows, seq_lens))
         api.decode_attention(q.view(bs, hq, d), pool.layer_cache(layer.layer_id), pool.index,
                              pool.layer_rotation(layer.layer_id), pool.req_to_token, rows,
-                             seq_lens, layer.scaling, out=o.view(bs, hq, d))
+                             seq_lens, layer.scaling, out=o.view(bs, hq, d),
+                             workspace=self._decode_workspace)
         return o
