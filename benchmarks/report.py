@@ -184,11 +184,66 @@ def render_soak(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_kernels(results_dir: str) -> str:
+    files = [f for f in _files(results_dir, "kernels_*.json")
+             if not f.endswith("_sweep.json") and "cases" in _load(f)]
+    if not files:
+        return none_yet("python3 benchmarks/bench_kernels.py", "one GPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        sh = data.get("shape", {})
+        parts.append(
+            f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
+            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, "
+            f"W={sh.get('recent_window')}, page {sh.get('page_size')}; one layer; {data.get('timing', '')}. "
+            f"Device copy bandwidth {fmt(data.get('copy_GBps'))} GB/s. Source: `{_rel(path)}`.")
+        rows = [[fmt(c.get("batch")), fmt(c.get("context")), fmt(c.get("oscar_decode_us"), 2),
+                 fmt(c.get("oscar_GBps")), fmt(c.get("oscar_fraction_of_copy"), 3), fmt(c.get("store_us"), 2),
+                 fmt(c.get("triton_bf16_us"), 2), fmt(c.get("flashinfer_bf16_us"), 2),
+                 fmt(c.get("speedup_vs_flashinfer"), 2)] for c in data["cases"]]
+        parts.append(table(["batch", "context", "oscar decode (us)", "oscar GB/s", "of copy bw", "store (us)",
+                            "SGLang triton BF16 (us)", "flashinfer BF16 (us)", "speed-up vs flashinfer"], rows))
+        sweep = os.path.splitext(path)[0] + "_sweep.png"
+        if os.path.isfile(sweep):
+            parts.append(f"Decode variants (block sizes, warps, stages, splits, group size): `{_rel(sweep)}`.")
+    return "\n\n".join(parts)
+
+
+def _dataset_label(name: str) -> str:
+    return "+".join(os.path.basename(p.rstrip("/")) for p in name.split(",")) if "/" in name else name
+
+
+def render_calibration_proxy(results_dir: str) -> str:
+    files = _files(results_dir, "calibration_proxy*.json")
+    if not files:
+        return none_yet("PYTHONPATH=. python3 benchmarks/calibration_sweep.py", "CPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        evals = data.get("evals", {})
+        sets = list(evals)
+        configs = []
+        for d in sets:
+            configs += [c for c in evals[d].get("results", {}) if c not in configs]
+        header = ["rotations"] + [f"{_dataset_label(d)}: {m}" for d in sets for m in ("logit_rel", "attn_kl", "out_rel")]
+        rows = [[c] + [fmt(evals[d]["results"].get(c, {}).get("mean", {}).get(m), 4)
+                       for d in sets for m in ("logit_rel", "attn_kl", "out_rel")] for c in configs]
+        parts.append(f"Per-layer attention error with fake-INT2 K/V, mean over layers (lower is better); "
+                     f"model `{os.path.basename(str(data.get('model', '?')))}`, {fmt(data.get('calib_tokens'))} "
+                     f"calibration tokens, sink {data.get('sink')}, recent {data.get('recent')}. "
+                     f"Source: `{_rel(path)}`.")
+        parts.append(table(header, rows))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "e2e": render_e2e,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
     "soak": render_soak,
+    "kernels": render_kernels,
+    "calibration-proxy": render_calibration_proxy,
 }
 
 

@@ -186,3 +186,17 @@ def test_soak_table(tmp_path):
         "pass": True, "requests": 200, "aborted_mid_stream": 19, "shared_prefix_requests": 100,
         "error_count": 0, "leak_messages": [], "traceback_count": 0, "exact_equal": 170, "compared": 181}}}))
     assert "| oscar_int2 | yes | 200 | 19 | 100 | 0 | 0 | 0 | 170 / 181 |" in report.render_soak(str(tmp_path))
+
+
+def test_kernel_and_proxy_tables(tmp_path):
+    case = {"batch": 8, "context": 65536, "oscar_decode_us": 256.47, "oscar_GBps": 1201.7,
+            "oscar_fraction_of_copy": 0.281, "store_us": 16.88, "triton_bf16_us": 623.08,
+            "flashinfer_bf16_us": 480.8, "speedup_vs_flashinfer": 1.87}
+    (tmp_path / "kernels_x.json").write_text(json.dumps({"device": "GPU-X", "cases": [case], "shape": {}}))
+    (tmp_path / "kernels_x_sweep.json").write_text(json.dumps({"device": "GPU-X", "cases": [case]}))
+    k = report.render_kernels(str(tmp_path))
+    assert k.count("| 8 | 65,536 | 256.47 | 1,201.7 | 0.281 | 16.88 | 623.08 | 480.80 | 1.87 |") == 1
+    (tmp_path / "calibration_proxy.json").write_text(json.dumps({"model": "/m/tinylm-A", "evals": {
+        "a/sympy,b/networkx": {"results": {"U-H-P": {"mean": {"logit_rel": 0.25, "attn_kl": 0.125, "out_rel": 0.5}}}}}}))
+    p = report.render_calibration_proxy(str(tmp_path))
+    assert "sympy+networkx: attn_kl" in p and "| U-H-P | 0.2500 | 0.1250 | 0.5000 |" in p
