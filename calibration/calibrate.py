@@ -7,8 +7,9 @@ Pipeline (recipe ``oscar``):
   2. eigendecompose C_Q (keys) and C_S (values), compose R per KV head
      (:func:`calibration.compose.compose`, ``variant``);
   3. rotate the reservoir and search clip thresholds (:func:`calibration.clip.search_clip`).
-Recipes ``hadamard`` (R = H) and ``naive`` (R = I) skip step 2; ``naive`` defaults to no
-clip, in which case no forward pass is needed at all.
+Recipes ``hadamard`` (R = H) and ``naive`` (R = I) skip step 2 and default to no clip (the
+data-free baselines), in which case no forward pass is needed at all; ``--clip`` adds
+calibrated thresholds to them.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ DEFAULT_GROUP_SIZE = 128
 class CalibrationConfig:
     recipe: str = "oscar"
     variant: str = DEFAULT_VARIANT
-    clip: str | None = None  # None: DEFAULT_CLIP, or "none" for the naive recipe
+    clip: str | None = None  # None: DEFAULT_CLIP for oscar, "none" for the naive / hadamard baselines
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
@@ -61,7 +62,7 @@ class CalibrationConfig:
         if c.variant not in VARIANTS:
             raise ValueError(f"unknown variant {c.variant!r} (choose from {', '.join(VARIANTS)})")
         if c.clip is None:
-            c.clip = "none" if c.recipe == "naive" else DEFAULT_CLIP
+            c.clip = DEFAULT_CLIP if c.recipe == "oscar" else "none"
         if c.clip not in GRANULARITIES:
             raise ValueError(f"unknown clip {c.clip!r} (choose from {', '.join(GRANULARITIES)})")
         if c.clip_objective not in OBJECTIVES:

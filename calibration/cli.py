@@ -37,7 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None:
     p.add_argument("--clip", default=default_clip, choices=GRANULARITIES,
-                   help=f"clip threshold granularity (default: {DEFAULT_CLIP}; none for naive)")
+                   help=f"clip threshold granularity (default: {DEFAULT_CLIP} for oscar, none for naive/hadamard)")
     p.add_argument("--clip-objective", default=DEFAULT_CLIP_OBJECTIVE, choices=OBJECTIVES,
                    help="attn: C_Q-weighted key error, o_proj-weighted value error; mse: plain")
     p.add_argument("--clip-sample", type=int, default=4096,

@@ -95,6 +95,7 @@ def test_covariances_equal_direct_computation(family, kv_heads):
     torch.testing.assert_close(stats.c_s(), sum_oo / n, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_capture_on_tinylm_is_exact(tinylm_dir):
     from transformers import AutoModelForCausalLM
 

@@ -19,6 +19,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3", kv_heads=2, head_dim=32)
 
 
+@pytest.mark.slow
 def test_tinylm_end_to_end_small_budget(tinylm_dir, tmp_path):
     out = str(tmp_path / "tinylm.safetensors")
     rc = main(["--model", str(tinylm_dir), "--out", out, "--tokens", "1024", "--seq-len", "512",
@@ -53,6 +54,17 @@ def test_cli_recipes_on_tiny_models(tmp_path, family):
     assert load_rotations(str(tmp_path / f"{family}-oscar.safetensors")).meta.group_size == 16
     naive = load_rotations(str(tmp_path / f"{family}-naive.safetensors"))
     assert naive.meta.calib_tokens == 0 and torch.isinf(naive.layers[0].v_clip_max).all()
+    hadamard = load_rotations(str(tmp_path / f"{family}-hadamard.safetensors"))
+    assert hadamard.meta.recipe_detail["clip"] == "layer" and len(hadamard.meta.recipe_detail["clip_search"]) == 4
+
+
+def test_default_clip_per_recipe():
+    assert CalibrationConfig(device="cpu").resolved().clip == "head"
+    assert CalibrationConfig(recipe="hadamard", device="cpu").resolved().clip == "none"
+    assert CalibrationConfig(recipe="naive", device="cpu").resolved().clip == "none"
+    assert not CalibrationConfig(recipe="hadamard", device="cpu").resolved().needs_forward
+    with pytest.raises(ValueError, match="unknown variant"):
+        CalibrationConfig(variant="X", device="cpu").resolved()
 
 
 def test_cli_reads_jsonl_data(tmp_path, tiny_dir):
