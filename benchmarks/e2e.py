@@ -306,7 +306,8 @@ def phase_throughput(server: Server, args, deadline: Deadline, log_dir: str, nam
                   output_len=args.tp_output_len, num_prompts=args.tp_num_prompts,
                   range_ratio=args.tp_range_ratio, concurrency=conc, warmup=1)
     log(f"  throughput: {r.get('output_throughput')} output tok/s, completed {r.get('completed')}")
-    return {"throughput_tok_s": r.get("output_throughput"), "throughput": {**r, "settings": settings}}
+    tok_s = r.get("output_throughput") if r.get("completed") else None
+    return {"throughput_tok_s": tok_s, "throughput": {**r, "settings": settings}}
 
 
 # ------------------------------------------------------------------------- driver
@@ -327,7 +328,8 @@ def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations
     server = make_server(cfg, args, rotations)
     record({"label": cfg.label, "server_cmd": shlex.join(server.cmd), "server_log": server.log_path,
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-    errors = {}
+    # one entry per part run now; None = it went fine (clears an earlier run's error)
+    errors = {"server": None, **{p: None for p in args.phases}}
     try:
         ready_s = server.start(timeout=deadline.cap(args.server_timeout_s))
         record({"server_ready_s": round(ready_s, 1)})

@@ -98,7 +98,7 @@ def render_e2e(results_dir: str) -> str:
                 fmt(c.get("throughput_tok_s")), fmt(tp.get("settings", {}).get("max_concurrency")),
                 " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
                 " / ".join(fmt(x, 1) for x in itl),
-                "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items()) or "",
+                "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items() if v),
             ])
         parts.append(table(
             ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
