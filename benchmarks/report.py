@@ -38,7 +38,8 @@ def _files(results_dir: str, pattern: str) -> list[str]:
 
 
 def _rel(path: str) -> str:
-    return os.path.relpath(path, ROOT)
+    """How the README names a results file (wherever --results pointed)."""
+    return f"benchmarks/results/{os.path.basename(path)}"
 
 
 def fmt(v, digits: int = 1) -> str:
@@ -237,6 +238,35 @@ def render_calibration_proxy(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_fidelity_sweep(results_dir: str) -> str:
+    files = _files(results_dir, "fidelity_*sweep*.json")
+    if not files:
+        return none_yet("python -m calibration.fidelity.sweep --model DIR --method oscar=FILE ...", "CPU or GPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        runs = data.get("runs", [])
+        methods = []
+        for r in runs:
+            methods += [m for m in r.get("methods", {}) if m not in methods]
+        bf16 = data.get("bf16", {})
+        rows = [["bf16 (reference)", "-", "-", "-"] + [f"{fmt(bf16.get('ppl_2k'), 3)} / {fmt(bf16.get('ppl_decode_tail'), 3)}"
+                                                        for _ in methods]]
+        for r in runs:
+            mem = r.get("memory", {})
+            rows.append([f"S={r.get('sink')}", f"W={r.get('recent')}", fmt(mem.get("ring_in_int2_tokens")),
+                         fmt(mem.get("sink_in_int2_tokens"))]
+                        + [f"{fmt(r['methods'].get(m, {}).get('ppl_2k'), 3)} / "
+                           f"{fmt(r['methods'].get(m, {}).get('ppl_decode_tail'), 3)}" for m in methods])
+        parts.append(f"Perplexity (whole window / decoded tail) on held-out text, model "
+                     f"`{data.get('model', '?')}`, `oscar-eval {' '.join(data.get('eval_args', []))}`; memory of the "
+                     f"BF16 ring (per request) and sinks (per sequence) in INT2-token equivalents. "
+                     f"Source: `{_rel(path)}`.")
+        parts.append(table(["sink", "recent window", "ring = INT2 tokens", "sinks = INT2 tokens",
+                            *[f"{m}: ppl / tail ppl" for m in methods]], rows))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "e2e": render_e2e,
     "capacity": render_capacity,
@@ -244,6 +274,7 @@ SECTIONS = {
     "soak": render_soak,
     "kernels": render_kernels,
     "calibration-proxy": render_calibration_proxy,
+    "fidelity-sweep": render_fidelity_sweep,
 }
 
 

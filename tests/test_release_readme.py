@@ -200,3 +200,13 @@ def test_kernel_and_proxy_tables(tmp_path):
         "a/sympy,b/networkx": {"results": {"U-H-P": {"mean": {"logit_rel": 0.25, "attn_kl": 0.125, "out_rel": 0.5}}}}}}))
     p = report.render_calibration_proxy(str(tmp_path))
     assert "sympy+networkx: attn_kl" in p and "| U-H-P | 0.2500 | 0.1250 | 0.5000 |" in p
+
+
+def test_fidelity_sweep_table(tmp_path):
+    (tmp_path / "fidelity_x_sweep_m.json").write_text(json.dumps({
+        "model": "m", "eval_args": ["--ppl-len", "2048"], "bf16": {"ppl_2k": 7.5, "ppl_decode_tail": 7.0},
+        "runs": [{"sink": 4, "recent": 64, "memory": {"ring_in_int2_tokens": 455.1, "sink_in_int2_tokens": 28.4},
+                  "methods": {"oscar": {"ppl_2k": 7.75, "ppl_decode_tail": 7.25}}}]}))
+    t = report.render_fidelity_sweep(str(tmp_path))
+    assert "| bf16 (reference) | - | - | - | 7.500 / 7.000 |" in t
+    assert "| S=4 | W=64 | 455.1 | 28.4 | 7.750 / 7.250 |" in t
