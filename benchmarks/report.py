@@ -11,7 +11,11 @@ README.md holds one section per table between two markers:
     python3 benchmarks/report.py e2e                 # print one section
 
 tests/test_release_readme.py runs the check, so a new or changed results file must be
-followed by ``--write``.
+followed by ``--write``. To render only what is committed (the shared checkout may hold
+results that others have not committed yet):
+
+    rm -rf /tmp/r && mkdir /tmp/r && git archive HEAD benchmarks/results | tar -x -C /tmp/r
+    python3 benchmarks/report.py --results /tmp/r/benchmarks/results --write README.md
 """
 from __future__ import annotations
 
