@@ -44,7 +44,9 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
                    help="tokens per layer kept (reservoir) for the clip search")
     p.add_argument("--clip-skip-first", type=int, default=4,
                    help="first positions of every window left out of the clip sample (BF16 sinks)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration token budget")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"calibration token budget (default: {DEFAULT_TOKENS['cpu']} on cpu, "
+                        f"{DEFAULT_TOKENS['cuda']} on cuda)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--group-size", type=int, default=None,
                    help="INT2 quantisation group in channels (default: min(128, head_dim))")
