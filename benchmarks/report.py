@@ -271,6 +271,33 @@ def render_fidelity_sweep(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_calibration_budget(results_dir: str) -> str:
+    files = _files(results_dir, "calibration_budget*.json")
+    if not files:
+        return none_yet("oscar-calibrate --model DIR --out F --tokens N (several N)", "CPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        walls, proxy = data.get("wall_seconds_by_tokens", {}), data.get("proxy", {})
+        rows = []
+        for n in sorted(walls, key=int):
+            p = proxy.get(f"default_{n}", {})
+            rows.append([fmt(int(n)), fmt(walls[n]), fmt(p.get("logit_rel"), 4), fmt(p.get("attn_kl"), 4),
+                         fmt(p.get("out_rel"), 4)])
+        for base in ("hadamard", "naive"):
+            if base in proxy:
+                rows.append([f"({base}, no calibration)", "-", fmt(proxy[base].get("logit_rel"), 4),
+                             fmt(proxy[base].get("attn_kl"), 4), fmt(proxy[base].get("out_rel"), 4)])
+        parts.append(f"{data.get('what', '')}. Source: `{_rel(path)}`.")
+        parts.append(table(["calibration tokens", "wall (s)", "logit_rel", "attn_kl", "out_rel"], rows))
+        run = data.get("default_cpu_run")
+        if run:
+            parts.append(f"The default CPU run (`{run.get('command')}`, {fmt(run.get('tokens'))} tokens) took "
+                         f"{fmt(run.get('wall_seconds'))} s (load average during the run: "
+                         f"{run.get('load_average_during', 'not recorded')}).")
+    return "\n\n".join(parts)
+
+
 SECTIONS = {
     "e2e": render_e2e,
     "capacity": render_capacity,
@@ -279,6 +306,7 @@ SECTIONS = {
     "kernels": render_kernels,
     "calibration-proxy": render_calibration_proxy,
     "fidelity-sweep": render_fidelity_sweep,
+    "calibration-budget": render_calibration_budget,
 }
 
 

@@ -210,3 +210,15 @@ def test_fidelity_sweep_table(tmp_path):
     t = report.render_fidelity_sweep(str(tmp_path))
     assert "| bf16 (reference) | - | - | - | 7.500 / 7.000 |" in t
     assert "| S=4 | W=64 | 455.1 | 28.4 | 7.750 / 7.250 |" in t
+
+
+def test_calibration_budget_table(tmp_path):
+    (tmp_path / "calibration_budget.json").write_text(json.dumps({
+        "what": "w", "wall_seconds_by_tokens": {"65536": 93.92, "8192": 14.16},
+        "proxy": {"default_8192": {"logit_rel": 0.2, "attn_kl": 0.1, "out_rel": 0.3}, "naive": {"logit_rel": 0.3}},
+        "default_cpu_run": {"command": "oscar-calibrate x", "tokens": 32768, "wall_seconds": 182.5}}))
+    t = report.render_calibration_budget(str(tmp_path))
+    lines = [ln for ln in t.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert lines == ["| 8,192 | 14.2 | 0.2000 | 0.1000 | 0.3000 |", "| 65,536 | 93.9 | - | - | - |",
+                     "| (naive, no calibration) | - | 0.3000 | - | - |"]
+    assert "32,768 tokens) took 182.5 s" in t
