@@ -358,22 +358,23 @@ def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations
 
 
 def environment() -> dict:
+    """Versions and the GPU, without touching CUDA in this process (a context here would
+    take GPU memory from the servers being measured)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     env = {"python": sys.version.split()[0], "host": os.uname().nodename}
+    for pkg in ("sglang", "torch", "triton", "flashinfer-python"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = None
     try:
-        import torch
-
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name(0)
-            env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    except Exception as e:  # the benchmark itself does not need torch in this process
-        env["torch"] = f"unavailable ({type(e).__name__})"
-    try:
-        from importlib.metadata import version
-
-        env["sglang"] = version("sglang")
-    except Exception:
-        env["sglang"] = "unknown"
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        name, mem, driver = [x.strip() for x in out.stdout.splitlines()[0].split(",")]
+        env.update(gpu=name, gpu_memory_mib=int(mem), driver=driver)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        env["gpu"] = None
     return env
 
 
