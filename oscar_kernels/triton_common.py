@@ -3,6 +3,12 @@
 ``INTERPRET`` mirrors ``TRITON_INTERPRET=1`` (CPU tests). Triton 3.6's interpreter
 multiplies the raw uint16 bits of bfloat16 operands in ``tl.dot``, so :func:`mma` feeds
 it float32 copies there; on a GPU it is a plain ``tl.dot`` (tensor cores for bf16).
+
+:func:`set_interp_tc_bits` (interpreter only, for tests): tensor cores add into their
+float32 accumulator with truncation (round toward zero) after aligning the addends, so a
+long chain dot(a, b, acc) drifts by about one ulp of acc per step. With n bits set, every
+interpreted dot result keeps only n mantissa bits, rounded toward zero: the same drift,
+magnified, so that small CPU tests see what only long contexts show on a GPU.
 """
 from __future__ import annotations
 
@@ -17,11 +23,25 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SCALE_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+INTERP_TC_KEEP = tl.constexpr(-1)  # int32 mask of the bits a dot result keeps (-1: all)
+
+
+def set_interp_tc_bits(bits: int) -> None:
+    """Interpreter only: keep ``bits`` mantissa bits of every dot result (0: exact)."""
+    global INTERP_TC_KEEP
+    if not 0 <= bits <= 23:
+        raise ValueError(f"mantissa bits {bits} not in [0, 23]")
+    INTERP_TC_KEEP = tl.constexpr(-(1 << (23 - bits)) if bits else -1)
+
+
 @triton.jit
 def mma(a, b, acc, INTERP: tl.constexpr):
     """acc + a @ b with a float32 accumulator."""
     if INTERP:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        if INTERP_TC_KEEP != -1:
+            r = (r.to(tl.int32, bitcast=True) & INTERP_TC_KEEP).to(tl.float32, bitcast=True)
+        return r
     else:
         return tl.dot(a, b, acc)
 
@@ -77,3 +97,15 @@ def group_scale_args(layer):
         return (ks.view(torch.int32), vs.view(torch.int32), ks.stride(0) // 2, ks.stride(1) // 2,
                 SCALE_TL_DTYPES[ks.dtype])
     return ks, vs, ks.stride(0), ks.stride(1), None
+
+
+def pair_views(layer):
+    """(k_pairs, v_pairs, stride_slot, stride_head): the packed codes read as int16 byte
+    pairs (triton_hybrid_attn.unpack_pair), strides in int16 units."""
+    kp, vp = layer.k_packed, layer.v_packed
+    if kp.shape[-1] % 2 or kp.stride(0) % 2 or kp.stride(1) % 2 or kp.storage_offset() % 2 \
+            or vp.storage_offset() % 2:
+        raise ValueError(f"k/v_packed {tuple(kp.shape)} strides {kp.stride()}: byte pairs must be "
+                         "2-byte aligned (head_dim a multiple of 8, even strides)")
+    k16, v16 = kp.view(torch.int16), vp.view(torch.int16)
+    return k16, v16, k16.stride(0), k16.stride(1)

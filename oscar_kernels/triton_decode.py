@@ -33,9 +33,9 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            mma_f32)
-from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, plane_corr,
-                                 request_layout)
+                            mma_f32, pair_views)
+from .triton_hybrid_attn import (bf16_range, int2_finish, int2_query, int2_range, int2_state, request_layout,
+                                 store_pairs)
 
 LOG2E = 1.4426950408889634
 
@@ -112,39 +112,18 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc * inv[:, None], mask=hmask[:, None])
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
-        DQ: tl.constexpr = D // 4
-        NG: tl.constexpr = D // G if G >= D // 4 else 1
-        KN: tl.constexpr = BN if G >= D // 4 else 1
         length = ring_lo - s_b
         ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
         q_vec = qr_ptr + b * sqr_b + hq * sqr_h
-        qt0, qs0 = load_q_plane(q_vec, hmask, 0, D)
-        qt1, qs1 = load_q_plane(q_vec, hmask, 1, D)
-        qt2, qs2 = load_q_plane(q_vec, hmask, 2, D)
-        qt3, qs3 = load_q_plane(q_vec, hmask, 3, D)
-        m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
-            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, tl.zeros([BN, BH], tl.float32),
-            tl.zeros([DQ, BH], tl.float32), tl.zeros([DQ, BH], tl.float32),
-            tl.zeros([DQ, BH], tl.float32), tl.zeros([DQ, BH], tl.float32),
-            tl.zeros([KN, BH], tl.float32), tl.zeros([KN if NG >= 2 else 1, BH], tl.float32),
-            tl.zeros([KN if NG == 4 else 1, BH], tl.float32), tl.zeros([KN if NG == 4 else 1, BH], tl.float32),
-            lo, hi, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
-            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale,
-            BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
-        l_i = tl.sum(l_t, 0)
-        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        o_base = mid_o_ptr + mid_row[None, :] * D + tl.arange(0, DQ)[:, None]
-        tl.store(o_base, finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), inv, G, DQ),
-                 mask=hmask[None, :])
-        tl.store(o_base + DQ, finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), inv, G, DQ),
-                 mask=hmask[None, :])
-        tl.store(o_base + 2 * DQ, finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), inv, G, DQ),
-                 mask=hmask[None, :])
-        tl.store(o_base + 3 * DQ, finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), inv, G, DQ),
-                 mask=hmask[None, :])
+        qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC)
+        st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
+                        kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
+                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+        outs, m_i, l_i = int2_finish(st, D, G, MAGIC)
+        store_pairs(mid_o_ptr + mid_row * D, hmask, outs, D)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     tl.store(mid_lse_ptr + mid_row, lse, mask=hmask)
 
@@ -315,8 +294,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     lay = layer
     bh = _block_h(gq, cfg)
     magic = cfg.magic_unpack
-    kpk, vpk = lay.k_packed, lay.v_packed
-    spk_s, spk_h = kpk.stride(0), kpk.stride(1)
+    kpk, vpk, spk_s, spk_h = pair_views(lay)
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,

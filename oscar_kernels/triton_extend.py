@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args
+from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
+                            pair_views)
 from .triton_decode import rotate_queries
-from .triton_hybrid_attn import (bf16_range, finish_plane, int2_range, load_q_plane, mm, online_softmax,
-                                 plane_corr, request_layout)
+from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
+                                 online_softmax, request_layout, store_pairs)
 
 
 @triton.jit
@@ -50,9 +51,6 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
     m0 = mb * BM
     if m0 < e:
         R: tl.constexpr = BM * GQP
-        DQ: tl.constexpr = D // 4
-        NG: tl.constexpr = D // G if G >= D // 4 else 1
-        KN: tl.constexpr = BN if G >= D // 4 else 1
         r = tl.arange(0, R)
         tq = m0 + r // GQP  # new-token index of each row
         gg = r % GQP
@@ -63,33 +61,14 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                                  pos_of_ptr, page_size, vf_ptr, S, W)
         o_vec = o_ptr + tok * so_t + hq * so_h  # [R] row pointers of o'
-        # ---- phase 1: INT2 history [s_b, ring_lo) (transposed plane tiles)
+        # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
         q_vec = qr_ptr + tok * sq_t + hq * sq_h
-        qt0, qs0 = load_q_plane(q_vec, rmask, 0, D)
-        qt1, qs1 = load_q_plane(q_vec, rmask, 1, D)
-        qt2, qs2 = load_q_plane(q_vec, rmask, 2, D)
-        qt3, qs3 = load_q_plane(q_vec, rmask, 3, D)
-        m2, l_t, a0, a1, a2, a3, k0, k1, k2, k3 = int2_range(
-            qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, tl.full([R], float("-inf"), tl.float32),
-            tl.zeros([BN, R], tl.float32),
-            tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
-            tl.zeros([DQ, R], tl.float32), tl.zeros([DQ, R], tl.float32),
-            tl.zeros([KN, R], tl.float32), tl.zeros([KN if NG >= 2 else 1, R], tl.float32),
-            tl.zeros([KN if NG == 4 else 1, R], tl.float32), tl.zeros([KN if NG == 4 else 1, R], tl.float32),
-            s_b, ring_lo, r2t_ptr + row * r2t_stride, kpk_ptr, vpk_ptr, spk_s, h * spk_h,
-            ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h, kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale,
-            BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
-        l2 = tl.sum(l_t, 0)
-        inv2 = 1.0 / tl.where(l2 > 0, l2, 1.0)
-        jq = tl.arange(0, DQ)[:, None]
-        tl.store(o_vec[None, :] + jq, finish_plane(a0, plane_corr(k0, k1, k2, k3, 0, NG), inv2, G, DQ),
-                 mask=rmask[None, :])
-        tl.store(o_vec[None, :] + DQ + jq, finish_plane(a1, plane_corr(k0, k1, k2, k3, 1, NG), inv2, G, DQ),
-                 mask=rmask[None, :])
-        tl.store(o_vec[None, :] + 2 * DQ + jq,
-                 finish_plane(a2, plane_corr(k0, k1, k2, k3, 2, NG), inv2, G, DQ), mask=rmask[None, :])
-        tl.store(o_vec[None, :] + 3 * DQ + jq,
-                 finish_plane(a3, plane_corr(k0, k1, k2, k3, 3, NG), inv2, G, DQ), mask=rmask[None, :])
+        qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC)
+        st = int2_range(qops, qsums, int2_state(R, D, G), s_b, ring_lo, r2t_ptr + row * r2t_stride,
+                        kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
+                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+        outs, m2, l2 = int2_finish(st, D, G, MAGIC)
+        store_pairs(o_vec, rmask, outs, D)
         # ---- phase 2: BF16 sinks, ring, then the new tokens causally
         q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
         m_i = tl.full([R], float("-inf"), tl.float32)
@@ -114,7 +93,7 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             causal = jmask[None, :] & (j[None, :] <= tq[:, None])
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
-            acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
+            acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], qk_scale * 0.0, USE_DOT, INTERP)
         # ---- merge the parked INT2 part (written by other threads of this program)
         tl.debug_barrier()
         o2 = tl.load(o_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
@@ -189,7 +168,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
         rows, prefix_lens, qo_indptr, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
-        lay.k_packed, lay.v_packed, lay.k_packed.stride(0), lay.k_packed.stride(1),
+        *pair_views(lay),
         lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
         *gs[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),

@@ -8,17 +8,34 @@ with one quantisation group per plane (G >= D/4) and k^_c = min + code_c * scale
     q'.k^_t            = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
     sum_t p_t v^_t |_i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
 so raw codes (exact in bf16) go straight into tensor-core dots; the planes of one group
-(G = D: all four) share one dot chain and one scale. With the "magic" unpack a code c is
-produced as the bf16 value 128 + c (bits 0x4300 | c: shift, and, two byte permutes per four
-codes, no int->float conversion) and the constant 128 is removed through the same min/sum
-terms. For G < D/4 codes are dequantised per channel (scale gathered per channel).
+(G = D: all four) share one dot chain and one scale. For G < D/4 codes are dequantised per
+channel (scale gathered per channel).
+
+Byte pairs. The packed codes are read as int16 elements: element p of a token's row holds
+bytes 2p (low) and 2p + 1 (high), i.e. channels i D/4 + 2p ("even") and i D/4 + 2p + 1
+("odd") of every plane i. With the "magic" unpack one LOP3 per output register turns a
+register of two int16 elements into two bf16 values
+    bf16(0x4300 | (byte & (3 << s_i))) = OFF + STEP_i * code,   OFF = 128,
+    STEP = (1, 4, 16, 16) for planes 0..3 (plane 3 is shifted down by 2 first),
+applied to the register and to the register shifted right by 8 (the odd bytes): about 11
+integer instructions per 16 codes, no byte permutes, no int->float conversions. Each
+(plane, parity) is one [tokens, D/8] (K) or [D/8, tokens] (V) tile, so the channel order
+inside a dot is (2p + e); q' operands are gathered in the same order once per program and
+divided by STEP_i (exact), and outputs are stored back to their channels.
 
 Orientation (chosen from sm_90 SASS, tests/aot_sm90.py): scores are computed transposed,
-s^T [tokens, rows] = codes [tokens, D/4] @ q'^T, so the unpacked K codes are the tensor-core
-A operand straight from registers; V codes are loaded transposed [D/4, tokens] so that the
-byte transpose (not a bf16 one) goes through shared memory, and acc^T [D/4, rows] +=
-codes^T @ w. Token sums (softmax denominator, min corrections) are kept as [tokens, rows]
-tiles and reduced once at the end instead of every step.
+s^T [tokens, rows] = codes [tokens, D/8] @ q'^T, so the unpacked K codes are the tensor-core
+A operand straight from shared memory (ldmatrix); V pairs are loaded transposed
+[D/8, tokens] (ldmatrix.trans of 16-bit elements) and acc^T [D/8, rows] += codes^T @ w.
+
+Offset and precision. With w = bf16(p * scale), the P@V dots give
+sum_t w_t (OFF + STEP_i c_t); the offset is removed with W = sum_t w_t, itself a dot of a
+ones tile with w (the same rounded weights), and the min term sum_t p_t min_t is kept as a
+[tokens, rows] tile reduced once at the end. Tensor cores accumulate with truncation, and
+the offset makes accumulators large relative to the signal, so every block's dots start
+from zero and are added to the running float32 accumulators with ordinary FMAs (no
+accumulation chain longer than one block inside the tensor cores). The K-side chain starts
+from -OFF * sum(q'_i / STEP_i), which removes the offset of the scores inside the dot.
 """
 from __future__ import annotations
 
@@ -37,56 +54,75 @@ def mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-# bf16 bit pattern 0x4300 | c is 128 + c (c < 128): four 2-bit codes (one per byte, at bit
-# SHIFT) become four bf16 values 128 + code with one shift, one and and two byte permutes.
-_PLANE_ASM_0: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t; and.b32 t, $2, 0x03030303; "
-    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
-_PLANE_ASM_1: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303; "
-    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
-_PLANE_ASM_2: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303; "
-    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
-_PLANE_ASM_3: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; "
-    "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }")
+@triton.jit
+def fresh_dot(a, b, acc, alpha, zero, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """acc * alpha + a @ b with the dot started from zero: the tensor cores only sum one
+    block, the running sum is an ordinary float32 FMA. ``zero`` is a runtime 0.0 (e.g.
+    x * 0.0, which IEEE rules keep unfolded) so that Triton does not rewrite the sum back
+    into dot(a, b, acc * alpha) (a long truncating accumulation chain)."""
+    return acc * alpha + mm(a, b, tl.zeros(acc.shape, tl.float32) + zero, USE_DOT, INTERP)
 
 
 @triton.jit
-def plane_codes(packed, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr):
-    """Codes of plane i of a packed uint8 tile [BN, D/4] as bf16 [BN, D/4] (channel
-    i*D/4 + j in column j); 128 + code when MAGIC (no int->float conversion on the GPU)."""
+def setk(t, k: tl.constexpr, v):
+    """Tuple t with element k replaced by v."""
+    return t[:k] + (v,) + t[k + 1:]
+
+
+# Per 32-bit register of two int16 elements: $0 = even bytes, $1 = odd bytes of plane i as
+# two bf16 values 128 + STEP_i * code each (see the module doc). lop3 0xEA = (a & b) | c: one
+# instruction per output register (the 0x43004300 register is hoisted by ptxas).
+_PAIR_ASM_0: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
+_PAIR_ASM_1: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
+_PAIR_ASM_2: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+_PAIR_ASM_3: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $2, 2; lop3.b32 $0, t, 0x00300030, k, 0xEA; "
+    "shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+
+
+@triton.jit
+def plane_step(i: tl.constexpr, MAGIC: tl.constexpr):
+    """STEP_i: the unpacked value of code c of plane i is OFF + STEP_i * c."""
+    if MAGIC:
+        if i == 0:
+            return 1.0
+        elif i == 1:
+            return 4.0
+        else:
+            return 16.0
+    else:
+        return 1.0
+
+
+@triton.jit
+def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr):
+    """int16 tile of byte pairs -> (even, odd) bf16 tiles of plane i's codes (low / high
+    byte of each element): OFF + STEP_i * code with MAGIC (OFF = 128), else the code."""
     if MAGIC and not INTERP:
         if i == 0:
-            asm: tl.constexpr = _PLANE_ASM_0
+            asm: tl.constexpr = _PAIR_ASM_0
         elif i == 1:
-            asm: tl.constexpr = _PLANE_ASM_1
+            asm: tl.constexpr = _PAIR_ASM_1
         elif i == 2:
-            asm: tl.constexpr = _PLANE_ASM_2
+            asm: tl.constexpr = _PAIR_ASM_2
         else:
-            asm: tl.constexpr = _PLANE_ASM_3
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [packed], dtype=tl.bfloat16,
-                                         is_pure=True, pack=4)
+            asm: tl.constexpr = _PAIR_ASM_3
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
     else:
-        c = ((packed >> (2 * i)) & 3).to(tl.float32)
+        xi = x.to(tl.int32) & 0xFFFF
+        ce = ((xi >> (2 * i)) & 3).to(tl.float32)
+        co = ((xi >> (8 + 2 * i)) & 3).to(tl.float32)
         if MAGIC:
-            c = c + 128.0
-        return c.to(tl.bfloat16)
-
-
-@triton.jit
-def load_packed(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot):
-    """Packed codes of a block of slots: uint8 [BN, D/4]."""
-    j = tl.arange(0, DQ)
-    return tl.load(pk_ptr + slot[:, None] * s_slot + hoff + j[None, :], mask=mask[:, None], other=0)
-
-
-@triton.jit
-def load_packed_t(pk_ptr, slot, hoff, mask, DQ: tl.constexpr, s_slot):
-    """Packed codes of a block of slots, transposed: uint8 [D/4, BN] (for P@V operands)."""
-    j = tl.arange(0, DQ)
-    return tl.load(pk_ptr + slot[None, :] * s_slot + hoff + j[:, None], mask=mask[None, :], other=0)
+            ce = 128.0 + ce * plane_step(i, MAGIC)
+            co = 128.0 + co * plane_step(i, MAGIC)
+        return ce.to(tl.bfloat16), co.to(tl.bfloat16)
 
 
 @triton.jit
@@ -102,217 +138,268 @@ def online_softmax(s, mask2d, m_i, l_i):
 
 
 @triton.jit
+def load_or0(ptr, mask):
+    """tl.load with 0 where ``mask`` is false; no mask when ``mask`` is None."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
 def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr):
     """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
     tl.bfloat16, else None): the 16-bit scales are addressed as int32 (scale, min) pairs,
     one load per token (strides in int32 units)."""
     if PAIR is not None:
-        x = tl.load(sc_ptr + slot * s_slot + hoff + g, mask=mask, other=0)
+        x = load_or0(sc_ptr + slot * s_slot + hoff + g, mask)
         sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True)
         mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True)
         return sc.to(tl.float32), mn.to(tl.float32)
     else:
         base = sc_ptr + slot * s_slot + hoff + 2 * g
-        return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
-                tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))
+        return load_or0(base, mask).to(tl.float32), load_or0(base + 1, mask).to(tl.float32)
 
 
 @triton.jit
-def channel_dequant(codes, i: tl.constexpr, sc_ptr, slot, hoff, s_grp, s_slot, mask,
-                    DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr):
-    """Dequantise plane i per channel (G < D/4): bf16 [BN, D/4] = min_g + code * scale_g."""
-    grp = (i * DQ + tl.arange(0, DQ)) // G
-    base = sc_ptr + slot[:, None] * s_slot + hoff + grp[None, :] * s_grp
-    sc = tl.load(base, mask=mask[:, None], other=0.0).to(tl.float32)
-    mn = tl.load(base + 1, mask=mask[:, None], other=0.0).to(tl.float32)
-    return (mn + (codes.to(tl.float32) - OFF) * sc).to(tl.bfloat16)
+def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G: tl.constexpr,
+                    OFF: tl.constexpr):
+    """Dequantise unpacked codes per channel (G < D/4): bf16 min_g + code * scale_g, with
+    code = (c - OFF) / step and g = chan // G (chan, slot2, mask2 broadcast against c)."""
+    base = sc_ptr + slot2 * s_slot + hoff + (chan // G) * s_grp
+    sc = tl.load(base, mask=mask2, other=0.0).to(tl.float32)
+    mn = tl.load(base + 1, mask=mask2, other=0.0).to(tl.float32)
+    return (mn + (c.to(tl.float32) - OFF) * (1.0 / step) * sc).to(tl.bfloat16)
 
 
 @triton.jit
-def load_q_plane(q_vec, rmask, i: tl.constexpr, D: tl.constexpr):
-    """q'^T of plane i: [D/4, R] bf16 and its column sums (float32 [R]); ``q_vec``: [R]
-    pointers to the q' rows."""
-    DQ: tl.constexpr = D // 4
-    qt = tl.load(q_vec[None, :] + (i * DQ + tl.arange(0, DQ))[:, None], mask=rmask[None, :], other=0.0)
-    return qt, tl.sum(qt.to(tl.float32), 0)
+def load_q_pair(q_vec, rmask, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+                G: tl.constexpr, MAGIC: tl.constexpr):
+    """q'^T operand of (plane i, parity e): [KP, R] bf16, element (p, r) =
+    q'[r, i D/4 + 2p + e] / STEP_i (exact; no division when G < D/4: dequantised codes),
+    zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows."""
+    p = tl.arange(0, KP)
+    ch = i * (D // 4) + 2 * p + e
+    qt = tl.load(q_vec[None, :] + ch[:, None], mask=(p < D // 8)[:, None] & rmask[None, :], other=0.0)
+    if G >= D // 4:
+        qt = (qt.to(tl.float32) * (1.0 / plane_step(i, MAGIC))).to(tl.bfloat16)
+    return qt
 
 
 @triton.jit
-def finish_plane(acc, corr, inv, G: tl.constexpr, DQ: tl.constexpr):
-    """Normalised o'^T [D/4, R] of a plane: (acc + sum over tokens of corr) * inv."""
-    if G >= DQ:
-        acc = acc + tl.sum(corr, 0)[None, :]
-    return acc * inv[None, :]
+def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
+    """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e) and, per plane, the
+    float32 [R] column sums of its two operands (what the dots see)."""
+    KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
+    q00 = load_q_pair(q_vec, rmask, 0, 0, D, KP, G, MAGIC)
+    q01 = load_q_pair(q_vec, rmask, 0, 1, D, KP, G, MAGIC)
+    q10 = load_q_pair(q_vec, rmask, 1, 0, D, KP, G, MAGIC)
+    q11 = load_q_pair(q_vec, rmask, 1, 1, D, KP, G, MAGIC)
+    q20 = load_q_pair(q_vec, rmask, 2, 0, D, KP, G, MAGIC)
+    q21 = load_q_pair(q_vec, rmask, 2, 1, D, KP, G, MAGIC)
+    q30 = load_q_pair(q_vec, rmask, 3, 0, D, KP, G, MAGIC)
+    q31 = load_q_pair(q_vec, rmask, 3, 1, D, KP, G, MAGIC)
+    sums = (tl.sum(q00.to(tl.float32), 0) + tl.sum(q01.to(tl.float32), 0),
+            tl.sum(q10.to(tl.float32), 0) + tl.sum(q11.to(tl.float32), 0),
+            tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
+            tl.sum(q30.to(tl.float32), 0) + tl.sum(q31.to(tl.float32), 0))
+    return (q00, q01, q10, q11, q20, q21, q30, q31), sums
 
 
 @triton.jit
-def _k_plane(s, qt, kt, i: tl.constexpr, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask,
-             DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr,
-             USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """s^T [BN, R] + codes_i . q'_i (G >= D/4: raw codes; else dequantised k_i . q'_i)."""
-    c = plane_codes(kt, i, MAGIC, INTERP)
-    if G < DQ:
-        c = channel_dequant(c, i, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF)
-    return mm(c, qt, s, USE_DOT, INTERP)
-
-
-@triton.jit
-def _v_plane(acc, w, vt, i: tl.constexpr, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask,
-             DQ: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr, MAGIC: tl.constexpr,
-             USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc_i^T [D/4, R] + codes_i^T w (or dequantised v_i^T p when G < D/4). The packed
-    tile is transposed *before* unpacking, so the code pairs along tokens that the tensor
-    core needs come out of the unpack directly (the transpose moves bytes, not bf16)."""
-    if G < DQ:
-        c = plane_codes(tl.trans(vt), i, MAGIC, INTERP)
-        c = tl.trans(channel_dequant(c, i, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF))
+def int2_state(R: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Zero state of int2_range: (m [R], l (16 x R), pm (per group 16 x R), wsum (per group
+    16 x R), acc (8 x [D/8, R])); the [16, R] tiles are summed over their rows at the end."""
+    NG: tl.constexpr = D // G if G >= D // 4 else 1
+    DH: tl.constexpr = D // 8
+    zt = tl.zeros([16, R], tl.float32)
+    za = tl.zeros([DH, R], tl.float32)
+    if NG == 1:
+        pm = (zt,)
+    elif NG == 2:
+        pm = (zt, zt)
     else:
-        c = plane_codes(vt, i, MAGIC, INTERP)
-    return mm(c, w, acc, USE_DOT, INTERP)
+        pm = (zt, zt, zt, zt)
+    return tl.full([R], float("-inf"), tl.float32), zt, pm, pm, (za, za, za, za, za, za, za, za)
 
 
 @triton.jit
-def int2_range(qt0, qt1, qt2, qt3, qs0, qs1, qs2, qs3, m_i, l_t, a0, a1, a2, a3,
-               k0, k1, k2, k3, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+def fold16(x):
+    """[BN, R] -> [16, R]: sum of the 16-row slices (rows held by the same threads)."""
+    return tl.sum(tl.reshape(x, [x.shape[0] // 16, 16, x.shape[1]]), 0)
+
+
+@triton.jit
+def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
+            INTERP: tl.constexpr):
+    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP)
+    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
+    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
+
+
+@triton.jit
+def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
+                MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """One block of BN positions from p0 (positions >= hi masked when MASKED)."""
+    DQ: tl.constexpr = D // 4
+    DH: tl.constexpr = D // 8
+    KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
+    GRP: tl.constexpr = G >= DQ
+    NG: tl.constexpr = D // G if G >= D // 4 else 1
+    PG: tl.constexpr = 4 // NG  # planes per group
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    m_i, l_t, pm, wsum, acc = st
+    R: tl.constexpr = m_i.shape[0]
+    pos = p0 + tl.arange(0, BN)
+    kp = tl.arange(0, KP)
+    dh = tl.arange(0, DH)
+    if MASKED:
+        mask = pos < hi
+        slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
+        kmask = mask[:, None] & (kp < DH)[None, :]
+        vmask = mask[None, :]
+    else:
+        mask = None
+        slot = tl.load(r2t_row + pos).to(tl.int64)
+        kmask = (kp < DH)[None, :] if KP > DH else None
+        vmask = None
+    kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
+    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+    # ---- scores s^T [BN, R]
+    if GRP:
+        for g in tl.static_range(NG):
+            d = c0[g]
+            for j in tl.static_range(PG):
+                ce, co = unpack_pair(kt, g * PG + j, MAGIC, INTERP)
+                d = mm(ce, qops[2 * (g * PG + j)], d, USE_DOT, INTERP)
+                d = mm(co, qops[2 * (g * PG + j) + 1], d, USE_DOT, INTERP)
+            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
+            if g == 0:
+                s = d * (sc * qk_scale)[:, None] + (mn * qk_scale)[:, None] * qg[g][None, :]
+            else:
+                s += d * (sc * qk_scale)[:, None] + (mn * qk_scale)[:, None] * qg[g][None, :]
+    else:
+        s = tl.zeros([BN, R], tl.float32)
+        for i in tl.static_range(4):
+            ce, co = unpack_pair(kt, i, MAGIC, INTERP)
+            chan = i * DQ + 2 * kp[None, :]
+            km = (kp < DH)[None, :] if kmask is None else kmask
+            ce = channel_dequant(ce, plane_step(i, MAGIC), chan, slot[:, None], km, ksc_ptr, hoff_sc,
+                                 ssc_g, ssc_s, G, OFF)
+            co = channel_dequant(co, plane_step(i, MAGIC), chan + 1, slot[:, None], km, ksc_ptr, hoff_sc,
+                                 ssc_g, ssc_s, G, OFF)
+            s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
+            s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
+        s = s * qk_scale
+    # ---- online softmax over the token axis (0)
+    if MASKED:
+        s = tl.where(mask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[None, :])
+    l_t = l_t * alpha[None, :] + fold16(p)
+    # ---- values: fresh dots per block, added to the running accumulators
+    zero = qk_scale * 0.0
+    if GRP:
+        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
+        for g in tl.static_range(NG):
+            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
+            w = (p * sc[:, None]).to(tl.bfloat16)
+            pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
+            wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], zero, USE_DOT, INTERP))
+            for j in tl.static_range(PG):
+                acc = _v_pair(acc, vt, w, alpha, zero, g * PG + j, MAGIC, USE_DOT, INTERP)
+    else:
+        pb = p.to(tl.bfloat16)
+        vm = (dh < DH)[:, None] if vmask is None else vmask
+        for i in tl.static_range(4):
+            ce, co = unpack_pair(vt, i, MAGIC, INTERP)
+            chan = i * DQ + 2 * dh[:, None]
+            ce = channel_dequant(ce, plane_step(i, MAGIC), chan, slot[None, :], vm, vsc_ptr, hoff_sc,
+                                 ssc_g, ssc_s, G, OFF)
+            co = channel_dequant(co, plane_step(i, MAGIC), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
+                                 ssc_g, ssc_s, G, OFF)
+            acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
+            acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
+    return m_new, l_t, pm, wsum, acc
+
+
+@triton.jit
+def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]).
+    """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
+    BN positions without masks, then a masked tail block.
 
-    Transposed orientation: scores s^T [BN, R]; plane accumulators a_i^T [D/4, R]; running
-    max m_i [R]; token tiles [BN, R]: l_t (sum of p) and, per quantisation group g (when
-    G >= D/4, NG = D/G groups of 4/NG planes), k_g (p * min_g - OFF * w_g with
-    w_g = bf16(p * scale_g) the weights of the P@V dots), summed over tokens by the caller.
-    qt_i / qs_i: q'^T of plane i and its column sums (load_q_plane). ksc/vsc (element
-    strides ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
-    hoff_gs) per group as in group_scales (the same tensors, as int32 pairs when PAIR)."""
-    DQ: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G if G >= DQ else 1
+    qops / qsums: int2_query. State st (int2_state): running max m [R]; l (sum of p) and
+    per group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)) as [16, R] tiles
+    summed over rows at the end; acc: 8 tiles [D/8, R], (plane i, parity e) at 2 i + e,
+    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when G < D/4). kpk/vpk: the packed
+    codes as int16 (strides spk_s, hoff_pk in int16 units); ksc/vsc (element strides
+    ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
+    hoff_gs) per group as in group_scales."""
+    NG: tl.constexpr = D // G if G >= D // 4 else 1
     PG: tl.constexpr = 4 // NG  # planes per group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    nb = tl.arange(0, BN)
-    for p0 in range(lo, hi, BN):
-        pos = p0 + nb
-        mask = pos < hi
-        slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
-        kt = load_packed(kpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
-        vt = load_packed_t(vpk_ptr, slot, hoff_pk, mask, DQ, spk_s)
-        # ---- scores: per group, dot over its planes, then scale / min terms
-        zero = tl.zeros([BN, qt0.shape[1]], tl.float32)
-        if G >= DQ:
-            d0 = _k_plane(zero, qt0, kt, 0, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            if PG >= 2:
-                d0 = _k_plane(d0, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                              MAGIC, USE_DOT, INTERP)
-            if PG == 4:
-                d0 = _k_plane(d0, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                              MAGIC, USE_DOT, INTERP)
-                d0 = _k_plane(d0, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                              MAGIC, USE_DOT, INTERP)
-            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 0, mask, PAIR)
-            qs = qs0
-            if PG >= 2:
-                qs = qs + qs1
-            if PG == 4:
-                qs = qs + qs2 + qs3
-            s = d0 * sc[:, None] + (mn - OFF * sc)[:, None] * qs[None, :]
-            if NG >= 2:  # group 1: planes 2, 3 (NG = 2) or plane 1 (NG = 4)
-                if NG == 2:
-                    d1 = _k_plane(zero, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
-                                  OFF, MAGIC, USE_DOT, INTERP)
-                    d1 = _k_plane(d1, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
-                                  OFF, MAGIC, USE_DOT, INTERP)
-                    qs = qs2 + qs3
-                else:
-                    d1 = _k_plane(zero, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
-                                  OFF, MAGIC, USE_DOT, INTERP)
-                    qs = qs1
-                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 1, mask, PAIR)
-                s += d1 * sc[:, None] + (mn - OFF * sc)[:, None] * qs[None, :]
-            if NG == 4:
-                d2 = _k_plane(zero, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
-                              OFF, MAGIC, USE_DOT, INTERP)
-                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 2, mask, PAIR)
-                s += d2 * sc[:, None] + (mn - OFF * sc)[:, None] * qs2[None, :]
-                d3 = _k_plane(zero, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G,
-                              OFF, MAGIC, USE_DOT, INTERP)
-                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, 3, mask, PAIR)
-                s += d3 * sc[:, None] + (mn - OFF * sc)[:, None] * qs3[None, :]
-        else:
-            s = _k_plane(zero, qt0, kt, 0, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                         MAGIC, USE_DOT, INTERP)
-            s = _k_plane(s, qt1, kt, 1, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                         MAGIC, USE_DOT, INTERP)
-            s = _k_plane(s, qt2, kt, 2, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                         MAGIC, USE_DOT, INTERP)
-            s = _k_plane(s, qt3, kt, 3, ksc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                         MAGIC, USE_DOT, INTERP)
-        # ---- online softmax over the token axis (0)
-        s = tl.where(mask[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        m_i = m_new
-        l_t = l_t * alpha[None, :] + p
-        a0 = a0 * alpha[None, :]
-        a1 = a1 * alpha[None, :]
-        a2 = a2 * alpha[None, :]
-        a3 = a3 * alpha[None, :]
-        # ---- values: per group weights w_g = bf16(p * scale_g)
-        if G >= DQ:
-            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 0, mask, PAIR)
-            w = (p * sc[:, None]).to(tl.bfloat16)
-            k0 = k0 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
-            a0 = _v_plane(a0, w, vt, 0, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            if NG == 4:
-                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 1, mask, PAIR)
-                w = (p * sc[:, None]).to(tl.bfloat16)
-                k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
-            a1 = _v_plane(a1, w, vt, 1, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            if NG >= 2:
-                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, NG // 2, mask, PAIR)
-                w = (p * sc[:, None]).to(tl.bfloat16)
-                if NG == 2:
-                    k1 = k1 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
-                else:
-                    k2 = k2 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
-            a2 = _v_plane(a2, w, vt, 2, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            if NG == 4:
-                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 3, mask, PAIR)
-                w = (p * sc[:, None]).to(tl.bfloat16)
-                k3 = k3 * alpha[None, :] + (p * mn[:, None] - OFF * w.to(tl.float32))
-            a3 = _v_plane(a3, w, vt, 3, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-        else:
-            pb = p.to(tl.bfloat16)
-            a0 = _v_plane(a0, pb, vt, 0, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            a1 = _v_plane(a1, pb, vt, 1, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            a2 = _v_plane(a2, pb, vt, 2, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-            a3 = _v_plane(a3, pb, vt, 3, vsc_ptr, slot, hoff_sc, ssc_g, ssc_s, mask, DQ, G, OFF,
-                          MAGIC, USE_DOT, INTERP)
-    return m_i, l_t, a0, a1, a2, a3, k0, k1, k2, k3
+    R: tl.constexpr = st[0].shape[0]
+    # per group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
+    c0 = ()
+    qg = ()
+    for g in tl.static_range(NG):
+        cs = qsums[g * PG]
+        qs = qsums[g * PG] * plane_step(g * PG, MAGIC)
+        for j in tl.static_range(1, PG):
+            cs += qsums[g * PG + j]
+            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC)
+        c0 = c0 + (tl.zeros([BN, R], tl.float32) - OFF * cs[None, :],)
+        qg = qg + (qs,)
+    hi_full = lo + (hi - lo) // BN * BN
+    for p0 in range(lo, hi_full, BN):
+        st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+    if hi_full < hi:
+        st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+    return st
 
 
 @triton.jit
-def plane_corr(k0, k1, k2, k3, i: tl.constexpr, NG: tl.constexpr):
-    """The correction tile of plane i's group."""
-    g: tl.constexpr = (i * NG) // 4
-    if g == 0:
-        return k0
-    elif g == 1:
-        return k1
-    elif g == 2:
-        return k2
-    else:
-        return k3
+def int2_finish(st, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
+    """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
+    i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l."""
+    NG: tl.constexpr = D // G if G >= D // 4 else 1
+    PG: tl.constexpr = 4 // NG
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    m_i, l_t, pm, wsum, acc = st
+    l = tl.sum(l_t, 0)
+    inv = 1.0 / tl.where(l > 0, l, 1.0)
+    outs = ()
+    for i in tl.static_range(4):
+        for e in tl.static_range(2):
+            a = acc[2 * i + e]
+            if G >= D // 4:
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC))
+                     + tl.sum(pm[i // PG], 0)[None, :])
+            outs = outs + (a * inv[None, :],)
+    return outs, m_i, l
+
+
+@triton.jit
+def store_pairs(row_ptrs, rmask, outs, D: tl.constexpr):
+    """Store int2_finish's tiles to rows of D floats: row_ptrs [R] pointers to channel 0."""
+    DH: tl.constexpr = D // 8
+    dh = tl.arange(0, DH)
+    for i in tl.static_range(4):
+        for e in tl.static_range(2):
+            tl.store(row_ptrs[None, :] + (i * (D // 4) + 2 * dh + e)[:, None], outs[2 * i + e],
+                     mask=rmask[None, :])
 
 
 @triton.jit
@@ -334,7 +421,7 @@ def bf16_range(q, m_i, l_i, acc, k_base, v_base, row_stride, lo, hi, MOD: tl.con
         s = mm(q, k, tl.zeros([q.shape[0], BN], tl.float32), USE_DOT, INTERP) * qk_scale
         p, alpha, m_i, l_i = online_softmax(s, mask[None, :], m_i, l_i)
         v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-        acc = mm(p.to(tl.bfloat16), v, acc * alpha[:, None], USE_DOT, INTERP)
+        acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], qk_scale * 0.0, USE_DOT, INTERP)
     return m_i, l_i, acc
 
 

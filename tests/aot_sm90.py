@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-       torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+       torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 
 
 def _compile(kernel, args, kwargs):
@@ -128,6 +128,7 @@ CASES = {
     "g8_gq1": (dict(D=128, G=8, S=4, W=16, page=16), {}, {}, 8),
     "nodot_convert": (dict(D=128, G=128, S=0, W=0, page=16), dict(use_dot=False, magic_unpack=False),
                       dict(magic_unpack=False), 32),
+    "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
 }
 
 
