@@ -35,6 +35,21 @@ def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int
             "sink_in_int2_tokens": round(sink * bf16_token / int2_token, 1)}
 
 
+def format_table(result: dict) -> str:
+    """One line per (S, W, method): metrics and their ratio to bf16, plus the BF16 memory."""
+    bf = result["bf16"]
+    keys = [k for k in bf if k.startswith("ppl_") and isinstance(bf[k], float)]
+    lines = ["S    W    method          " + "  ".join(f"{k:>22}" for k in keys) + "   ring+sink (int2 tokens)"]
+    for run in result["runs"]:
+        mem = run["memory"]
+        for name, m in run["methods"].items():
+            cells = "  ".join(f"{m[k]:9.4f} ({m[k] / bf[k]:.4f}x)" for k in keys)
+            lines.append(f"{run['sink']:<4} {run['recent']:<4} {name:<15} {cells}   "
+                         f"{mem['ring_in_int2_tokens'] + mem['sink_in_int2_tokens']:.0f}")
+    lines.append("bf16: " + ", ".join(f"{k} {bf[k]:.4f}" for k in keys))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -70,6 +85,7 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
                 with open(a.out, "w") as f:
                     json.dump(result, f, indent=1)
+    print(format_table(result))
     print(a.out)
     return 0
 
