@@ -34,7 +34,7 @@ import triton.language as tl
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             mma_f32, pair_views)
-from .triton_hybrid_attn import (bf16_range, int2_finish, int2_query, int2_range, int2_state, request_layout,
+from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
 LOG2E = 1.4426950408889634
@@ -92,24 +92,26 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     d = tl.arange(0, D)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
-    m_i = tl.full([BH], float("-inf"), tl.float32)
-    l_i = tl.zeros([BH], tl.float32)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
-    q_rows = qr_ptr + b * sqr_b + hq[:, None] * sqr_h  # [BH, 1] pointers
+    q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
     if sp == 0:
-        # ---- BF16 side cache: sinks [0, s_b) and ring [ring_lo, n)
-        acc = tl.zeros([BH, D], tl.float32)
-        q = tl.load(q_rows + d[None, :], mask=hmask[:, None], other=0.0)
-        if S > 0:
-            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
-                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
-        if W > 0:
-            rr = row * srg_r + h * srg_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
-                                       ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+        # ---- BF16 side cache: sinks [0, s_b) and ring [ring_lo, n), transposed tiles
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_t = tl.zeros([16, BH], tl.float32)
+        za = tl.zeros([D // 4, BH], tl.float32)
+        acc = (za, za, za, za)
+        if S + W > 0:
+            m_i, l_t, acc = bf16_side_t(q_vec, hmask, m_i, l_t, acc, s_b, ring_lo, n,
+                                        ksink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h,
+                                        vsink_ptr + tl.maximum(c, 0) * ssk_c + h * ssk_h, ssk_p,
+                                        kring_ptr + row * srg_r + h * srg_h, vring_ptr + row * srg_r + h * srg_h,
+                                        srg_c, qk_scale, S, W, BN_BF16, D, USE_DOT, INTERP)
+        l_i = tl.sum(l_t, 0)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        tl.store(mid_o_ptr + mid_row[:, None] * D + d[None, :], acc * inv[:, None], mask=hmask[:, None])
+        dq = tl.arange(0, D // 4)
+        for j in tl.static_range(4):
+            tl.store(mid_o_ptr + mid_row[None, :] * D + j * (D // 4) + dq[:, None], acc[j] * inv[None, :],
+                     mask=hmask[None, :])
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         length = ring_lo - s_b
@@ -117,7 +119,6 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
-        q_vec = qr_ptr + b * sqr_b + hq * sqr_h
         qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC)
         st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
@@ -132,7 +133,9 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
 def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                   NSP: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                   EB: tl.constexpr, PRECISION: tl.constexpr):
-    """o[b, hq] = (sum_s 2^{lse_s} o~_s / sum_s 2^{lse_s}) @ R_V[h]^T. Grid (B, H)."""
+    """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
+    of the lse_s (one vector load), then one independent load per partial (no running
+    rescale, so the loads pipeline). Grid (B, H)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     num_h = tl.num_programs(1)
@@ -141,21 +144,19 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     hq = (h * GQ + g).to(tl.int64)
     d = tl.arange(0, D)
     base = (b * num_h * GQ + hq) * NSP
-    m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
+    sps = tl.arange(0, triton.next_power_of_2(NSP))
+    lse_all = tl.load(mid_lse_ptr + base[:, None] + sps[None, :], mask=hmask[:, None] & (sps < NSP)[None, :],
+                      other=float("-inf"))
+    m = tl.max(lse_all, 1)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    l = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
     acc = tl.zeros([BH, D], tl.float32)
     for sp in range(0, NSP):
         lse = tl.load(mid_lse_ptr + base + sp, mask=hmask, other=float("-inf"))
-        valid = lse > float("-inf")
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.where(valid, tl.exp2(lse - m_safe), 0.0)
-        o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :],
-                    mask=(hmask & valid)[:, None], other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l = l * alpha + w
-        m = m_new
+        w = tl.exp2(lse - m)
+        o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=(hmask & (w > 0))[:, None],
+                    other=0.0)
+        acc += w[:, None] * o
     o_rot = acc / tl.where(l > 0, l, 1.0)[:, None]
     e = tl.arange(0, EB)
     rot = rot_ptr + h.to(tl.int64) * D * D
@@ -175,6 +176,7 @@ class DecodeConfig:
     block_n_bf16: int = 32  # sink/ring tokens per inner step
     num_warps: int = 2  # fewest instructions per token on sm_90 (tests/aot_sm90.py SASS counts)
     num_stages: int = 2
+    max_registers: int | None = None  # ptxas register cap of stage 1 (maxnreg; None: ptxas decides)
     max_splits: int = 64  # NS upper bound (static: fixes the grid and the workspace)
     target_programs: int = 0  # programs to aim for (0: 4 x SM count on CUDA, 16 on CPU)
     min_chunk: int = 256  # fewest INT2 tokens per split
@@ -307,7 +309,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers,
     )
     _decode_merge[(b, h)](
         mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),

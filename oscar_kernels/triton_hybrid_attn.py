@@ -426,6 +426,63 @@ def bf16_range(q, m_i, l_i, acc, k_base, v_base, row_stride, lo, hi, MOD: tl.con
 
 
 @triton.jit
+def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_p, kring, vring, srg_c,
+                qk_scale, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """Transposed attention of R rows to the BF16 side cache of one request: sink positions
+    [0, s_b) (rows ksink/vsink + pos * ssk_p) then ring positions [ring_lo, n) (cells
+    kring/vring + (pos % W) * srg_c), as one index range u < s_b + n - ring_lo.
+
+    q_vec: [R] pointers to the q' rows. State: running max m_i [R], l_t [16, R] (sum of p,
+    rows summed at the end), acc: 4 tiles [D/4, R] (sum of p v^T, channel quarters). Per
+    block s^T [BN, R] = sum_c K_c [BN, D/4] @ q'_c^T and acc_c += V_c^T [D/4, BN] @ p, like
+    the INT2 tiles: operands stream in quarters, so few rows need few registers."""
+    R: tl.constexpr = rmask.shape[0]
+    DQ: tl.constexpr = D // 4
+    dq = tl.arange(0, DQ)
+    nb = tl.arange(0, BN)
+    zero = qk_scale * 0.0
+    q0 = tl.load(q_vec[None, :] + dq[:, None], mask=rmask[None, :], other=0.0)  # [D/4, R]
+    q1 = tl.load(q_vec[None, :] + DQ + dq[:, None], mask=rmask[None, :], other=0.0)
+    q2 = tl.load(q_vec[None, :] + 2 * DQ + dq[:, None], mask=rmask[None, :], other=0.0)
+    q3 = tl.load(q_vec[None, :] + 3 * DQ + dq[:, None], mask=rmask[None, :], other=0.0)
+    total = s_b + (n - ring_lo)
+    for u0 in range(0, total, BN):
+        u = u0 + nb
+        mask = u < total
+        if S > 0 and W > 0:
+            sink = u < s_b
+            cell = ((ring_lo + u - s_b) % W) * srg_c
+            krow = tl.where(sink, ksink + u * ssk_p, kring + cell)
+            vrow = tl.where(sink, vsink + u * ssk_p, vring + cell)
+        elif S > 0:
+            krow = ksink + u * ssk_p
+            vrow = vsink + u * ssk_p
+        else:
+            cell = ((ring_lo + u) % W) * srg_c
+            krow = kring + cell
+            vrow = vring + cell
+        kp = krow[:, None] + dq[None, :]
+        s = mm(tl.load(kp, mask=mask[:, None], other=0.0), q0, tl.zeros([BN, R], tl.float32), USE_DOT, INTERP)
+        s = mm(tl.load(kp + DQ, mask=mask[:, None], other=0.0), q1, s, USE_DOT, INTERP)
+        s = mm(tl.load(kp + 2 * DQ, mask=mask[:, None], other=0.0), q2, s, USE_DOT, INTERP)
+        s = mm(tl.load(kp + 3 * DQ, mask=mask[:, None], other=0.0), q3, s, USE_DOT, INTERP)
+        s = tl.where(mask[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        m_i = m_new
+        l_t = l_t * alpha[None, :] + fold16(p)
+        pb = p.to(tl.bfloat16)
+        vp = vrow[None, :] + dq[:, None]
+        for c in tl.static_range(4):
+            v = tl.load(vp + c * DQ, mask=mask[None, :], other=0.0)  # [D/4, BN]
+            acc = setk(acc, c, fresh_dot(v, pb, acc[c], alpha[None, :], zero, USE_DOT, INTERP))
+    return m_i, l_t, acc
+
+
+@triton.jit
 def request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
                    vf_ptr, S: tl.constexpr, W: tl.constexpr):
     """(row, n, sink slot c, S_b, ring_lo) of request b for the read rule with n =

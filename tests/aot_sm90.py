@@ -36,7 +36,9 @@ _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", tor
 
 def _compile(kernel, args, kwargs):
     """triton.compile the JIT kernel for sm_90 with the launch's arguments."""
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    if opts.get("maxnreg", 0) is None:
+        del opts["maxnreg"]
     names = kernel.arg_names
     bound = dict(zip(names, args))
     bound.update(kwargs)
