@@ -1,5 +1,5 @@
 """oscar-sglang: SGLang 0.5.17 serving with a 2-bit OSCAR KV cache."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 SGLANG = "sglang==0.5.17"  # pins torch==2.11.0 and transformers==5.12.1
 
@@ -10,7 +10,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=["calibration", "oscar_kernels", "sglang_ext", "sglang_ext.patches"],
+    packages=find_packages(include=["calibration*", "oscar_kernels*", "sglang_ext*"]) + ["sglang_ext.patches"],
     # the repository's patches/*.diff ship inside the package as sglang_ext/patches/
     # (found by `oscar-sglang patch` after a non-editable install too)
     package_dir={"sglang_ext.patches": "patches"},

@@ -4,6 +4,14 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads TRITON_INTERPRET once, when it is first imported (transformers may import it
+# early), so CPU-only runs switch the interpreter on before any test module loads.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch  # importing torch does not import triton
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("OSCAR_SHARED", ROOT.parent / "shared"))
 _TINYLM_CANDIDATES = [SHARED / "models" / "tinylm-A", ROOT / ".device" / "models" / "tinylm-A"]
