@@ -109,3 +109,9 @@ def pair_views(layer):
                          "2-byte aligned (head_dim a multiple of 8, even strides)")
     k16, v16 = kp.view(torch.int16), vp.view(torch.int16)
     return k16, v16, k16.stride(0), k16.stride(1)
+
+
+def needs_int64_slots(layer) -> bool:
+    """True when a slot offset into the INT2 buffers may not fit in int32 (the kernels then
+    compute slot offsets in int64)."""
+    return max(layer.k_packed.numel(), layer.k_scales.numel()) >= 2 ** 31

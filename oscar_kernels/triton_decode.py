@@ -5,10 +5,13 @@ no allocation when a :class:`DecodeWorkspace` is given):
 
 1. ``_rotate_q_kernel``  q' = q @ R_K[h]  for the Hq/H query heads of each KV head (bf16).
 2. ``_decode_stage1``    grid (B, H, 1 + NS). Program (b, h, 0) attends to the BF16 side
-   cache (sink positions [0, S_b) and ring positions [ring_lo, n)); programs (b, h, 1 + s)
-   attend to chunk s of the INT2 history [S_b, ring_lo), read through req_to_token. Each
-   writes a partial (o~, lse) per query head; one program serves all Hq/H query heads of
-   its KV head, so every byte of the cache is read once. The INT2 part uses
+   cache (sink positions [0, S_b) and ring positions [ring_lo, n), one index range);
+   programs (b, h, 1 + s) attend to chunk s of the INT2 history [S_b, ring_lo), read
+   through req_to_token. Each writes a partial (o~, lse) per query head; one program
+   serves all Hq/H query heads of its KV head, so every byte of the cache is read once.
+   All tiles are transposed ([tokens, rows] scores, [channels, rows] accumulators), so the
+   few query rows of a KV head sit on the small side of the tensor-core shapes. The INT2
+   part (triton_hybrid_attn) uses
         q'.k_t = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
         sum_t p_t v_t |plane i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
    (plane i = channels [i D/4, (i+1) D/4), one group per plane when G >= D/4), so codes go
@@ -16,7 +19,7 @@ no allocation when a :class:`DecodeWorkspace` is given):
    The number of INT2 splits of request b is decided on device:
         ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b,
    under the static NS = clamp(cdiv(target_programs, B * H), 1, max_splits) of the batch
-   size (4 x SMs programs by default, so batch 1 still fills the GPU).
+   size (8 x SMs programs by default, so batch 1 still fills the GPU).
 3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T.
 
 Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;
@@ -33,7 +36,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            mma_f32, pair_views)
+                            mma_f32, needs_int64_slots, pair_views)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -79,7 +82,8 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    NS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
-                   PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+                   PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
+                   SLOT64: tl.constexpr):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -122,7 +126,8 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC)
         st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
+                        SLOT64)
         outs, m_i, l_i = int2_finish(st, D, G, MAGIC)
         store_pairs(mid_o_ptr + mid_row * D, hmask, outs, D)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -174,11 +179,16 @@ class DecodeConfig:
 
     block_n: int = 64  # INT2 tokens per inner step
     block_n_bf16: int = 32  # sink/ring tokens per inner step
-    num_warps: int = 2  # fewest instructions per token on sm_90 (tests/aot_sm90.py SASS counts)
+    # One warp: the V-side dots have 16-row tiles (D/8 byte pairs), which a second warp would
+    # only duplicate; sm_90 SASS (tests/aot_sm90.py): ~13 warp instructions per token and KV
+    # head at block_n 64 (the 2-warp kernel before this one: ~23).
+    num_warps: int = 1
     num_stages: int = 2
-    max_registers: int | None = None  # ptxas register cap of stage 1 (maxnreg; None: ptxas decides)
-    max_splits: int = 64  # NS upper bound (static: fixes the grid and the workspace)
-    target_programs: int = 0  # programs to aim for (0: 4 x SM count on CUDA, 16 on CPU)
+    # ptxas register cap (maxnreg) of stage 1: 168 fits block_n 64 without spills and
+    # allows 12 one-warp programs per SM (238 registers uncapped: 8); None: ptxas decides.
+    max_registers: int | None = 168
+    max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
+    target_programs: int = 0  # programs to aim for (0: 8 x SM count on CUDA, 16 on CPU)
     min_chunk: int = 256  # fewest INT2 tokens per split
     magic_unpack: bool = True  # int32-word bit trick (no int->float conversions)
     use_dot: bool = True  # tensor cores for q.k and p.v
@@ -194,7 +204,7 @@ class DecodeConfig:
 def _default_target(device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
-        return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return 8 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 16
 
 
@@ -309,6 +319,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
+        SLOT64=needs_int64_slots(lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers,
     )
     _decode_merge[(b, h)](

@@ -242,8 +242,10 @@ def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_D
 def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """One block of BN positions from p0 (positions >= hi masked when MASKED)."""
+                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
+                SLOT64: tl.constexpr):
+    """One block of BN positions from p0 (positions >= hi masked when MASKED). Slot
+    offsets in int32 unless SLOT64 (a buffer with 2^31 or more elements)."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
@@ -258,14 +260,16 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     dh = tl.arange(0, DH)
     if MASKED:
         mask = pos < hi
-        slot = tl.load(r2t_row + pos, mask=mask, other=0).to(tl.int64)
+        slot = tl.load(r2t_row + pos, mask=mask, other=0)
         kmask = mask[:, None] & (kp < DH)[None, :]
         vmask = mask[None, :]
     else:
         mask = None
-        slot = tl.load(r2t_row + pos).to(tl.int64)
+        slot = tl.load(r2t_row + pos)
         kmask = (kp < DH)[None, :] if KP > DH else None
         vmask = None
+    if SLOT64:
+        slot = slot.to(tl.int64)
     kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
     vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
     # ---- scores s^T [BN, R]
@@ -332,7 +336,7 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
 def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAIR: tl.constexpr,
-               MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+               MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -362,11 +366,11 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     for p0 in range(lo, hi_full, BN):
         st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64)
     if hi_full < hi:
         st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP)
+                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64)
     return st
 
 

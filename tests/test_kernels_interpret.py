@@ -83,9 +83,13 @@ def test_decode_invalid_sink_and_late_ring_start():
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
 
 
-@pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1)])
-def test_decode_variants(variant):
+@pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1),
+                                     "int64_slots"])
+def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
+    if variant == "int64_slots":  # the path of caches with 2^31 or more elements per buffer
+        monkeypatch.setattr(triton_decode_mod, "needs_int64_slots", lambda layer: True)
+        variant = {}
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, **variant}))
 
 
