@@ -8,8 +8,14 @@ plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 
 head_dim 128), batch {1, 8, 64} x context {4k, 16k, 64k, 128k}, INT2 group 128 (the
 calibration default), BF16 sink 16 / ring 128 tokens, page 64. Timings: CUDA-graph replay
 (triton.testing.do_bench_cudagraph, mean), random data. Every baseline is optional: a
-failure is recorded as null with its reason. ``--sweep`` also times decode variants (block
-sizes, warps, stages, split policy, tensor cores, unpack, group size) on a few cases.
+failure is recorded as null with its reason. SGLang's Triton BF16 kernel indexes its K/V
+buffers with int32 offsets, so it is skipped (with the reason) when a buffer has 2^31 or
+more elements; FlashInfer runs before it, and a CUDA error (which poisons the process's
+context) ends the run with what was measured so far. ``--sweep`` then times DecodeConfig
+variants (register cap, block sizes, stages, split policy, warps) on all 12 cases and
+the group sizes 32 / 64 on four, until ``--budget-s``.
+
+    python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
 from __future__ import annotations
 
@@ -45,15 +51,25 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-def time_us(fn) -> tuple[float, str]:
+class CudaContextLost(RuntimeError):
+    """A kernel hit a CUDA error: the context is unusable for the rest of the process."""
+
+
+def _is_cuda_error(e: Exception) -> bool:
+    return "CUDA error" in str(e) or type(e).__name__ == "AcceleratorError"
+
+
+def time_us(fn, rep: int = 40) -> tuple[float, str]:
     """Mean time of fn in microseconds: CUDA-graph replay, else events around launches."""
     fn()
     torch.cuda.synchronize()
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=40) * 1e3, "cudagraph"
-    except Exception:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3, "cudagraph"
+    except Exception as e:
+        if _is_cuda_error(e):
+            raise
         torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=5, rep=40) * 1e3, "events"
+        return triton.testing.do_bench(fn, warmup=5, rep=rep) * 1e3, "events"
 
 
 def copy_bandwidth(gbytes: float = 4.0) -> float:
@@ -75,6 +91,18 @@ class Bf16Pool:
     def __init__(self, max_tokens: int):
         self.k = torch.randn(max_tokens, H, D, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn(max_tokens, H, D, device="cuda", dtype=torch.bfloat16)
+
+
+INT32_LIMIT = 2 ** 31
+
+
+def triton_skip_reason(sc) -> str | None:
+    """Why SGLang's Triton BF16 decode cannot run on this case (None: it can)."""
+    elems = sc.layer.k_packed.shape[0] * H * D
+    if elems >= INT32_LIMIT:
+        return (f"skipped: its K/V buffers would have {elems} >= 2^31 elements; the kernel's int32 "
+                "offsets overflow (illegal memory access, which poisons the CUDA context)")
+    return None
 
 
 def sglang_triton_decode(sc, q, pool: Bf16Pool):
@@ -148,12 +176,14 @@ def oscar_store(sc, precision: str | None = None):
                                 ends, precision=precision)
 
 
-def try_time(name: str, make):
+def try_time(name: str, make, rep: int = 40):
     try:
-        us, how = time_us(make())
+        us, how = time_us(make(), rep)
         return round(us, 2), how, None
     except Exception as e:
         log(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        if _is_cuda_error(e):
+            raise CudaContextLost(f"{name}: {type(e).__name__}: {str(e)[:300]}") from e
         return None, None, f"{type(e).__name__}: {str(e)[:500]}"
 
 
@@ -202,32 +232,79 @@ def plot(result: dict, path: Path) -> None:
     log(f"plot -> {path}")
 
 
-SWEEP_CASES = ((1, 65536), (8, 65536), (64, 16384), (64, 131072))
+GROUP_CASES = ((1, 65536), (8, 65536), (64, 16384), (64, 131072))
 
 
-def sweep_variants():
-    """One-factor-at-a-time variants around the default DecodeConfig (name, kwargs, group)."""
-    v = [("default", {}, GROUP)]
-    v += [(f"num_warps={w}", dict(num_warps=w), GROUP) for w in (1, 4, 8)]
-    v += [(f"block_n={n}", dict(block_n=n), GROUP) for n in (32, 128)]
-    v += [(f"num_stages={s}", dict(num_stages=s), GROUP) for s in (1, 3, 4)]
-    v += [("block_n=128,num_warps=4", dict(block_n=128, num_warps=4), GROUP)]
-    v += [("min_block_h=16", dict(min_block_h=16), GROUP)]
-    v += [("magic_unpack=False (int->float converts)", dict(magic_unpack=False), GROUP)]
-    v += [("use_dot=False (CUDA cores)", dict(use_dot=False), GROUP)]
-    v += [(f"target_programs={t}", dict(target_programs=t), GROUP) for t in (132, 264, 1056, 2112)]
-    v += [(f"min_chunk={c}", dict(min_chunk=c), GROUP) for c in (128, 512, 1024)]
-    v += [("max_splits=16", dict(max_splits=16), GROUP)]
-    v += [(f"group={g}", {}, g) for g in (32, 64)]
-    v += [(f"group={g},num_warps=4", dict(num_warps=4), g) for g in (32, 64)]
-    return v
+def sweep_variants(sms: int):
+    """DecodeConfig variants around the default (name, kwargs), timed on every case."""
+    return [
+        ("default", {}),
+        ("max_registers=None (uncapped)", dict(max_registers=None)),
+        ("max_registers=144", dict(max_registers=144)),
+        ("max_registers=128", dict(max_registers=128)),
+        ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
+        ("block_n=32,max_registers=128", dict(block_n=32, max_registers=128)),
+        ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
+        ("num_stages=3", dict(num_stages=3)),
+        ("num_stages=1", dict(num_stages=1)),
+        (f"target_programs={4 * sms} (4 x SMs)", dict(target_programs=4 * sms)),
+        (f"target_programs={16 * sms} (16 x SMs)", dict(target_programs=16 * sms)),
+        ("min_chunk=128", dict(min_chunk=128)),
+        ("min_chunk=512", dict(min_chunk=512)),
+        ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
+    ]
+
+
+def sweep_record(name, kwargs, group, sc, q, b, n):
+    cfg = DecodeConfig(**kwargs)
+    us, _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
+    byts = int2_bytes_read(sc.layer, sc.lens, HQ)
+    rec = {"variant": name, "config": kwargs, "group": group, "batch": b, "context": n, "oscar_decode_us": us,
+           "oscar_GBps": round(byts / (us * 1e-6) / 1e9, 1) if us else None}
+    if err:
+        rec["error"] = err
+    log(f"sweep {name} g={group} b={b} n={n}: {us} us, {rec['oscar_GBps']} GB/s")
+    return rec
+
+
+SWEEP_FIRST = ((8, 65536), (64, 16384), (1, 65536), (64, 131072), (8, 131072), (64, 65536))
+
+
+def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
+    """Every variant on every case (case-major: one cache per case; the most telling cases
+    first, in case the budget runs out), then group sizes on four cases."""
+    variants = sweep_variants(result["sms"])
+    first = [c for c in SWEEP_FIRST if c in cases]
+    for b, n in first + [c for c in cases if c not in first]:
+        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
+        q = kc.random_q(sc, HQ)
+        for name, kwargs in variants:
+            if time.time() - T0 > budget_s:
+                result["sweep"].append({"variant": name, "batch": b, "context": n, "skipped": "time budget"})
+                continue
+            result["sweep"].append(sweep_record(name, kwargs, GROUP, sc, q, b, n))
+        save(result, out)
+        del sc, q
+        torch.cuda.empty_cache()
+    for group in (32, 64):
+        for b, n in GROUP_CASES:
+            if time.time() - T0 > budget_s:
+                result["sweep"].append({"variant": f"group={group}", "batch": b, "context": n,
+                                        "skipped": "time budget"})
+                continue
+            sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
+            q = kc.random_q(sc, HQ)
+            result["sweep"].append(sweep_record(f"group={group}", {}, group, sc, q, b, n))
+            save(result, out)
+            del sc, q
+            torch.cuda.empty_cache()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_h200.json"))
     ap.add_argument("--sweep", action="store_true", help="also time decode variants")
-    ap.add_argument("--budget-s", type=float, default=400, help="start no sweep item after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=330, help="start no sweep item after this many seconds")
     ap.add_argument("--no-baselines", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -263,77 +340,53 @@ def main(argv=None):
             pool = Bf16Pool(max_tokens + PAGE)
         except Exception as e:
             log(f"BF16 pool allocation failed: {e}")
-    for b, n in cases:
-        log(f"case batch={b} context={n}")
-        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
-        q = kc.random_q(sc, HQ)
-        rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D}
-        rec["oscar_decode_us"], rec["timing"], err = try_time("oscar", lambda: oscar_decode(sc, q))
-        if err:
-            rec["oscar_error"] = err
-        rec["oscar_bytes"] = int2_bytes_read(sc.layer, sc.lens, HQ)
-        rec["oscar_GBps"] = (round(rec["oscar_bytes"] / (rec["oscar_decode_us"] * 1e-6) / 1e9, 1)
-                             if rec["oscar_decode_us"] else None)
-        rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
-        if err:
-            rec["store_error"] = err
-        rec["bf16_bytes"] = bf16_bytes(b, n)
-        for key, fn in (("triton_bf16_us", sglang_triton_decode), ("flashinfer_bf16_us", flashinfer_decode)):
-            if pool is None:
-                rec[key], rec[key + "_error"] = None, "baselines disabled or BF16 pool allocation failed"
-                continue
-            rec[key], _, err = try_time(key, lambda: fn(sc, q, pool))
+    try:
+        for b, n in cases:
+            log(f"case batch={b} context={n}")
+            sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
+            q = kc.random_q(sc, HQ)
+            rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D}
+            result["cases"].append(rec)
+            rec["oscar_decode_us"], rec["timing"], err = try_time("oscar", lambda: oscar_decode(sc, q))
             if err:
-                rec[key + "_error"] = err
-        if rec["oscar_decode_us"] and rec.get("flashinfer_bf16_us"):
-            rec["speedup_vs_flashinfer"] = round(rec["flashinfer_bf16_us"] / rec["oscar_decode_us"], 2)
-        if rec["oscar_GBps"] and result["copy_GBps"]:
-            rec["oscar_fraction_of_copy"] = round(rec["oscar_GBps"] / result["copy_GBps"], 3)
-        log("  " + ", ".join(f"{k}={rec[k]}" for k in ("oscar_decode_us", "oscar_GBps", "triton_bf16_us",
-                                                        "flashinfer_bf16_us", "store_us")))
-        result["cases"].append(rec)
-        save(result, out)
-        del sc
-        torch.cuda.empty_cache()
-    plot(result, out.with_suffix(".png"))
-
-    if args.sweep:
-        del pool
-        torch.cuda.empty_cache()
-        scen: dict = {}
-        for name, kwargs, group in sweep_variants():
-            for b, n in SWEEP_CASES:
-                if time.time() - T0 > args.budget_s:
-                    result["sweep"].append({"variant": name, "batch": b, "context": n,
-                                            "skipped": "time budget"})
+                rec["oscar_error"] = err
+            rec["oscar_bytes"] = int2_bytes_read(sc.layer, sc.lens, HQ)
+            rec["oscar_GBps"] = (round(rec["oscar_bytes"] / (rec["oscar_decode_us"] * 1e-6) / 1e9, 1)
+                                 if rec["oscar_decode_us"] else None)
+            rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
+            if err:
+                rec["store_error"] = err
+            rec["bf16_bytes"] = bf16_bytes(b, n)
+            # FlashInfer first: SGLang's Triton kernel is the one that can fault
+            for key, fn in (("flashinfer_bf16_us", flashinfer_decode), ("triton_bf16_us", sglang_triton_decode)):
+                if pool is None:
+                    rec[key], rec[key + "_error"] = None, "baselines disabled or BF16 pool allocation failed"
                     continue
-                key = (b, n, group)
-                if key not in scen:
-                    scen.clear()
-                    torch.cuda.empty_cache()
-                    sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
-                    scen[key] = (sc, kc.random_q(sc, HQ))
-                sc, q = scen[key]
-                try:
-                    cfg = DecodeConfig(**kwargs)
-                    us, _, err = try_time(name, lambda: oscar_decode(sc, q, cfg))
-                except Exception as e:
-                    us, err = None, f"{type(e).__name__}: {e}"
-                byts = int2_bytes_read(sc.layer, sc.lens, HQ)
-                rec = {"variant": name, "group": group, "batch": b, "context": n, "oscar_decode_us": us,
-                       "oscar_GBps": round(byts / (us * 1e-6) / 1e9, 1) if us else None}
+                skip = triton_skip_reason(sc) if key == "triton_bf16_us" else None
+                if skip:
+                    rec[key], rec[key + "_error"] = None, skip
+                    log(f"  {key}: {skip}")
+                    continue
+                rec[key], _, err = try_time(key, lambda: fn(sc, q, pool))
                 if err:
-                    rec["error"] = err
-                log(f"sweep {name} b={b} n={n}: {us} us, {rec['oscar_GBps']} GB/s")
-                result["sweep"].append(rec)
+                    rec[key + "_error"] = err
+            if rec["oscar_decode_us"] and rec.get("flashinfer_bf16_us"):
+                rec["speedup_vs_flashinfer"] = round(rec["flashinfer_bf16_us"] / rec["oscar_decode_us"], 2)
+            if rec["oscar_GBps"] and result["copy_GBps"]:
+                rec["oscar_fraction_of_copy"] = round(rec["oscar_GBps"] / result["copy_GBps"], 3)
+            log("  " + ", ".join(f"{k}={rec.get(k)}" for k in ("oscar_decode_us", "oscar_GBps", "triton_bf16_us",
+                                                                "flashinfer_bf16_us", "store_us")))
             save(result, out)
-        # store precision variants (decode-step store, batch 64)
-        sc = kc.build_random([4096] * 64, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=1)
-        for prec in ("ieee", "tf32x3", "tf32"):
-            us, _, err = try_time(f"store {prec}", lambda: oscar_store(sc, prec))
-            result["sweep"].append({"variant": f"store precision={prec}", "batch": 64, "store_us": us,
-                                    **({"error": err} if err else {})})
-        save(result, out)
+            del sc, q
+            torch.cuda.empty_cache()
+        plot(result, out.with_suffix(".png"))
+        if args.sweep:
+            del pool
+            torch.cuda.empty_cache()
+            run_sweep(result, out, cases, args.budget_s)
+    except CudaContextLost as e:
+        result["aborted"] = f"CUDA context lost, later measurements impossible in this process: {e}"
+        log(result["aborted"])
     result["elapsed_s"] = round(time.time() - T0, 1)
     save(result, out)
     log(f"done -> {out}")

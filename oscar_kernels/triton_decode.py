@@ -184,8 +184,10 @@ class DecodeConfig:
     # head at block_n 64 (the 2-warp kernel before this one: ~23).
     num_warps: int = 1
     num_stages: int = 2
-    # ptxas register cap (maxnreg) of stage 1: 168 fits block_n 64 without spills and
-    # allows 12 one-warp programs per SM (238 registers uncapped: 8); None: ptxas decides.
+    # ptxas register cap (maxnreg) of stage 1 when one quantisation group spans the head
+    # (G = D, the calibration default): 168 fits block_n 64 without spills and allows 12
+    # one-warp programs per SM (238 registers uncapped: 8). Smaller groups keep a dot chain,
+    # weights and min sums per group and run uncapped (168 would spill). None: uncapped.
     max_registers: int | None = 168
     max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
     target_programs: int = 0  # programs to aim for (0: 8 x SM count on CUDA, 16 on CPU)
@@ -320,7 +322,8 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_registers,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )
     _decode_merge[(b, h)](
         mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
