@@ -252,6 +252,7 @@ def sweep_variants(sms: int):
         ("min_chunk=128", dict(min_chunk=128)),
         ("min_chunk=512", dict(min_chunk=512)),
         ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
+        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
     ]
 
 

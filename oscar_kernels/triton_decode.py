@@ -83,7 +83,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                   SLOT64: tl.constexpr):
+                   SLOT64: tl.constexpr, HALF: tl.constexpr):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -123,11 +123,11 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
-        qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC)
+        qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC, HALF)
         st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
-                        SLOT64)
+                        SLOT64, HALF)
         outs, m_i, l_i = int2_finish(st, D, G, MAGIC)
         store_pairs(mid_o_ptr + mid_row * D, hmask, outs, D)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -192,7 +192,10 @@ class DecodeConfig:
     max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
     target_programs: int = 0  # programs to aim for (0: 8 x SM count on CUDA, 16 on CPU)
     min_chunk: int = 256  # fewest INT2 tokens per split
-    magic_unpack: bool = True  # int32-word bit trick (no int->float conversions)
+    magic_unpack: bool = True  # bit trick: codes become float values with one LOP3 (no converts)
+    # K codes and q' as float16 (magic, G >= D/4): all four planes unpack without shifts; q'
+    # (rotated queries) must stay below 65504 in magnitude, as in any fp16 attention.
+    half_keys: bool = True
     use_dot: bool = True  # tensor cores for q.k and p.v
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
@@ -321,7 +324,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(lay),
+        SLOT64=needs_int64_slots(lay), HALF=cfg.half_keys and magic and lay.group_size >= d // 4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )

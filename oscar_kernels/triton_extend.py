@@ -37,7 +37,8 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
-                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr):
+                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
+                   HALF: tl.constexpr):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
     Two phases keep the live state small: (1) the INT2 prefix with plane accumulators,
@@ -63,11 +64,11 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         o_vec = o_ptr + tok * so_t + hq * so_h  # [R] row pointers of o'
         # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
         q_vec = qr_ptr + tok * sq_t + hq * sq_h
-        qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC)
+        qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC, HALF)
         st = int2_range(qops, qsums, int2_state(R, D, G), s_b, ring_lo, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
-                        SLOT64)
+                        SLOT64, HALF)
         outs, m2, l2 = int2_finish(st, D, G, MAGIC)
         store_pairs(o_vec, rmask, outs, D)
         # ---- phase 2: BF16 sinks, ring, then the new tokens causally
@@ -119,6 +120,7 @@ class ExtendConfig:
     num_warps: int = 8  # (64 rows, 32-token steps, 8 warps: no register spills on sm_90)
     num_stages: int = 1
     magic_unpack: bool = True
+    half_keys: bool = True  # as DecodeConfig.half_keys
     use_dot: bool = True
     fp32_precision: str = "ieee"
 
@@ -177,6 +179,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
         GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
         BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
-        USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
+        HALF=cfg.half_keys and cfg.magic_unpack and lay.group_size >= d // 4, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)

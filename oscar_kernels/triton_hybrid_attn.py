@@ -86,43 +86,83 @@ _PAIR_ASM_3: tl.constexpr = tl.constexpr(
     "shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
 
 
+# Keys as float16 (HALF): fp16 0x6400 | m = 1024 + m for a 10-bit mantissa m, so every
+# plane's field fits in place (no shift but the one to the odd bytes): 1024 + 4^i * code.
+_HALF_ASM_0: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
+_HALF_ASM_1: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
+_HALF_ASM_2: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+_HALF_ASM_3: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00C000C0, k, 0xEA; "
+    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00C000C0, k, 0xEA; }")
+
+
 @triton.jit
-def plane_step(i: tl.constexpr, MAGIC: tl.constexpr):
-    """STEP_i: the unpacked value of code c of plane i is OFF + STEP_i * c."""
+def plane_step(i: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+    """STEP_i: the unpacked value of code c of plane i is OFF + STEP_i * c (OFF: code_offset)."""
     if MAGIC:
         if i == 0:
             return 1.0
         elif i == 1:
             return 4.0
-        else:
+        elif i == 2 or not HALF:
             return 16.0
+        else:
+            return 64.0
     else:
         return 1.0
 
 
 @triton.jit
-def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr):
-    """int16 tile of byte pairs -> (even, odd) bf16 tiles of plane i's codes (low / high
-    byte of each element): OFF + STEP_i * code with MAGIC (OFF = 128), else the code."""
+def code_offset(MAGIC: tl.constexpr, HALF: tl.constexpr):
+    """OFF of unpack_pair: 128 (bf16 magic), 1024 (fp16 magic) or 0."""
+    return (1024.0 if HALF else 128.0) if MAGIC else 0.0
+
+
+@triton.jit
+def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
+    """int16 tile of byte pairs -> (even, odd) tiles of plane i's codes (low / high byte of
+    each element): OFF + STEP_i * code with MAGIC, else the code; bf16 (OFF = 128), or
+    float16 when HALF (OFF = 1024, magic only: no shift for plane 3)."""
     if MAGIC and not INTERP:
-        if i == 0:
-            asm: tl.constexpr = _PAIR_ASM_0
-        elif i == 1:
-            asm: tl.constexpr = _PAIR_ASM_1
-        elif i == 2:
-            asm: tl.constexpr = _PAIR_ASM_2
+        if HALF:
+            if i == 0:
+                asm: tl.constexpr = _HALF_ASM_0
+            elif i == 1:
+                asm: tl.constexpr = _HALF_ASM_1
+            elif i == 2:
+                asm: tl.constexpr = _HALF_ASM_2
+            else:
+                asm: tl.constexpr = _HALF_ASM_3
+            return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                             is_pure=True, pack=2)
         else:
-            asm: tl.constexpr = _PAIR_ASM_3
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=2)
+            if i == 0:
+                asm: tl.constexpr = _PAIR_ASM_0
+            elif i == 1:
+                asm: tl.constexpr = _PAIR_ASM_1
+            elif i == 2:
+                asm: tl.constexpr = _PAIR_ASM_2
+            else:
+                asm: tl.constexpr = _PAIR_ASM_3
+            return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.bfloat16, tl.bfloat16),
+                                             is_pure=True, pack=2)
     else:
         xi = x.to(tl.int32) & 0xFFFF
         ce = ((xi >> (2 * i)) & 3).to(tl.float32)
         co = ((xi >> (8 + 2 * i)) & 3).to(tl.float32)
         if MAGIC:
-            ce = 128.0 + ce * plane_step(i, MAGIC)
-            co = 128.0 + co * plane_step(i, MAGIC)
-        return ce.to(tl.bfloat16), co.to(tl.bfloat16)
+            ce = code_offset(MAGIC, HALF) + ce * plane_step(i, MAGIC, HALF)
+            co = code_offset(MAGIC, HALF) + co * plane_step(i, MAGIC, HALF)
+        if HALF:
+            return ce.to(tl.float16), co.to(tl.float16)
+        else:
+            return ce.to(tl.bfloat16), co.to(tl.bfloat16)
 
 
 @triton.jit
@@ -174,31 +214,35 @@ def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G:
 
 @triton.jit
 def load_q_pair(q_vec, rmask, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-                G: tl.constexpr, MAGIC: tl.constexpr):
-    """q'^T operand of (plane i, parity e): [KP, R] bf16, element (p, r) =
-    q'[r, i D/4 + 2p + e] / STEP_i (exact; no division when G < D/4: dequantised codes),
-    zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows."""
+                G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+    """q'^T operand of (plane i, parity e): [KP, R] bf16 (float16 when HALF), element
+    (p, r) = q'[r, i D/4 + 2p + e] / STEP_i (exact; no division when G < D/4: dequantised
+    codes), zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows."""
     p = tl.arange(0, KP)
     ch = i * (D // 4) + 2 * p + e
     qt = tl.load(q_vec[None, :] + ch[:, None], mask=(p < D // 8)[:, None] & rmask[None, :], other=0.0)
     if G >= D // 4:
-        qt = (qt.to(tl.float32) * (1.0 / plane_step(i, MAGIC))).to(tl.bfloat16)
+        qt = qt.to(tl.float32) * (1.0 / plane_step(i, MAGIC, HALF))
+        if HALF:
+            qt = qt.to(tl.float16)
+        else:
+            qt = qt.to(tl.bfloat16)
     return qt
 
 
 @triton.jit
-def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
+def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
     """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e) and, per plane, the
     float32 [R] column sums of its two operands (what the dots see)."""
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    q00 = load_q_pair(q_vec, rmask, 0, 0, D, KP, G, MAGIC)
-    q01 = load_q_pair(q_vec, rmask, 0, 1, D, KP, G, MAGIC)
-    q10 = load_q_pair(q_vec, rmask, 1, 0, D, KP, G, MAGIC)
-    q11 = load_q_pair(q_vec, rmask, 1, 1, D, KP, G, MAGIC)
-    q20 = load_q_pair(q_vec, rmask, 2, 0, D, KP, G, MAGIC)
-    q21 = load_q_pair(q_vec, rmask, 2, 1, D, KP, G, MAGIC)
-    q30 = load_q_pair(q_vec, rmask, 3, 0, D, KP, G, MAGIC)
-    q31 = load_q_pair(q_vec, rmask, 3, 1, D, KP, G, MAGIC)
+    q00 = load_q_pair(q_vec, rmask, 0, 0, D, KP, G, MAGIC, HALF)
+    q01 = load_q_pair(q_vec, rmask, 0, 1, D, KP, G, MAGIC, HALF)
+    q10 = load_q_pair(q_vec, rmask, 1, 0, D, KP, G, MAGIC, HALF)
+    q11 = load_q_pair(q_vec, rmask, 1, 1, D, KP, G, MAGIC, HALF)
+    q20 = load_q_pair(q_vec, rmask, 2, 0, D, KP, G, MAGIC, HALF)
+    q21 = load_q_pair(q_vec, rmask, 2, 1, D, KP, G, MAGIC, HALF)
+    q30 = load_q_pair(q_vec, rmask, 3, 0, D, KP, G, MAGIC, HALF)
+    q31 = load_q_pair(q_vec, rmask, 3, 1, D, KP, G, MAGIC, HALF)
     sums = (tl.sum(q00.to(tl.float32), 0) + tl.sum(q01.to(tl.float32), 0),
             tl.sum(q10.to(tl.float32), 0) + tl.sum(q11.to(tl.float32), 0),
             tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
@@ -233,7 +277,7 @@ def fold16(x):
 def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
             INTERP: tl.constexpr):
     """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
-    ce, co = unpack_pair(vt, i, MAGIC, INTERP)
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
     acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
     return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
 
@@ -243,9 +287,10 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 (positions >= hi masked when MASKED). Slot
-    offsets in int32 unless SLOT64 (a buffer with 2^31 or more elements)."""
+    offsets in int32 unless SLOT64 (a buffer with 2^31 or more elements); K codes as
+    float16 when HALF (G >= D/4 with MAGIC only)."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
@@ -277,7 +322,7 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
         for g in tl.static_range(NG):
             d = c0[g]
             for j in tl.static_range(PG):
-                ce, co = unpack_pair(kt, g * PG + j, MAGIC, INTERP)
+                ce, co = unpack_pair(kt, g * PG + j, MAGIC, INTERP, HALF)
                 d = mm(ce, qops[2 * (g * PG + j)], d, USE_DOT, INTERP)
                 d = mm(co, qops[2 * (g * PG + j) + 1], d, USE_DOT, INTERP)
             sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
@@ -288,12 +333,12 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
-            ce, co = unpack_pair(kt, i, MAGIC, INTERP)
+            ce, co = unpack_pair(kt, i, MAGIC, INTERP, False)
             chan = i * DQ + 2 * kp[None, :]
             km = (kp < DH)[None, :] if kmask is None else kmask
-            ce = channel_dequant(ce, plane_step(i, MAGIC), chan, slot[:, None], km, ksc_ptr, hoff_sc,
+            ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[:, None], km, ksc_ptr, hoff_sc,
                                  ssc_g, ssc_s, G, OFF)
-            co = channel_dequant(co, plane_step(i, MAGIC), chan + 1, slot[:, None], km, ksc_ptr, hoff_sc,
+            co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[:, None], km, ksc_ptr, hoff_sc,
                                  ssc_g, ssc_s, G, OFF)
             s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
             s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
@@ -321,11 +366,11 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
         for i in tl.static_range(4):
-            ce, co = unpack_pair(vt, i, MAGIC, INTERP)
+            ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
             chan = i * DQ + 2 * dh[:, None]
-            ce = channel_dequant(ce, plane_step(i, MAGIC), chan, slot[None, :], vm, vsc_ptr, hoff_sc,
+            ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[None, :], vm, vsc_ptr, hoff_sc,
                                  ssc_g, ssc_s, G, OFF)
-            co = channel_dequant(co, plane_step(i, MAGIC), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
+            co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
                                  ssc_g, ssc_s, G, OFF)
             acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
             acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
@@ -336,7 +381,8 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
 def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAIR: tl.constexpr,
-               MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr):
+               MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
+               HALF: tl.constexpr):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -356,21 +402,21 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     qg = ()
     for g in tl.static_range(NG):
         cs = qsums[g * PG]
-        qs = qsums[g * PG] * plane_step(g * PG, MAGIC)
+        qs = qsums[g * PG] * plane_step(g * PG, MAGIC, HALF)
         for j in tl.static_range(1, PG):
             cs += qsums[g * PG + j]
-            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC)
-        c0 = c0 + (tl.zeros([BN, R], tl.float32) - OFF * cs[None, :],)
+            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
+        c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
     for p0 in range(lo, hi_full, BN):
         st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64)
+                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64)
+                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
@@ -389,7 +435,7 @@ def int2_finish(st, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
         for e in tl.static_range(2):
             a = acc[2 * i + e]
             if G >= D // 4:
-                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC))
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
                      + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)
     return outs, m_i, l

@@ -1,7 +1,8 @@
 """Triton kernels vs the PyTorch reference on a GPU, plus long contexts and CUDA graphs.
 
-Run on the GPU machine:  python -m pytest -m gpu tests/test_kernels_gpu.py
-(Skipped without CUDA by tests/conftest.py; never under TRITON_INTERPRET.)
+Run on the GPU machine:  python -m pytest -m gpu tests/test_kernels_gpu.py --durations=10
+(Skipped without CUDA by tests/conftest.py; never under TRITON_INTERPRET.) Most of the time
+goes into compiling kernel variants, so parametrisations are kept to distinct code paths.
 """
 import os
 
@@ -27,13 +28,16 @@ def _gpu(sc):
 
 
 # ---------------------------------------------------------------- same checks as on CPU
-@pytest.mark.parametrize("cfg", [
+_STORE_CFGS = [
     dict(D=64, G=16, S=4, W=8, page=8),
     dict(D=128, G=128, S=16, W=64, page=64),
     dict(D=128, G=32, S=4, W=0, page=16),
     dict(D=128, G=8, S=0, W=16, page=16),
-])
-@pytest.mark.parametrize("flags", [(True, True), (True, False), (False, True)])
+]
+
+
+@pytest.mark.parametrize("cfg, flags", [(c, (True, True)) for c in _STORE_CFGS]
+                         + [(_STORE_CFGS[1], (True, False)), (_STORE_CFGS[1], (False, True))])
 def test_store_gpu(kernels, cfg, flags):
     _, ts, _, _ = kernels
     lens = [211, 90, 65, 128]
@@ -73,8 +77,8 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4), dict(block_n=32),
-    dict(block_n=128), dict(max_splits=1), dict(min_block_h=16), dict(num_stages=3),
+    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4, max_registers=None),
+    dict(block_n=128, max_registers=None), dict(max_registers=128), dict(max_splits=1), dict(half_keys=False),
     dict(min_chunk=64, target_programs=4096),
 ])
 def test_decode_gpu_variants(kernels, variant):
@@ -133,16 +137,20 @@ def _check_subset(sc, hq, out, q, requests, heads):
 @pytest.mark.parametrize("lens", [
     [131072, 65536, 4096, 77, 1],
     "batch64",
+    "one_split",  # 128k INT2 positions in one program: the longest accumulation
 ])
 def test_decode_long_context(kernels, lens):
     _, _, td, _ = kernels
+    cfg = None
     if lens == "batch64":
         g = torch.Generator().manual_seed(3)
         lens = [131072] * 8 + torch.randint(1, 131072, (56,), generator=g).tolist()
+    elif lens == "one_split":
+        lens, cfg = [131072, 1000, 1], td.DecodeConfig(max_splits=1)
     sc = kc.build_random(lens, H=8, D=128, G=128, S=16, W=128, page=64, seed=2)
     q = kc.random_q(sc, 32, seed=4)
     out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
-                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale)
+                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale, config=cfg)
     assert torch.isfinite(out.float()).all()
     last = len(lens) - 1
     _check_subset(sc, 32, out, q, [0, 1, last], [0, 5])

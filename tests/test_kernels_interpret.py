@@ -84,7 +84,7 @@ def test_decode_invalid_sink_and_late_ring_start():
 
 
 @pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1),
-                                     "int64_slots"])
+                                     dict(half_keys=False), "int64_slots"])
 def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
     if variant == "int64_slots":  # the path of caches with 2^31 or more elements per buffer
@@ -128,6 +128,12 @@ def test_extend_matches_reference(case):
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
     cfg = triton_extend_mod.ExtendConfig(magic_unpack=magic, **_SMALL_EXT)
     kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)
+
+
+def test_extend_bf16_keys():
+    sc = kc.build([0, 21], H=2, D=64, G=32, S=4, W=8, page=8, seed=17)
+    kc.check_extend(sc, 4, [3, 18], triton_extend_mod.triton_extend,
+                    triton_extend_mod.ExtendConfig(half_keys=False, **_SMALL_EXT))
 
 
 def test_extend_chunked_prefill_after_prefix_hit():
