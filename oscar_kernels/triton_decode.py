@@ -72,6 +72,13 @@ def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
 
 
 @triton.jit
+def store_lse(ptrs, mask, m_i, l_i):
+    """log2-sum-exp of a partial: m + log2(l), -inf when nothing was attended."""
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    tl.store(ptrs, lse, mask=mask)
+
+
+@triton.jit
 def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride,
                    sop_ptr, pos_of_ptr, page_size, vf_ptr,
                    kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
@@ -126,12 +133,12 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC, HALF)
         st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
-                        SLOT64, HALF)
+                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT,
+                        INTERP, SLOT64, HALF)
         outs, m_i, l_i = int2_finish(st, D, G, MAGIC)
-        store_pairs(mid_o_ptr + mid_row * D, hmask, outs, D)
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(mid_lse_ptr + mid_row, lse, mask=hmask)
+        # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
+        store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
+    store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
 
 
 @triton.jit
@@ -139,8 +146,8 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                   NSP: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
                   EB: tl.constexpr, PRECISION: tl.constexpr):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
-    of the lse_s (one vector load), then one independent load per partial (no running
-    rescale, so the loads pipeline). Grid (B, H)."""
+    of the lse_s (one vector load), then one independent load per partial up to the last
+    one that attended to something (no running rescale, so the loads pipeline). Grid (B, H)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     num_h = tl.num_programs(1)
@@ -155,8 +162,9 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     m = tl.max(lse_all, 1)
     m = tl.where(m > float("-inf"), m, 0.0)
     l = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
+    used = tl.max(tl.max(tl.where(lse_all > float("-inf"), sps[None, :] + 1, 0), 1), 0)  # unused splits: -inf
     acc = tl.zeros([BH, D], tl.float32)
-    for sp in range(0, NSP):
+    for sp in range(0, used):
         lse = tl.load(mid_lse_ptr + base + sp, mask=hmask, other=float("-inf"))
         w = tl.exp2(lse - m)
         o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=(hmask & (w > 0))[:, None],
