@@ -232,6 +232,37 @@ def plot(result: dict, path: Path) -> None:
     log(f"plot -> {path}")
 
 
+def plot_sweep(result: dict, path: Path) -> None:
+    """GB/s of every sweep variant per case (one line per variant; default bold)."""
+    recs = [r for r in result["sweep"] if r.get("oscar_GBps")]
+    if not recs:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        log(f"no sweep plot: {e}")
+        return
+    cases = sorted({(r["batch"], r["context"]) for r in recs})
+    fig, ax = plt.subplots(figsize=(14, 6))
+    for k, name in enumerate(dict.fromkeys(r["variant"] for r in recs)):
+        got = {(r["batch"], r["context"]): r["oscar_GBps"] for r in recs if r["variant"] == name}
+        xs = [i for i, c in enumerate(cases) if c in got]
+        ax.plot(xs, [got[cases[i]] for i in xs], marker="o", lw=3 if name == "default" else 1,
+                ls="-" if k < 10 else "--", color="k" if name == "default" else None, label=name)
+    ax.set_xticks(range(len(cases)), [f"b{b}\n{n // 1024}k" for b, n in cases])
+    if result.get("copy_GBps"):
+        ax.axhline(0.7 * result["copy_GBps"], color="k", ls="--", lw=0.8, label="0.7 x copy")
+    ax.set_ylabel("OSCAR decode effective bandwidth (GB/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{result.get('device', 'GPU')}: DecodeConfig variants")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"sweep plot -> {path}")
+
+
 GROUP_CASES = ((1, 65536), (8, 65536), (64, 16384), (64, 131072))
 
 
@@ -385,6 +416,7 @@ def main(argv=None):
             del pool
             torch.cuda.empty_cache()
             run_sweep(result, out, cases, args.budget_s)
+            plot_sweep(result, out.with_name(out.stem + "_sweep.png"))
     except CudaContextLost as e:
         result["aborted"] = f"CUDA context lost, later measurements impossible in this process: {e}"
         log(result["aborted"])
