@@ -12,8 +12,9 @@ failure is recorded as null with its reason. SGLang's Triton BF16 kernel indexes
 buffers with int32 offsets, so it is skipped (with the reason) when a buffer has 2^31 or
 more elements; FlashInfer runs before it, and a CUDA error (which poisons the process's
 context) ends the run with what was measured so far. ``--sweep`` then times DecodeConfig
-variants (register cap, block sizes, stages, split policy, warps) on all 12 cases and
-the group sizes 32 / 64 on four, until ``--budget-s``.
+variants (register cap, block sizes, stages, split policy, key precision, warps) and the
+group sizes 32 / 64 on four key cases, then the variants on the other eight, until
+``--budget-s`` (seconds since start; later items are recorded as skipped).
 
     python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
@@ -233,8 +234,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def plot_sweep(result: dict, path: Path) -> None:
-    """GB/s of every sweep variant per case (one line per variant; default bold)."""
+    """GB/s of every sweep variant per case (one line per variant; default bold; the
+    default of the main cases fills the cases the sweep did not time it on)."""
     recs = [r for r in result["sweep"] if r.get("oscar_GBps")]
+    timed = {(r["batch"], r["context"]) for r in recs if r["variant"] == "default"}
+    recs += [{"variant": "default", "batch": c["batch"], "context": c["context"], "oscar_GBps": c["oscar_GBps"]}
+             for c in result["cases"] if c.get("oscar_GBps") and (c["batch"], c["context"]) not in timed]
     if not recs:
         return
     try:
@@ -263,27 +268,25 @@ def plot_sweep(result: dict, path: Path) -> None:
     log(f"sweep plot -> {path}")
 
 
-GROUP_CASES = ((1, 65536), (8, 65536), (64, 16384), (64, 131072))
-
 
 def sweep_variants(sms: int):
-    """DecodeConfig variants around the default (name, kwargs), timed on every case."""
+    """DecodeConfig variants around the default (name, kwargs), most informative first."""
     return [
         ("default", {}),
         ("max_registers=None (uncapped)", dict(max_registers=None)),
         ("max_registers=144", dict(max_registers=144)),
         ("max_registers=128", dict(max_registers=128)),
         ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
-        ("block_n=32,max_registers=128", dict(block_n=32, max_registers=128)),
         ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
-        ("num_stages=3", dict(num_stages=3)),
-        ("num_stages=1", dict(num_stages=1)),
         (f"target_programs={4 * sms} (4 x SMs)", dict(target_programs=4 * sms)),
         (f"target_programs={16 * sms} (16 x SMs)", dict(target_programs=16 * sms)),
+        ("num_stages=3", dict(num_stages=3)),
+        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
         ("min_chunk=128", dict(min_chunk=128)),
         ("min_chunk=512", dict(min_chunk=512)),
+        ("num_stages=1", dict(num_stages=1)),
+        ("block_n=32,max_registers=128", dict(block_n=32, max_registers=128)),
         ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
-        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
     ]
 
 
@@ -299,37 +302,40 @@ def sweep_record(name, kwargs, group, sc, q, b, n):
     return rec
 
 
-SWEEP_FIRST = ((8, 65536), (64, 16384), (1, 65536), (64, 131072), (8, 131072), (64, 65536))
+KEY_CASES = ((8, 65536), (64, 16384), (1, 65536), (64, 131072))
+
+
+def _sweep_pass(result, out, cases, variants, group, budget_s):
+    """Variants x cases, variant-major (a variant compiles once per batch size), with the
+    cases' caches built once and kept for the pass."""
+    scen = {}
+    for b, n in cases:
+        sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
+        scen[(b, n)] = (sc, kc.random_q(sc, HQ))
+    for name, kwargs in variants:
+        for b, n in cases:
+            if time.time() - T0 > budget_s:
+                result["sweep"].append({"variant": name, "group": group, "batch": b, "context": n,
+                                        "skipped": "time budget"})
+                continue
+            sc, q = scen[(b, n)]
+            result["sweep"].append(sweep_record(name, kwargs, group, sc, q, b, n))
+        save(result, out)
+    scen.clear()
+    torch.cuda.empty_cache()
 
 
 def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
-    """Every variant on every case (case-major: one cache per case; the most telling cases
-    first, in case the budget runs out), then group sizes on four cases."""
+    """Every variant on the four key cases, group sizes 32 / 64 there, then every variant
+    on the other cases, until the budget (items not started are recorded as skipped)."""
     variants = sweep_variants(result["sms"])
-    first = [c for c in SWEEP_FIRST if c in cases]
-    for b, n in first + [c for c in cases if c not in first]:
-        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
-        q = kc.random_q(sc, HQ)
-        for name, kwargs in variants:
-            if time.time() - T0 > budget_s:
-                result["sweep"].append({"variant": name, "batch": b, "context": n, "skipped": "time budget"})
-                continue
-            result["sweep"].append(sweep_record(name, kwargs, GROUP, sc, q, b, n))
-        save(result, out)
-        del sc, q
-        torch.cuda.empty_cache()
+    key = [c for c in KEY_CASES if c in cases]
+    _sweep_pass(result, out, key, variants, GROUP, budget_s)
     for group in (32, 64):
-        for b, n in GROUP_CASES:
-            if time.time() - T0 > budget_s:
-                result["sweep"].append({"variant": f"group={group}", "batch": b, "context": n,
-                                        "skipped": "time budget"})
-                continue
-            sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
-            q = kc.random_q(sc, HQ)
-            result["sweep"].append(sweep_record(f"group={group}", {}, group, sc, q, b, n))
-            save(result, out)
-            del sc, q
-            torch.cuda.empty_cache()
+        _sweep_pass(result, out, key, [(f"group={group}", {})], group, budget_s)
+    rest = [c for c in cases if c not in key]
+    for batch in BATCHES:  # one batch size at a time: a few caches in memory
+        _sweep_pass(result, out, [c for c in rest if c[0] == batch], variants[1:], GROUP, budget_s)
 
 
 def main(argv=None):
