@@ -268,7 +268,6 @@ def plot_sweep(result: dict, path: Path) -> None:
     log(f"sweep plot -> {path}")
 
 
-
 def sweep_variants(sms: int):
     """DecodeConfig variants around the default (name, kwargs), most informative first."""
     return [
