@@ -14,14 +14,17 @@ channel (scale gathered per channel).
 Byte pairs. The packed codes are read as int16 elements: element p of a token's row holds
 bytes 2p (low) and 2p + 1 (high), i.e. channels i D/4 + 2p ("even") and i D/4 + 2p + 1
 ("odd") of every plane i. With the "magic" unpack one LOP3 per output register turns a
-register of two int16 elements into two bf16 values
-    bf16(0x4300 | (byte & (3 << s_i))) = OFF + STEP_i * code,   OFF = 128,
-    STEP = (1, 4, 16, 16) for planes 0..3 (plane 3 is shifted down by 2 first),
-applied to the register and to the register shifted right by 8 (the odd bytes): about 11
-integer instructions per 16 codes, no byte permutes, no int->float conversions. Each
-(plane, parity) is one [tokens, D/8] (K) or [D/8, tokens] (V) tile, so the channel order
-inside a dot is (2p + e); q' operands are gathered in the same order once per program and
-divided by STEP_i (exact), and outputs are stored back to their channels.
+register of two int16 elements into two 16-bit floats:
+    V (bf16): 0x4300 | (byte & (3 << 2i)) = 128 + STEP_i * code, STEP = (1, 4, 16, 16)
+              (plane 3 is shifted down by 2 first: bit 7 of the low byte is an exponent bit)
+    K (fp16, half_keys): 0x6400 | (byte & (3 << 2i)) = 1024 + 4^i * code (10-bit mantissa:
+              every field fits in place)
+applied to the register and to the register shifted right by 8 (the odd bytes): 9 (K) or
+11 (V) integer instructions per 16 codes, no byte permutes, no int->float conversions.
+Each (plane, parity) is one [tokens, D/8] (K) or [D/8, tokens] (V) tile, so the channel
+order inside a dot is (2p + e); q' operands are gathered in the same order once per program
+and divided by STEP_i (exact), and outputs are stored back to their channels. V stays bf16:
+its other operand, w = p * scale, needs bf16's range.
 
 Orientation (chosen from sm_90 SASS, tests/aot_sm90.py): scores are computed transposed,
 s^T [tokens, rows] = codes [tokens, D/8] @ q'^T, so the unpacked K codes are the tensor-core
@@ -31,8 +34,9 @@ A operand straight from shared memory (ldmatrix); V pairs are loaded transposed
 Offset and precision. With w = bf16(p * scale), the P@V dots give
 sum_t w_t (OFF + STEP_i c_t); the offset is removed with W = sum_t w_t, itself a dot of a
 ones tile with w (the same rounded weights), and the min term sum_t p_t min_t is kept as a
-[tokens, rows] tile reduced once at the end. Tensor cores accumulate with truncation, and
-the offset makes accumulators large relative to the signal, so every block's dots start
+[16, rows] tile (the 16-row slices of each block added) reduced once at the end. Tensor
+cores accumulate with truncation, and the offset makes accumulators large relative to the
+signal, so every block's dots start
 from zero and are added to the running float32 accumulators with ordinary FMAs (no
 accumulation chain longer than one block inside the tensor cores). The K-side chain starts
 from -OFF * sum(q'_i / STEP_i), which removes the offset of the scores inside the dot.
