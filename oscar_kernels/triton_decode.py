@@ -193,12 +193,16 @@ class DecodeConfig:
     num_warps: int = 1
     num_stages: int = 2
     # ptxas register cap (maxnreg) of stage 1 when one quantisation group spans the head
-    # (G = D, the calibration default): 168 fits block_n 64 without spills and allows 12
-    # one-warp programs per SM (238 registers uncapped: 8). Smaller groups keep a dot chain,
-    # weights and min sums per group and run uncapped (168 would spill). None: uncapped.
-    max_registers: int | None = 168
+    # (G = D, the calibration default): at 136, 15 one-warp programs fit an SM (uncapped,
+    # ~230 registers: 8) and no value spills inside the token loops (a few in the prologue).
+    # Smaller groups keep a dot chain, weights and min sums per group and run uncapped (the
+    # cap would spill in the loop). None: uncapped.
+    max_registers: int | None = 136
     max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
-    target_programs: int = 0  # programs to aim for (0: 8 x SM count on CUDA, 16 on CPU)
+    # INT2 programs to aim for: NS = clamp(target // (B * H), 1, max_splits), at most one
+    # wave of equally long programs (a second, partial wave would double the time).
+    # 0: the programs resident at once (SMs x resident_per_sm()) on CUDA, 16 on CPU.
+    target_programs: int = 0
     min_chunk: int = 256  # fewest INT2 tokens per split
     magic_unpack: bool = True  # bit trick: codes become float values with one LOP3 (no converts)
     # K codes and q' as float16 (magic, G >= D/4): all four planes unpack without shifts; q'
@@ -209,15 +213,22 @@ class DecodeConfig:
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
 
+    def resident_per_sm(self) -> int:
+        """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
+        an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
+        regs = -(-(self.max_registers or 232) // 8) * 8
+        return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
+
     def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
-        target = self.target_programs or _default_target(device)
-        return max(1, min(self.max_splits, -(-target // max(1, batch * num_kv_heads))))
+        target = self.target_programs or _default_target(device, self)
+        return max(1, min(self.max_splits, target // max(1, batch * num_kv_heads)))
 
 
-def _default_target(device) -> int:
+def _default_target(device, cfg: DecodeConfig) -> int:
     device = torch.device(device)
     if device.type == "cuda":
-        return 8 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cfg.resident_per_sm() * _sm_count(index)
     return 16
 
 

@@ -501,7 +501,7 @@ def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_
     q2 = tl.load(q_vec[None, :] + 2 * DQ + dq[:, None], mask=rmask[None, :], other=0.0)
     q3 = tl.load(q_vec[None, :] + 3 * DQ + dq[:, None], mask=rmask[None, :], other=0.0)
     total = s_b + (n - ring_lo)
-    for u0 in range(0, total, BN):
+    for u0 in tl.range(0, total, BN, num_stages=1):  # few blocks: no pipeline buffers in smem
         u = u0 + nb
         mask = u < total
         if S > 0 and W > 0:

@@ -71,6 +71,26 @@ def _compile(kernel, args, kwargs):
     return triton.compile(src, target=TARGET, options=opts)
 
 
+def _loop_stats(cubin: bytes) -> dict:
+    """SASS of the cubin (cuobjdump): instructions of the largest loop (the body between
+    a backward branch and its target) and spill instructions (STL/LDL) inside any loop."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        r = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", r.stdout)]
+    loops = []
+    for addr, body in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", body)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    inside = [body for addr, body in ins if any(lo <= addr <= hi for lo, hi in loops)]
+    largest = max((sum(lo <= a <= hi for a, _ in ins) for lo, hi in loops), default=0)
+    return {"main_loop_instructions": largest,
+            "loop_spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in inside)}
+
+
 def _ptxas_stats(compiled) -> dict:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -84,7 +104,7 @@ def _ptxas_stats(compiled) -> dict:
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) if spill else None,
-            "shared_bytes": compiled.metadata.shared}
+            "shared_bytes": compiled.metadata.shared, **_loop_stats(compiled.asm["cubin"])}
 
 
 class _Recorder:
