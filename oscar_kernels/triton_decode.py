@@ -143,8 +143,8 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
 
 @triton.jit
 def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
-                  NSP: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr,
-                  EB: tl.constexpr, PRECISION: tl.constexpr):
+                  NSP: tl.constexpr, NSP2: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr,
+                  D: tl.constexpr, EB: tl.constexpr, PRECISION: tl.constexpr):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
     of the lse_s (one vector load), then one independent load per partial up to the last
     one that attended to something (no running rescale, so the loads pipeline). Grid (B, H)."""
@@ -156,7 +156,7 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     hq = (h * GQ + g).to(tl.int64)
     d = tl.arange(0, D)
     base = (b * num_h * GQ + hq) * NSP
-    sps = tl.arange(0, triton.next_power_of_2(NSP))
+    sps = tl.arange(0, NSP2)  # NSP2 = next power of two >= NSP (host-computed)
     lse_all = tl.load(mid_lse_ptr + base[:, None] + sps[None, :], mask=hmask[:, None] & (sps < NSP)[None, :],
                       other=float("-inf"))
     m = tl.max(lse_all, 1)
@@ -349,7 +349,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     )
     _decode_merge[(b, h)](
         mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-        NSP=ns + 1, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.merge_precision, num_warps=4,
+        NSP=ns + 1, NSP2=triton.next_power_of_2(ns + 1), GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.merge_precision, num_warps=4,
     )
     return out
 
