@@ -31,7 +31,9 @@ from .rotations_file import RECIPES, Rotations, make_meta
 from .statistics import AttentionStats
 
 DEFAULT_VARIANT = "U-H-P"
-DEFAULT_CLIP = "head"
+# No clipping by default: calibrated clipping (head or channel) lowered the proxy error but
+# raised decode-time perplexity on tinylm-A (benchmarks/results/fidelity_clip_ablation_tinylm-A.json).
+DEFAULT_CLIP = "none"
 DEFAULT_CLIP_OBJECTIVE = "attn"
 DEFAULT_TOKENS = {"cpu": 32768, "cuda": 262144}  # CPU: < 5 min for tinylm-A on 2 shared cores
 DEFAULT_GROUP_SIZE = 128

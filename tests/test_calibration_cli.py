@@ -31,7 +31,7 @@ def test_tinylm_end_to_end_small_budget(tinylm_dir, tmp_path):
     assert (m.architecture, m.num_layers, m.num_kv_heads, m.head_dim) == ("Qwen3ForCausalLM", 8, 2, 128)
     assert m.recipe == "oscar" and m.group_size == 128 and m.scale_dtype == "float16" and m.calib_tokens == 1024
     d = m.recipe_detail
-    assert d["tokens"] == 1024 and d["clip"] == "head" and d["variant"] == "U-H-P" and d["seq_len"] == 512
+    assert d["tokens"] == 1024 and d["clip"] == "none" and d["variant"] == "U-H-P" and d["seq_len"] == 512
     assert "stdlib" in m.calib_data
     for lr in rot.layers:
         assert orthogonality_error(lr.k_rot) < 1e-5
@@ -59,7 +59,7 @@ def test_cli_recipes_on_tiny_models(tmp_path, family):
 
 
 def test_default_clip_per_recipe():
-    assert CalibrationConfig(device="cpu").resolved().clip == "head"
+    assert CalibrationConfig(device="cpu").resolved().clip == "none"
     assert CalibrationConfig(recipe="hadamard", device="cpu").resolved().clip == "none"
     assert CalibrationConfig(recipe="naive", device="cpu").resolved().clip == "none"
     assert not CalibrationConfig(recipe="hadamard", device="cpu").resolved().needs_forward
