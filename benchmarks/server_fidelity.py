@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=default_model("tinylm-A"))
     ap.add_argument("--method", action="append", type=_method, default=[], metavar="NAME=FILE")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference server")
+    ap.add_argument("--bf16-backend", default="triton", help="--attention-backend of the bf16 server")
     ap.add_argument("--sink", type=int, default=None, help="--oscar-sink-tokens (default: the server's)")
     ap.add_argument("--recent", type=int, default=None, help="--oscar-recent-window (default: the server's)")
     ap.add_argument("--chunk", type=int, default=1024, help="--chunked-prefill-size")
@@ -135,7 +136,9 @@ def server_args(args, rotations: str | None) -> list[str]:
 
     a = ["--model-path", args.model, "--chunked-prefill-size", str(args.chunk),
          *shlex.split(args.server_args)]
-    if rotations:
+    if not rotations:  # SGLang's BF16 cache; triton: the H200 default (FA3) is not in the wheel
+        a += ["--attention-backend", args.bf16_backend]
+    else:
         a += ["--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations]
         if args.sink is not None:
             a += ["--oscar-sink-tokens", str(args.sink)]

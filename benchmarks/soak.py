@@ -202,6 +202,16 @@ def soak(name: str, server_args: list[str], reqs: list[dict], args) -> dict:
     return summary
 
 
+def load_previous(path: str) -> dict:
+    """An earlier run's results at ``path`` (its other configurations are kept when this run
+    has the same model and settings), else {}."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=default_model("tinylm-A"))
@@ -255,8 +265,11 @@ def main(argv=None) -> int:
                                                         "abort_max_new_tokens", "prefix_groups", "abort_frac",
                                                         "max_total_tokens", "chunked_prefill_size", "seed")},
               "configs": {}}
+    previous = load_previous(args.out)
+    if previous.get("model") == result["model"] and previous.get("settings") == result["settings"]:
+        result["configs"] = {k: v for k, v in previous.get("configs", {}).items() if k not in configs}
     for name in configs:
-        extra = ["--kv-cache-dtype", "bf16"] if name == "bf16" else \
+        extra = ["--kv-cache-dtype", "bf16", "--attention-backend", "triton"] if name == "bf16" else \
             ["--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations]
         try:
             s = soak(name, common + extra, reqs, args)

@@ -18,8 +18,9 @@ no allocation when a :class:`DecodeWorkspace` is given):
    straight into tensor-core dots; for G < D/4 the codes are dequantised per channel.
    The number of INT2 splits of request b is decided on device:
         ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b,
-   under the static NS = clamp(cdiv(target_programs, B * H), 1, max_splits) of the batch
-   size (8 x SMs programs by default, so batch 1 still fills the GPU).
+   under NS = clamp(target_programs // (B * H), 1, max_splits) of the batch size (by default
+   the stage-1 programs resident at once, so batch 1 still fills the GPU). NS is a runtime
+   argument: one compiled kernel serves every batch size.
 3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T.
 
 Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;
@@ -78,7 +79,9 @@ def store_lse(ptrs, mask, m_i, l_i):
     tl.store(ptrs, lse, mask=mask)
 
 
-@triton.jit
+# The split count is a runtime argument, never specialised: one compiled kernel serves every
+# batch size (a constexpr NS compiled once per CUDA-graph batch size: ~120 s of start-up).
+@triton.jit(do_not_specialize=["NS"])
 def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride,
                    sop_ptr, pos_of_ptr, page_size, vf_ptr,
                    kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
@@ -86,7 +89,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                    mid_o_ptr, mid_lse_ptr, qk_scale,
-                   NS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                   NS, MIN_CHUNK: tl.constexpr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -141,9 +144,9 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSP"])
 def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
-                  NSP: tl.constexpr, NSP2: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr,
+                  NSP, NSP2: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr,
                   D: tl.constexpr, EB: tl.constexpr, PRECISION: tl.constexpr):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
     of the lse_s (one vector load), then one independent load per partial up to the last
@@ -156,7 +159,7 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     hq = (h * GQ + g).to(tl.int64)
     d = tl.arange(0, D)
     base = (b * num_h * GQ + hq) * NSP
-    sps = tl.arange(0, NSP2)  # NSP2 = next power of two >= NSP (host-computed)
+    sps = tl.arange(0, NSP2)  # NSP2: power of two >= every NSP of the workspace (host-computed)
     lse_all = tl.load(mid_lse_ptr + base[:, None] + sps[None, :], mask=hmask[:, None] & (sps < NSP)[None, :],
                       other=float("-inf"))
     m = tl.max(lse_all, 1)
@@ -249,6 +252,8 @@ class DecodeWorkspace:
         self.device = torch.device(device)
         cap = max(b * (self.config.splits_for(b, num_kv_heads, self.device) + 1)
                   for b in range(1, max_batch + 1))
+        # lse vector width of the merge: one value for every batch size (one compilation)
+        self.merge_width = triton.next_power_of_2(self.config.max_splits + 1)
         self.q_rot = torch.empty(max_batch * num_q_heads * head_dim, dtype=torch.bfloat16, device=device)
         self.mid_o = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=device)
@@ -349,7 +354,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     )
     _decode_merge[(b, h)](
         mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-        NSP=ns + 1, NSP2=triton.next_power_of_2(ns + 1), GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.merge_precision, num_warps=4,
+        NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, BH=bh, D=d, EB=min(32, d), PRECISION=cfg.merge_precision, num_warps=4,
     )
     return out
 

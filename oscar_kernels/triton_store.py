@@ -89,7 +89,7 @@ def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
             tl.store(dst + h * srg_h + d[None, :], xb, mask=m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compilation for every token count
 def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                   slots_ptr, pos_ptr, rows_ptr, ends_ptr, T,
                   r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,

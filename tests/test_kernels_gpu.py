@@ -222,3 +222,31 @@ def test_cuda_graph_store_and_decode(kernels):
         torch.cuda.synchronize()
         torch.testing.assert_close(st["out"].float(), want, rtol=3e-2, atol=3e-2)
     kc.assert_layers_close(sc.layer, ref_layer)
+
+
+# ---------------------------------------------------------------- start-up cost
+def test_one_compilation_serves_every_batch_size(kernels):
+    """CUDA-graph capture runs decode and store at ~36 batch sizes; each kernel must compile
+    once for all of them (a batch-dependent constexpr cost ~3 s per size at server start)."""
+    api, ts, td, _ = kernels
+
+    def variants(fn):
+        return sum(len(caches[0]) for caches in fn.device_caches.values())
+
+    before = {fn: variants(fn) for fn in (td._decode_stage1, td._decode_merge, ts._store_kernel)}
+    h, hq, d = 2, 4, 128
+    ws = api.make_decode_workspace(64, hq, h, d, "cuda")
+    for b in (1, 3, 8, 17, 64):
+        lens = [700 + 37 * i for i in range(b)]
+        sc = kc.build_random(lens, H=h, D=d, G=128, S=16, W=128, page=64, seed=b)
+        q = kc.random_q(sc, hq, seed=b)
+        td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                         torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale, workspace=ws)
+        rows = sc.rows.long()
+        pos = torch.tensor(lens, device="cuda") - 1
+        kv = torch.randn(b, h, d, dtype=torch.bfloat16, device="cuda")
+        api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, kv, kv, sc.req_to_token[rows, pos].long(),
+                     pos, rows, pos + 1)
+    torch.cuda.synchronize()
+    added = {fn.__name__: variants(fn) - n for fn, n in before.items()}
+    assert all(v <= 1 for v in added.values()), added
