@@ -153,19 +153,53 @@ def _flatten(entry: dict) -> dict:
     return out
 
 
+def fidelity_table(methods: dict) -> str:
+    """Perplexity and passkey per method, each against the bf16 row (targets: ppl <= 1.03 x
+    bf16, passkey within 0.02 of bf16 at every length)."""
+    ref = methods.get("bf16", {})
+    ppl_key = next((k for k in ref if k.startswith("ppl_")), "ppl_8k")
+    lengths = list(ref.get("passkey", {})) or sorted({n for m in methods.values() for n in m.get("passkey", {})}, key=int)
+    rows = []
+    for name, m in methods.items():
+        ppl, rp = m.get(ppl_key), ref.get(ppl_key)
+        row = [name, fmt(ppl, 4), f"{ppl / rp:.4f}" if ppl and rp else "-"]
+        for n in lengths:
+            a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
+            row.append(fmt(a, 3) if a is None or ra is None or name == "bf16" else f"{a:.3f} ({a - ra:+.3f})")
+        rows.append(row)
+    return table(["method", ppl_key, "vs bf16", *[f"passkey {n} (vs bf16)" for n in lengths]], rows)
+
+
 def render_server_fidelity(results_dir: str) -> str:
     files = _files(results_dir, "server_*.json")
     if not files:
         return none_yet("python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
     parts = []
     for path in files:
-        methods = _load(path).get("methods", {})
-        flat = {m: _flatten(v) for m, v in methods.items() if isinstance(v, dict)}
-        cols = []
-        for f in flat.values():
-            cols += [k for k in f if k not in cols]
-        parts.append(f"Source: `{_rel(path)}`.")
-        parts.append(table(["method", *cols], [[m, *(fmt(f.get(c), 3) for c in cols)] for m, f in flat.items()]))
+        data = _load(path)
+        st = data.get("settings", {})
+        parts.append(f"SGLang server per method, `--chunked-prefill-size {st.get('chunked_prefill_size')}`; "
+                     f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
+                     f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
+                     f"Source: `{_rel(path)}`.")
+        parts.append(fidelity_table(data.get("methods", {})))
+    return "\n\n".join(parts)
+
+
+def render_fidelity(results_dir: str) -> str:
+    files = [f for f in _files(results_dir, "fidelity_*.json") if "sweep" not in f and "ablation" not in f]
+    if not files:
+        return none_yet("oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        st = data.get("settings", {})
+        parts.append(f"`oscar-eval` (HF transformers, KV simulated with oscar_kernels' reference numerics), "
+                     f"S={st.get('sink')}, W={st.get('recent')}, G={st.get('group_size')}, chunk {st.get('chunk')}; "
+                     f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
+                     f"{st.get('passkey_trials')} prompts per length and depth; {st.get('device')}. "
+                     f"Source: `{_rel(path)}`.")
+        parts.append(fidelity_table(data.get("methods", {})))
     return "\n\n".join(parts)
 
 
@@ -302,6 +336,7 @@ SECTIONS = {
     "e2e": render_e2e,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
+    "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,
     "calibration-proxy": render_calibration_proxy,

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, default_model, log, save_json, stop_all  # noqa: E402
+from server_harness import ROOT, Server, default_model, log, previous_entries, save_json, stop_all  # noqa: E402
 
 from calibration.fidelity import tasks  # noqa: E402
 
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
                      "note": "server: SGLang 0.5.17 + oscar-sglang; None = the server's default"},
         "methods": {},
     }
+    result["methods"] = previous_entries(args.out, result, "methods", [name for name, _ in methods])
     for name, rotations in methods:
         t0 = time.time()
         server = Server(f"fidelity-{name}", server_args(args, rotations), args.log_dir)

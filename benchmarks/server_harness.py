@@ -52,6 +52,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def previous_entries(path: str, result: dict, section: str, keep_out) -> dict:
+    """``section`` entries of an earlier run's JSON at ``path`` when it has the same model and
+    settings as ``result`` (minus the names in ``keep_out``, which this run redoes), else {}:
+    a run split over several GPU calls accumulates in one file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prev = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if prev.get("model") != result.get("model") or prev.get("settings") != result.get("settings"):
+        return {}
+    return {k: v for k, v in prev.get(section, {}).items() if k not in keep_out}
+
+
 def save_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

@@ -39,7 +39,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, ServerDied, default_model, log, save_json, stop_all  # noqa: E402
+from server_harness import ROOT, Server, ServerDied, default_model, log, previous_entries, save_json, stop_all  # noqa: E402
 
 CONFIGS = ("oscar_int2", "bf16")
 LEAK_PATTERNS = ("memory leak detected", "KV double free", "KV page use-after-free")
@@ -202,16 +202,6 @@ def soak(name: str, server_args: list[str], reqs: list[dict], args) -> dict:
     return summary
 
 
-def load_previous(path: str) -> dict:
-    """An earlier run's results at ``path`` (its other configurations are kept when this run
-    has the same model and settings), else {}."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=default_model("tinylm-A"))
@@ -265,9 +255,7 @@ def main(argv=None) -> int:
                                                         "abort_max_new_tokens", "prefix_groups", "abort_frac",
                                                         "max_total_tokens", "chunked_prefill_size", "seed")},
               "configs": {}}
-    previous = load_previous(args.out)
-    if previous.get("model") == result["model"] and previous.get("settings") == result["settings"]:
-        result["configs"] = {k: v for k, v in previous.get("configs", {}).items() if k not in configs}
+    result["configs"] = previous_entries(args.out, result, "configs", configs)
     for name in configs:
         extra = ["--kv-cache-dtype", "bf16", "--attention-backend", "triton"] if name == "bf16" else \
             ["--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations]

@@ -1,0 +1,29 @@
+"""A benchmark split over several GPU calls accumulates in one JSON (server_harness.previous_entries)."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from server_harness import previous_entries  # noqa: E402
+
+
+def _write(path, settings, methods):
+    path.write_text(json.dumps({"model": "tinylm-A", "settings": settings, "methods": methods}))
+
+
+def test_same_settings_keep_the_other_methods(tmp_path):
+    out = tmp_path / "server.json"
+    _write(out, {"chunk": 1024}, {"bf16": {"ppl_8k": 5.6}, "hadamard": {"ppl_8k": 5.79}})
+    run = {"model": "tinylm-A", "settings": {"chunk": 1024}}
+    assert previous_entries(str(out), run, "methods", ["hadamard", "oscar"]) == {"bf16": {"ppl_8k": 5.6}}
+
+
+def test_other_settings_or_model_or_no_file_start_fresh(tmp_path):
+    out = tmp_path / "server.json"
+    assert previous_entries(str(out), {"model": "tinylm-A", "settings": {}}, "methods", []) == {}
+    _write(out, {"chunk": 1024}, {"bf16": {"ppl_8k": 5.6}})
+    assert previous_entries(str(out), {"model": "tinylm-A", "settings": {"chunk": 512}}, "methods", []) == {}
+    assert previous_entries(str(out), {"model": "other", "settings": {"chunk": 1024}}, "methods", []) == {}
+    out.write_text("{truncated")
+    assert previous_entries(str(out), {"model": "tinylm-A", "settings": {"chunk": 1024}}, "methods", []) == {}
