@@ -272,6 +272,9 @@ def sweep_variants(sms: int):
     """DecodeConfig variants around the default (name, kwargs), most informative first."""
     return [
         ("default", {}),
+        ("merge_partials_per_step=1", dict(merge_partials_per_step=1)),
+        ("merge_partials_per_step=8", dict(merge_partials_per_step=8)),
+        ("max_splits=64", dict(max_splits=64)),
         ("max_registers=None (uncapped)", dict(max_registers=None)),
         ("max_registers=168", dict(max_registers=168)),
         ("max_registers=128", dict(max_registers=128)),

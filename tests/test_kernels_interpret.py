@@ -84,6 +84,7 @@ def test_decode_invalid_sink_and_late_ring_start():
 
 
 @pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1),
+                                     dict(merge_partials_per_step=2), dict(merge_partials_per_step=1),
                                      dict(half_keys=False), "int64_slots"])
 def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
