@@ -66,6 +66,14 @@ def previous_entries(path: str, result: dict, section: str, keep_out) -> dict:
     return {k: v for k, v in prev.get(section, {}).items() if k not in keep_out}
 
 
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two greedy outputs differ; -1 when they are equal."""
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return k
+    return min(len(a), len(b)) if len(a) != len(b) else -1
+
+
 def save_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

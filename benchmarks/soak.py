@@ -39,7 +39,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, ServerDied, default_model, log, previous_entries, save_json, stop_all  # noqa: E402
+from server_harness import (ROOT, Server, ServerDied, default_model, first_divergence, log,  # noqa: E402
+                            previous_entries, save_json, stop_all)
 
 CONFIGS = ("oscar_int2", "bf16")
 LEAK_PATTERNS = ("memory leak detected", "KV double free", "KV page use-after-free")
@@ -117,13 +118,6 @@ def scan_log(text: str) -> dict:
     return {"leak_messages": leaks[:20],
             "tracebacks": ["\n".join(lines[i:i + 12])[-1500:] for i in errors[:3]],
             "traceback_count": len(errors)}
-
-
-def first_divergence(a: list[int], b: list[int]) -> int:
-    for k, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return k
-    return min(len(a), len(b)) if len(a) != len(b) else -1
 
 
 def soak(name: str, server_args: list[str], reqs: list[dict], args) -> dict:

@@ -27,3 +27,27 @@ def test_other_settings_or_model_or_no_file_start_fresh(tmp_path):
     assert previous_entries(str(out), {"model": "other", "settings": {"chunk": 1024}}, "methods", []) == {}
     out.write_text("{truncated")
     assert previous_entries(str(out), {"model": "tinylm-A", "settings": {"chunk": 1024}}, "methods", []) == {}
+
+
+def test_first_divergence():
+    from server_harness import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == -1
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_tp_check_prompts_and_refusals():
+    import numpy as np
+    import pytest
+
+    import tp_check
+
+    stream = np.arange(100_000)
+    prompts = tp_check.build_prompts(stream, 4, 100, 400)
+    assert [len(p) for p in prompts] == [100, 200, 300, 400]
+    assert prompts[1][0] == 25_000  # disjoint places in the stream
+    with pytest.raises(SystemExit, match="--rotations"):
+        tp_check.main(["--configs", "oscar_int2"])
+    with pytest.raises(SystemExit, match="--tp"):
+        tp_check.main(["--configs", "bf16", "--tp", "1"])
