@@ -25,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, log, save_json, stop_all  # noqa: E402
+from server_harness import ROOT, Server, log, run_script, save_json  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
 
@@ -120,7 +120,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        stop_all()
+    run_script(main)

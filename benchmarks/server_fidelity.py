@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, default_model, log, previous_entries, save_json, stop_all  # noqa: E402
+from server_harness import ROOT, Server, default_model, log, previous_entries, run_script, save_json  # noqa: E402
 
 from calibration.fidelity import tasks  # noqa: E402
 
@@ -199,7 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        stop_all()
+    run_script(main)

@@ -252,6 +252,14 @@ def stop_all() -> None:
             print(f"warning: could not stop {server.name}: {e}", file=sys.stderr, flush=True)
 
 
+def run_script(main) -> None:
+    """``sys.exit(main())`` for a benchmark script, stopping every server it started."""
+    try:
+        sys.exit(main())
+    finally:
+        stop_all()
+
+
 def _on_signal(signum, _frame):
     stop_all()
     sys.exit(128 + signum)

@@ -40,7 +40,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from server_harness import (ROOT, Server, ServerDied, default_model, first_divergence, log,  # noqa: E402
-                            previous_entries, save_json, stop_all)
+                            previous_entries, run_script, save_json)
 
 CONFIGS = ("oscar_int2", "bf16")
 LEAK_PATTERNS = ("memory leak detected", "KV double free", "KV page use-after-free")
@@ -269,7 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        stop_all()
+    run_script(main)

@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from server_harness import ROOT, Server, default_model, first_divergence, log, save_json, stop_all  # noqa: E402
+from server_harness import ROOT, Server, default_model, first_divergence, log, run_script, save_json  # noqa: E402
 
 CONFIGS = ("oscar_int2", "bf16")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -128,7 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        stop_all()
+    run_script(main)
