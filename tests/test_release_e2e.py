@@ -57,7 +57,7 @@ FAKE_BENCH = textwrap.dedent('''
     if n_in == 64000 and n == 1:
         sys.exit("fake bench: simulated client failure")
     rec = {"completed": n, "output_throughput": 1000.0 * int(get("--max-concurrency")),
-           "median_itl_ms": n_in / 4000.0, "median_ttft_ms": n_in / 100.0, "p99_itl_ms": 99.0,
+           "median_itl_ms": n_in / 4000.0, "median_tpot_ms": 10.0, "median_ttft_ms": n_in / 100.0, "p99_itl_ms": 99.0,
            "errors": [""] * n, "itls": [[0.01]] * n}
     open(get("--output-file"), "a").write(json.dumps(rec) + "\\n")
 ''')
@@ -77,7 +77,7 @@ def _argv(tmp_path, port, *extra):
     return ["--model", str(tmp_path), "--out", str(tmp_path / "out" / "e2e.json"),
             "--port", str(port), "--deadline-s", "120", "--server-timeout-s", "30",
             "--launcher", f"{py} {tmp_path / 'fake_server.py'}",
-            "--bench-serving", f"{py} {tmp_path / 'fake_bench.py'}", *extra]
+            "--bench-serving", f"{py} {tmp_path / 'fake_bench.py'}", "--tp-input-len", "64000", *extra]
 
 
 def _alive(pid: int) -> bool:
@@ -162,6 +162,7 @@ def test_full_run_against_stand_ins(fakes):
     assert oscar["decode_ms_64k"] is None and "simulated client failure" in oscar["decode"]["decode_ms_64k"]["error"]
     # as many in flight as fit: 250000 // 64256 = 3 for bf16, 1000000 // 64256 = 15 for oscar
     assert bf16["throughput"]["settings"]["max_concurrency"] == 3 and bf16["throughput_tok_s"] == 3000.0
+    assert bf16["steady_decode_tok_s"] == 300.0  # 3 in flight x 1000 / 10 ms per token
     assert oscar["throughput"]["settings"]["max_concurrency"] == 15
     assert not any(bf16["errors"].values()) and not any(oscar["errors"].values())
     assert "--oscar-rotations" in oscar["server_cmd"]
