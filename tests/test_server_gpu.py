@@ -104,7 +104,7 @@ def bf16(model_dir, tmp_path_factory):
     # no CUDA graphs for the reference: on a fresh machine their capture compiled SGLang's
     # Triton kernels for 169 s; capacity is sized before capture, greedy outputs do not change
     with h.Server("bf16", ["--model-path", str(model_dir), "--attention-backend", "triton",
-                           "--disable-cuda-graph", *COMMON], log_dir) as server:
+                           "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", *COMMON], log_dir) as server:
         client = _client(server)
         return {"completions": [_complete(client, p)[0] for p in PROMPTS],
                 "chat": _chat(client)[0],
