@@ -275,6 +275,8 @@ def sweep_variants(sms: int):
         ("merge_partials_per_step=1", dict(merge_partials_per_step=1)),
         ("merge_partials_per_step=8", dict(merge_partials_per_step=8)),
         ("max_splits=64", dict(max_splits=64)),
+        ("merge_grid=query_head", dict(merge_grid="query_head")),
+        ("merge_grid=query_head,merge_partials_per_step=16", dict(merge_grid="query_head", merge_partials_per_step=16)),
         ("max_registers=None (uncapped)", dict(max_registers=None)),
         ("max_registers=168", dict(max_registers=168)),
         ("max_registers=128", dict(max_registers=128)),

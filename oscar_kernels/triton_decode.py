@@ -189,7 +189,46 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                  oc.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
+@triton.jit(do_not_specialize=["NSP"])
+def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
+                      NSP, NSP2: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, EB: tl.constexpr,
+                      SPB: tl.constexpr):
+    """_decode_merge's math for one query head per program, grid (B, Hq): at small batch
+    GQ times more programs share the partials' reads. o[b, hq] = (sum_s 2^{lse_s - m} o~_s /
+    sum_s 2^{lse_s - m}) @ R_V[h]^T with h = hq // GQ; partials SPB at a time as [SPB, D]
+    tiles; the un-rotation o[e] = sum_d o'[d] R_V[h][e, d] as float32 products and sums."""
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    num_hq = tl.num_programs(1)
+    d = tl.arange(0, D)
+    base = (b * num_hq + hq) * NSP
+    sps = tl.arange(0, NSP2)
+    lse_all = tl.load(mid_lse_ptr + base + sps, mask=sps < NSP, other=float("-inf"))
+    m = tl.max(lse_all, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    l = tl.sum(tl.exp2(lse_all - m), 0)
+    used = tl.max(tl.where(lse_all > float("-inf"), sps + 1, 0), 0)  # unused splits: -inf
+    acc = tl.zeros([D], tl.float32)
+    spb = tl.arange(0, SPB)
+    for sp0 in range(0, used, SPB):
+        sp = sp0 + spb
+        lse = tl.load(mid_lse_ptr + base + sp, mask=sp < used, other=float("-inf"))
+        w = tl.exp2(lse - m)
+        o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    o_rot = acc / tl.where(l > 0, l, 1.0)
+    e = tl.arange(0, EB)
+    rot = rot_ptr + (hq // GQ) * D * D
+    for e0 in tl.static_range(0, D, EB):
+        r = tl.load(rot + (e0 + e)[:, None] * D + d[None, :]).to(tl.float32)  # r[e, d] = R[e0 + e, d]
+        oc = tl.sum(r * o_rot[None, :], 1)
+        tl.store(out_ptr + b * so_b + hq * so_h + e0 + e, oc.to(out_ptr.dtype.element_ty))
+
+
 # ----------------------------------------------------------------------------- host side
+MERGE_GRIDS = ("kv_head", "query_head")
+
+
 @dataclass
 class DecodeConfig:
     """Launch parameters of the decode kernels (the benchmark sweeps them)."""
@@ -222,6 +261,10 @@ class DecodeConfig:
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
     merge_partials_per_step: int = 4  # partials the merge loads at once (power of two)
+    # merge programs: "kv_head" (one per KV head, its GQ query heads together, tensor-core
+    # un-rotation) or "query_head" (GQ x more programs: for batch 1, where 8 merge programs
+    # are all the GPU runs after stage 1)
+    merge_grid: str = "kv_head"
 
     def resident_per_sm(self) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
@@ -331,6 +374,8 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     elif (workspace.num_q_heads, workspace.num_kv_heads, workspace.head_dim) != (hq, h, d):
         raise ValueError("workspace was allocated for other head counts / head_dim")
     cfg = config or workspace.config
+    if cfg.merge_grid not in MERGE_GRIDS:
+        raise ValueError(f"DecodeConfig.merge_grid must be one of {MERGE_GRIDS}, not {cfg.merge_grid!r}")
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
@@ -359,10 +404,18 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )
-    _decode_merge[(b, h)](
-        mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-        NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, BH=bh, D=d, EB=min(32, d), SPB=cfg.merge_partials_per_step, PRECISION=cfg.merge_precision, num_warps=4,
-    )
+    if cfg.merge_grid == "query_head":
+        _decode_merge_row[(b, hq)](
+            mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
+            NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_per_step,
+            num_warps=4,
+        )
+    else:
+        _decode_merge[(b, h)](
+            mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
+            NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, BH=bh, D=d, EB=min(32, d),
+            SPB=cfg.merge_partials_per_step, PRECISION=cfg.merge_precision, num_warps=4,
+        )
     return out
 
 

@@ -131,6 +131,7 @@ def _patch(case, results):
     saved = []
     for mod, name in ((triton_store, "_store_kernel"), (triton_decode, "_rotate_q_kernel"),
                       (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge"),
+                      (triton_decode, "_decode_merge_row"),
                       (triton_extend, "_extend_kernel")):
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(getattr(mod, name), case, results))
@@ -151,6 +152,8 @@ CASES = {
     "nodot_convert": (dict(D=128, G=128, S=0, W=0, page=16), dict(use_dot=False, magic_unpack=False),
                       dict(magic_unpack=False), 32),
     "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
+    "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
+                              dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),
 }
 
 

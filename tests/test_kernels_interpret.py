@@ -75,6 +75,18 @@ def test_decode_matches_reference(case):
     _check_decode(sc, hq, triton_decode_mod.DecodeConfig(magic_unpack=magic, **_SMALL))
 
 
+@pytest.mark.parametrize("hq, h", [(8, 1), (2, 2), (16, 2)])
+def test_decode_query_head_merge_matches_reference(hq, h):
+    sc = kc.build([1, 13, 77], H=h, D=64, G=16, S=4, W=8, page=8, seed=hq + h)
+    _check_decode(sc, hq, triton_decode_mod.DecodeConfig(merge_grid="query_head", **_SMALL))
+
+
+def test_decode_unknown_merge_grid_is_refused():
+    sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
+    with pytest.raises(ValueError, match="merge_grid"):
+        _check_decode(sc, 4, triton_decode_mod.DecodeConfig(merge_grid="rows", **_SMALL))
+
+
 def test_decode_invalid_sink_and_late_ring_start():
     lens = [30, 45, 12]
     # request 0's sink slot evicted -> INT2; ring valid only from 40 / 11 for requests 1 / 2
@@ -85,6 +97,8 @@ def test_decode_invalid_sink_and_late_ring_start():
 
 @pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1),
                                      dict(merge_partials_per_step=2), dict(merge_partials_per_step=1),
+                                     dict(merge_grid="query_head"),
+                                     dict(merge_grid="query_head", merge_partials_per_step=2),
                                      dict(half_keys=False), "int64_slots"])
 def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
