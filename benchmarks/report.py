@@ -334,7 +334,16 @@ def render_calibration_budget(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_targets(results_dir: str) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import targets
+
+    rows = [list(r) for r in targets.evaluate(results_dir)]
+    return table(["target", "measured", "verdict"], rows)
+
+
 SECTIONS = {
+    "targets": render_targets,
     "e2e": render_e2e,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,

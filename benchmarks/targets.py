@@ -1,0 +1,119 @@
+"""The project's targets, checked against benchmarks/results/*.json.
+
+Each check returns (target, measured, verdict) with verdict "met", "missed" or "not
+measured"; README's "Targets" table is rendered from them by report.py, so a verdict
+changes only when a results file does.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+FIDELITY_PPL_RATIO = 1.03
+FIDELITY_PASSKEY_GAP = 0.02
+CAPACITY_RATIO = 6.5
+KERNEL_COPY_FRACTION, KERNEL_MIN_TOKENS = 0.70, 1 << 20
+KERNEL_VS_FLASHINFER_LONG, KERNEL_VS_FLASHINFER_B1 = 4.0, 2.0
+E2E_CONCURRENT_100K, E2E_THROUGHPUT_RATIO, E2E_DECODE_VS_FLASHINFER = 50, 5.0, 1.5
+
+
+def _load(results_dir: str, name: str) -> dict | None:
+    try:
+        with open(os.path.join(results_dir, name), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "missed")
+
+
+def fidelity(results_dir: str, name: str, label: str) -> list[tuple[str, str, str]]:
+    data = _load(results_dir, name)
+    methods = (data or {}).get("methods", {})
+    ref, osc = methods.get("bf16"), methods.get("oscar")
+    ppl_t = f"{label}: oscar ppl_8k <= {FIDELITY_PPL_RATIO} x bf16"
+    pk_t = f"{label}: oscar passkey within {FIDELITY_PASSKEY_GAP} of bf16 at every length"
+    if not ref or not osc:
+        return [(ppl_t, "-", _verdict(None)), (pk_t, "-", _verdict(None))]
+    ratio = osc["ppl_8k"] / ref["ppl_8k"]
+    gaps = {n: osc["passkey"][n] - a for n, a in ref["passkey"].items() if n in osc.get("passkey", {})}
+    worst = min(gaps.values()) if gaps else None
+    return [(ppl_t, f"{ratio:.4f} x", _verdict(ratio <= FIDELITY_PPL_RATIO)),
+            (pk_t, ", ".join(f"{n}: {g:+.3f}" for n, g in gaps.items()) or "-",
+             _verdict(None if worst is None else worst >= -FIDELITY_PASSKEY_GAP))]
+
+
+def capacity(results_dir: str) -> list[tuple[str, str, str]]:
+    data = _load(results_dir, "capacity_qwen3-8b-shape.json") or {}
+    target = f"KV capacity (Qwen3-8B shape): oscar_int2 >= {CAPACITY_RATIO} x bf16"
+    if not data.get("bf16") or not data.get("oscar_int2"):
+        return [(target, "-", _verdict(None))]
+    ratio = data["oscar_int2"] / data["bf16"]
+    return [(target, f"{ratio:.2f} x", _verdict(ratio >= CAPACITY_RATIO))]
+
+
+def kernels(results_dir: str) -> list[tuple[str, str, str]]:
+    data = _load(results_dir, "kernels_h200.json") or {}
+    cases, copy = data.get("cases", []), data.get("copy_GBps")
+    t_bw = f"decode kernel: GB/s >= {KERNEL_COPY_FRACTION} x copy where batch x context >= 1M"
+    t_long = f"decode kernel: <= FlashInfer BF16 / {KERNEL_VS_FLASHINFER_LONG:g} at context >= 64k, batch >= 8"
+    t_b1 = f"decode kernel: <= FlashInfer BF16 / {KERNEL_VS_FLASHINFER_B1:g} at batch 1, 64k"
+    big = [c for c in cases if c["batch"] * c["context"] >= KERNEL_MIN_TOKENS and c.get("oscar_GBps")]
+    rows = []
+    if big and copy:
+        fr = [c["oscar_GBps"] / copy for c in big]
+        rows.append((t_bw, f"{min(fr):.2f}-{max(fr):.2f} x copy", _verdict(min(fr) >= KERNEL_COPY_FRACTION)))
+    else:
+        rows.append((t_bw, "-", _verdict(None)))
+    long = [c for c in cases if c["context"] >= 65536 and c["batch"] >= 8
+            and c.get("oscar_decode_us") and c.get("flashinfer_bf16_us")]
+    if long:
+        sp = [c["flashinfer_bf16_us"] / c["oscar_decode_us"] for c in long]
+        rows.append((t_long, f"FlashInfer / oscar = {min(sp):.2f}-{max(sp):.2f}", _verdict(min(sp) >= KERNEL_VS_FLASHINFER_LONG)))
+    else:
+        rows.append((t_long, "-", _verdict(None)))
+    b1 = next((c for c in cases if c["batch"] == 1 and c["context"] == 65536
+               and c.get("oscar_decode_us") and c.get("flashinfer_bf16_us")), None)
+    if b1:
+        sp = b1["flashinfer_bf16_us"] / b1["oscar_decode_us"]
+        rows.append((t_b1, f"FlashInfer / oscar = {sp:.2f}", _verdict(sp >= KERNEL_VS_FLASHINFER_B1)))
+    else:
+        rows.append((t_b1, "-", _verdict(None)))
+    return rows
+
+
+def e2e(results_dir: str) -> list[tuple[str, str, str]]:
+    configs = (_load(results_dir, "e2e_qwen3-8b-shape.json") or {}).get("configs", {})
+    osc, bf, fi = configs.get("oscar_int2", {}), configs.get("bf16_triton", {}), configs.get("bf16_flashinfer", {})
+    t_conc = f"end to end: >= {E2E_CONCURRENT_100K} concurrent 100k-token requests"
+    t_tp = f"end to end: output throughput >= {E2E_THROUGHPUT_RATIO:g} x bf16 at large batch"
+    t_dec = f"end to end: batch-1 decode at 64k <= FlashInfer BF16 / {E2E_DECODE_VS_FLASHINFER}"
+    rows = []
+    n = osc.get("concurrent_100k")
+    rows.append((t_conc, "-" if n is None else str(n), _verdict(None if n is None else n >= E2E_CONCURRENT_100K)))
+    a, b = osc.get("throughput_tok_s"), bf.get("throughput_tok_s")
+    rows.append((t_tp, f"{a / b:.2f} x" if a and b else "-",
+                 _verdict(a / b >= E2E_THROUGHPUT_RATIO if a and b else None)))
+    a, b = osc.get("decode_ms_64k"), fi.get("decode_ms_64k")
+    rows.append((t_dec, f"{a:.2f} ms vs {b:.2f} ms" if a and b else "-",
+                 _verdict(a <= b / E2E_DECODE_VS_FLASHINFER if a and b else None)))
+    return rows
+
+
+def soak(results_dir: str) -> list[tuple[str, str, str]]:
+    c = ((_load(results_dir, "soak_tinylm-A.json") or {}).get("configs", {})).get("oscar_int2")
+    t_up = "soak: server up, no KV leak, no failed request (200 concurrent, aborts, shared prefixes)"
+    t_eq = "soak: greedy outputs equal a sequential run"
+    if not c:
+        return [(t_up, "-", _verdict(None)), (t_eq, "-", _verdict(None))]
+    return [(t_up, "pass" if c.get("pass") else "fail", _verdict(bool(c.get("pass")))),
+            (t_eq, f"{c.get('exact_equal')} / {c.get('compared')}",
+             _verdict(bool(c.get("compared")) and c.get("exact_equal") == c.get("compared")))]
+
+
+def evaluate(results_dir: str) -> list[tuple[str, str, str]]:
+    return (fidelity(results_dir, "fidelity_tinylm-A.json", "simulated (oscar-eval)")
+            + fidelity(results_dir, "server_tinylm-A.json", "through the server")
+            + capacity(results_dir) + kernels(results_dir) + e2e(results_dir) + soak(results_dir))

@@ -1,0 +1,50 @@
+"""benchmarks/targets.py: verdicts follow the results files (met / missed / not measured)."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import targets  # noqa: E402
+
+
+def _write(d: Path, name: str, data: dict) -> None:
+    (d / name).write_text(json.dumps(data))
+
+
+def _verdicts(d: Path) -> dict:
+    return {t: v for t, _, v in targets.evaluate(str(d))}
+
+
+def test_nothing_measured(tmp_path):
+    assert set(_verdicts(tmp_path).values()) == {"not measured"}
+
+
+def test_fidelity_and_capacity_verdicts(tmp_path):
+    ref = {"ppl_8k": 5.0, "passkey": {"2048": 1.0, "8192": 0.9}}
+    _write(tmp_path, "fidelity_tinylm-A.json",
+           {"methods": {"bf16": ref, "oscar": {"ppl_8k": 5.1, "passkey": {"2048": 1.0, "8192": 0.85}}}})
+    _write(tmp_path, "server_tinylm-A.json",
+           {"methods": {"bf16": ref, "oscar": {"ppl_8k": 5.2, "passkey": {"2048": 0.99, "8192": 0.89}}}})
+    _write(tmp_path, "capacity_qwen3-8b-shape.json", {"bf16": 100, "oscar_int2": 650})
+    v = _verdicts(tmp_path)
+    sim = [k for k in v if k.startswith("simulated")]
+    srv = [k for k in v if k.startswith("through the server")]
+    assert [v[k] for k in sim] == ["met", "missed"]  # 1.02 x; passkey gap -0.05 at 8k
+    assert [v[k] for k in srv] == ["missed", "met"]  # 1.04 x; gaps -0.01
+    assert v[next(k for k in v if k.startswith("KV capacity"))] == "met"  # exactly 6.5 x
+
+
+def test_kernel_and_soak_verdicts(tmp_path):
+    cases = [{"batch": 64, "context": 131072, "oscar_GBps": 3100.0, "oscar_decode_us": 1000.0,
+              "flashinfer_bf16_us": 4100.0},
+             {"batch": 1, "context": 65536, "oscar_GBps": 400.0, "oscar_decode_us": 40.0,
+              "flashinfer_bf16_us": 70.0}]
+    _write(tmp_path, "kernels_h200.json", {"copy_GBps": 4000.0, "cases": cases})
+    _write(tmp_path, "soak_tinylm-A.json", {"configs": {"oscar_int2": {"pass": True, "exact_equal": 180,
+                                                                       "compared": 180}}})
+    v = _verdicts(tmp_path)
+    kern = {k: x for k, x in v.items() if k.startswith("decode kernel")}
+    assert list(kern.values()) == ["met", "met", "missed"]  # 0.775 x copy; 4.1 x; 1.75 x at b1
+    assert [x for k, x in v.items() if k.startswith("soak")] == ["met", "met"]
