@@ -14,7 +14,8 @@ more elements; FlashInfer runs before it, and a CUDA error (which poisons the pr
 context) ends the run with what was measured so far. ``--sweep`` then times DecodeConfig
 variants (register cap, block sizes, stages, split policy, key precision, warps) and the
 group sizes 32 / 64 on four key cases, then the variants on the other eight, until
-``--budget-s`` (seconds since start; later items are recorded as skipped).
+``--budget-s`` (seconds since start; later items are recorded as skipped). ``--breakdown``
+times the decode with each of its kernels left out on the key cases (where the time goes).
 
     python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
@@ -310,6 +311,50 @@ def sweep_record(name, kwargs, group, sc, q, b, n):
 KEY_CASES = ((8, 65536), (64, 16384), (1, 65536), (64, 131072))
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def breakdown_record(name, kwargs, sc, q, b, n):
+    """Where decode time goes, timed by leaving one kernel out: full decode, then the decode
+    with each launched kernel replaced by no launch; time(kernel) ~ full - without(kernel)."""
+    import oscar_kernels.triton_decode as td
+    cfg = DecodeConfig(**kwargs)
+    rec = {"variant": name, "config": kwargs, "batch": b, "context": n}
+    rec["full_us"], _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
+    merge = "_decode_merge_row" if cfg.merge_grid == "query_head" else "_decode_merge"
+    for kernel in ("_rotate_q_kernel", "_decode_stage1", merge):
+        saved = getattr(td, kernel)
+        setattr(td, kernel, _NoLaunch())
+        try:
+            us, _, _ = try_time(f"{name} without {kernel}", lambda: oscar_decode(sc, q, cfg), rep=20)
+        finally:
+            setattr(td, kernel, saved)
+        rec[f"without{kernel}_us"] = us
+        if us is not None and rec["full_us"] is not None:
+            rec[f"{kernel.lstrip('_')}_us"] = round(rec["full_us"] - us, 2)
+    if err:
+        rec["error"] = err
+    log(f"breakdown {name} b={b} n={n}: " + ", ".join(f"{k}={v}" for k, v in rec.items() if k.endswith("_us")))
+    return rec
+
+
+def run_breakdown(result: dict, out: Path, cases) -> None:
+    """Leave-one-kernel-out timings of the default decode and the query-head merge on the
+    key cases (assert nothing about them: they are for reading)."""
+    for b, n in [c for c in KEY_CASES if c in cases]:
+        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
+        q = kc.random_q(sc, HQ)
+        for name, kwargs in (("default", {}), ("merge_grid=query_head", dict(merge_grid="query_head"))):
+            result["breakdown"].append(breakdown_record(name, kwargs, sc, q, b, n))
+            save(result, out)
+        del sc, q
+        torch.cuda.empty_cache()
+
+
 def _sweep_pass(result, out, cases, variants, group, budget_s):
     """Variants x cases, variant-major (a variant compiles once per batch size), with the
     cases' caches built once and kept for the pass."""
@@ -349,6 +394,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time decode variants")
     ap.add_argument("--budget-s", type=float, default=330, help="start no sweep item after this many seconds")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the decode with each kernel left out, on the key cases")
     args = ap.parse_args(argv)
     out = Path(args.out)
     dev = torch.cuda.get_device_properties(0)
@@ -362,7 +409,7 @@ def main(argv=None):
               "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
                                   "max_kv_splits=8 (SGLang default), splits from get_num_kv_splits_triton",
               "flashinfer_note": "BatchDecodeWithPagedKVCacheWrapper, NHD, page 16, tensor cores for GQA>=4",
-              "copy_GBps": None, "cases": [], "skipped": [], "sweep": []}
+              "copy_GBps": None, "cases": [], "skipped": [], "breakdown": [], "sweep": []}
     log(f"device {dev.name}, {dev.multi_processor_count} SMs")
     result["copy_GBps"] = round(copy_bandwidth(), 1)
     log(f"copy bandwidth {result['copy_GBps']} GB/s")
@@ -423,9 +470,12 @@ def main(argv=None):
             del sc, q
             torch.cuda.empty_cache()
         plot(result, out.with_suffix(".png"))
-        if args.sweep:
+        if args.breakdown or args.sweep:
             del pool
             torch.cuda.empty_cache()
+        if args.breakdown:
+            run_breakdown(result, out, cases)
+        if args.sweep:
             run_sweep(result, out, cases, args.budget_s)
             plot_sweep(result, out.with_name(out.stem + "_sweep.png"))
     except CudaContextLost as e:
