@@ -152,6 +152,7 @@ def test_oscar_eval_smoke(tinylm_dir, tmp_path):
         assert 1.0 < m["ppl_256"] < 100.0
         assert set(m["passkey"]) == {"256"} and 0.0 <= m["passkey"]["256"] <= 1.0
         assert set(m["passkey_by_depth"]["256"]) == {"0.1", "0.5", "0.9"}
+        assert set(m["passkey_first_token_logprob"]) == {"256"} and m["passkey_first_token_logprob"]["256"] <= 0.0
 
 
 def test_oscar_eval_rejects_bad_method(tinylm_dir):

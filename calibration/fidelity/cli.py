@@ -202,6 +202,7 @@ def main(argv=None) -> int:
             res["passkey"] = pr["mean"]
             res["passkey_by_depth"] = pr["by_depth"]
             res["passkey_examples"] = pr["examples"]
+            res["passkey_first_token_logprob"] = pr["first_token_logprob"]
         res["wall_s"] = round(time.time() - t0, 1)
         result["methods"][name] = res
         _write(a.out, result)

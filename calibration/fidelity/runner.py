@@ -73,14 +73,21 @@ def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk:
 
 @torch.no_grad()
 def greedy_answers(model, sim, tokenizer, prompt_ids: np.ndarray, chunk: int, eos_ids: set[int],
-                   max_new_tokens: int = tasks.PASSKEY_MAX_NEW_TOKENS) -> list[str]:
-    """Chunked prefill of equal-length prompts [B, P], then greedy decoding step by step."""
+                   max_new_tokens: int = tasks.PASSKEY_MAX_NEW_TOKENS,
+                   first_targets: list[int] | None = None) -> tuple[list[str], list[float]]:
+    """Chunked prefill of equal-length prompts [B, P], then greedy decoding step by step.
+    Returns the answers and, per prompt, log p(first_targets[i]) after the prompt (a
+    continuous retrieval score; empty without first_targets)."""
     dev = next(model.parameters()).device
     ids = torch.from_numpy(np.ascontiguousarray(prompt_ids)).to(dev)
     b = ids.shape[0]
     sim.begin(b)
     for lo, hi in chunk_bounds(ids.shape[1], chunk):
         logits = forward_step(model, sim, ids[:, lo:hi], logits_to_keep=1)
+    first_lp = []
+    if first_targets is not None:
+        lp = torch.log_softmax(logits[:, -1].float(), -1)
+        first_lp = lp[torch.arange(b, device=lp.device), torch.tensor(first_targets, device=lp.device)].tolist()
     gen, done = [[] for _ in range(b)], [False] * b
     for step in range(max_new_tokens):
         nxt = logits[:, -1].argmax(-1)
@@ -95,20 +102,25 @@ def greedy_answers(model, sim, tokenizer, prompt_ids: np.ndarray, chunk: int, eo
         if all(done) or step == max_new_tokens - 1:
             break
         logits = forward_step(model, sim, nxt.unsqueeze(1), logits_to_keep=1)
-    return [tasks.decode(tokenizer, g) for g in gen]
+    return [tasks.decode(tokenizer, g) for g in gen], first_lp
 
 
 def passkey(model, sim, tokenizer, prompts: list[tasks.PasskeyPrompt], chunk: int, eos_ids: set[int],
             batch: int = 1, desc: str = "passkey", examples: int = 1) -> dict:
-    """Accuracy per (length, depth) cell, its mean over depths per length, and a few answers."""
-    by_depth, shown = {}, []
+    """Accuracy per (length, depth) cell, its mean over depths per length, a few answers, and
+    per length the mean log-probability of the value's first token right after the prompt
+    (finer-grained than hit or miss when comparing methods on the same prompts)."""
+    by_depth, shown, first_lp = {}, [], {}
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
     for (length, depth), cell in groupby(prompts, key=lambda p: (p.length, p.depth)):
         cell = list(cell)
         hits = 0
         for b0 in range(0, len(cell), batch):
             part = cell[b0:b0 + batch]
-            answers = greedy_answers(model, sim, tokenizer, np.stack([p.ids for p in part]), chunk, eos_ids)
+            targets = [tasks.encode(tokenizer, p.value)[0] for p in part]
+            answers, lps = greedy_answers(model, sim, tokenizer, np.stack([p.ids for p in part]), chunk, eos_ids,
+                                          first_targets=targets)
+            first_lp.setdefault(str(length), []).extend(lps)
             for p, a in zip(part, answers):
                 hits += tasks.passkey_hit(a, p.value)
                 if p.trial < examples:
@@ -117,4 +129,5 @@ def passkey(model, sim, tokenizer, prompts: list[tasks.PasskeyPrompt], chunk: in
         by_depth.setdefault(str(length), {})[str(depth)] = hits / len(cell)
     bar.close()
     mean = {k: sum(v.values()) / len(v) for k, v in by_depth.items()}
-    return {"mean": mean, "by_depth": by_depth, "examples": shown}
+    return {"mean": mean, "by_depth": by_depth, "examples": shown,
+            "first_token_logprob": {k: round(sum(v) / len(v), 4) for k, v in first_lp.items()}}
