@@ -168,8 +168,14 @@ def fidelity_table(methods: dict) -> str:
         for n in lengths:
             a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
             row.append(fmt(a, 3) if a is None or ra is None or name == "bf16" else f"{a:.3f} ({a - ra:+.3f})")
+        if any("passkey_first_token_logprob" in v for v in methods.values()):
+            lp = m.get("passkey_first_token_logprob", {})
+            row.append(" / ".join(fmt(lp.get(n), 3) for n in lengths))
         rows.append(row)
-    return table(["method", ppl_key, "vs bf16", *[f"passkey {n} (vs bf16)" for n in lengths]], rows)
+    header = ["method", ppl_key, "vs bf16", *[f"passkey {n} (vs bf16)" for n in lengths]]
+    if any("passkey_first_token_logprob" in v for v in methods.values()):
+        header.append("log p(first answer token) " + " / ".join(lengths))
+    return table(header, rows)
 
 
 def render_server_fidelity(results_dir: str) -> str:

@@ -48,3 +48,15 @@ def test_kernel_and_soak_verdicts(tmp_path):
     kern = {k: x for k, x in v.items() if k.startswith("decode kernel")}
     assert list(kern.values()) == ["met", "met", "missed"]  # 0.775 x copy; 4.1 x; 1.75 x at b1
     assert [x for k, x in v.items() if k.startswith("soak")] == ["met", "met"]
+
+
+def test_fidelity_table_shows_deltas_and_first_token_logprob():
+    import report
+
+    ref = {"ppl_8k": 5.0, "passkey": {"2048": 1.0, "8192": 0.9},
+           "passkey_first_token_logprob": {"2048": -0.1, "8192": -0.5}}
+    osc = {"ppl_8k": 5.1, "passkey": {"2048": 1.0, "8192": 0.85},
+           "passkey_first_token_logprob": {"2048": -0.2, "8192": -0.9}}
+    text = report.fidelity_table({"bf16": ref, "oscar": osc})
+    assert "| oscar | 5.1000 | 1.0200 | 1.000 (+0.000) | 0.850 (-0.050) | -0.200 / -0.900 |" in text
+    assert "log p(first answer token) 2048 / 8192" in text
