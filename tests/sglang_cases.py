@@ -25,6 +25,24 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
     return Rotations(make_meta(shape, model_name, group_size, "hadamard"), layers)
 
 
+def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0) -> str:
+    """A valid rotations file whose every (layer, KV head) has its own random orthogonal
+    matrices, so a wrong head slice is visible."""
+    shape = ModelShape.from_hf_config(config)
+    g = torch.Generator().manual_seed(seed)
+
+    def orth():
+        q, _ = torch.linalg.qr(torch.randn(shape.num_kv_heads, shape.head_dim, shape.head_dim, generator=g,
+                                           dtype=torch.float64))
+        return q.float().contiguous()
+
+    lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
+    layers = [LayerRotation(orth(), orth(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
+              for _ in range(shape.num_layers)]
+    save_rotations(str(path), Rotations(make_meta(shape, "test", group_size, "oscar"), layers))
+    return str(path)
+
+
 def write_hadamard_file(path, config, group_size: int = 32) -> str:
     """A valid rotations file for the model described by ``config`` (dict or HF config)."""
     save_rotations(str(path), hadamard_rotations(ModelShape.from_hf_config(config), group_size))

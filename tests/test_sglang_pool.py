@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import SHARED
-from sglang_cases import SMALL_QWEN3, write_hadamard_file
+from sglang_cases import SMALL_QWEN3, write_distinct_heads_file, write_hadamard_file
 
 from calibration.rotations_file import RotationsFileError
 from oscar_kernels import reference as ref
@@ -159,6 +159,22 @@ def test_rank_rotations_are_sliced_per_tp_rank(tmp_path):
     assert len(layers) == 2 and layers[0].k_rot.shape == (2, 64, 64) and meta.group_size == 32
     layers1, meta1 = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3, 1, 2))
     assert meta1.num_kv_heads == 1 and torch.equal(layers1[1].v_rot[0], layers[1].v_rot[1])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_each_rank_loads_exactly_its_kv_heads(tmp_path, tp):
+    """2 KV heads: tp 2 gives one head per rank; tp 4 / 8 replicate each head on tp / 2
+    consecutive ranks (SGLang's layout), with that head's own matrices."""
+    path = write_distinct_heads_file(tmp_path / "rot.safetensors", SMALL_QWEN3)
+    full, _ = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
+    heads_per_rank = max(1, 2 // tp)
+    for rank in range(tp):
+        part, meta = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3, rank, tp))
+        first = rank * 2 // tp
+        want = list(range(first, first + heads_per_rank))
+        assert meta.num_kv_heads == heads_per_rank
+        for layer, ref_layer in zip(part, full):
+            assert torch.equal(layer.k_rot, ref_layer.k_rot[want]) and torch.equal(layer.v_rot, ref_layer.v_rot[want])
 
 
 def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):
