@@ -87,6 +87,8 @@ def check_cache_layout(layer) -> None:
             raise ValueError(f"{name} must have a contiguous last dimension")
     if layer.k_scales.numel() and layer.k_scales.stride(2) != 2:
         raise ValueError("k/v_scales must be contiguous in their last two dimensions")
+    if layer.k_scales.dtype not in SCALE_TL_DTYPES:
+        raise ValueError(f"the Triton kernels read float16/bfloat16/float32 scales, not {layer.k_scales.dtype}")
 
 
 def group_scale_args(layer):

@@ -25,7 +25,8 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
     return Rotations(make_meta(shape, model_name, group_size, "hadamard"), layers)
 
 
-def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0) -> str:
+def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
+                              scale_dtype: str = "float16") -> str:
     """A valid rotations file whose every (layer, KV head) has its own random orthogonal
     matrices, so a wrong head slice is visible."""
     shape = ModelShape.from_hf_config(config)
@@ -39,7 +40,8 @@ def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0)
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(orth(), orth(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
               for _ in range(shape.num_layers)]
-    save_rotations(str(path), Rotations(make_meta(shape, "test", group_size, "oscar"), layers))
+    meta = make_meta(shape, "test", group_size, "oscar", scale_dtype=scale_dtype)
+    save_rotations(str(path), Rotations(meta, layers))
     return str(path)
 
 

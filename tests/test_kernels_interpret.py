@@ -87,6 +87,13 @@ def test_decode_unknown_merge_grid_is_refused():
         _check_decode(sc, 4, triton_decode_mod.DecodeConfig(merge_grid="rows", **_SMALL))
 
 
+def test_kernels_refuse_float8_scales():
+    """float8 scales exist in the reference numerics only; the kernels say so."""
+    sc = kc.build([9, 20], H=2, D=64, G=16, S=4, W=8, page=8, seed=3, scale_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float16/bfloat16/float32 scales"):
+        _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
+
+
 def test_decode_invalid_sink_and_late_ring_start():
     lens = [30, 45, 12]
     # request 0's sink slot evicted -> INT2; ring valid only from 40 / 11 for requests 1 / 2

@@ -198,3 +198,19 @@ def test_reference_decode_equals_exact_attention_in_bf16_windows():
     p = torch.softmax(torch.einsum("hd,hkd->hk", q[0], kk) * 0.25, -1)
     exact = torch.einsum("hk,hkd->hd", p, vv)
     assert torch.allclose(o[0], exact, atol=2e-2, rtol=2e-2)  # only the bf16 rounding of k', v'
+
+
+def test_quantise_float8_scales_error_bound():
+    """float8_e4m3fn (scale, min) (reference only): round to nearest with 3 mantissa bits
+    moves min and scale by at most 1/16 of themselves, on top of half a step."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 4, 128, generator=g) * 3
+    codes, scales = int2.quantise(x, 64, torch.float8_e4m3fn)
+    assert scales.dtype == torch.float8_e4m3fn and int(codes.max()) <= 3
+    xh = int2.dequantise(codes, scales)
+    xg = x.reshape(64, 4, 2, 64)
+    lo, step = xg.amin(-1), (xg.amax(-1) - xg.amin(-1)) / 3
+    bound = step / 2 + lo.abs() / 16 + 3 * step / 16 + 1e-6
+    assert bool(((xg - xh.reshape(64, 4, 2, 64)).abs() <= bound.unsqueeze(-1)).all())
+    assert int2.bytes_per_token_per_head(128, 64, torch.float8_e4m3fn) == int2.bytes_per_token_per_head(
+        128, 128, torch.float16)  # groups of 64 in float8 cost what groups of 128 in float16 do

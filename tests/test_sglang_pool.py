@@ -177,6 +177,13 @@ def test_each_rank_loads_exactly_its_kv_heads(tmp_path, tp):
             assert torch.equal(layer.k_rot, ref_layer.k_rot[want]) and torch.equal(layer.v_rot, ref_layer.v_rot[want])
 
 
+def test_float8_scale_file_is_refused_by_the_server_with_one_line(tmp_path):
+    path = write_distinct_heads_file(tmp_path / "rot.safetensors", SMALL_QWEN3, scale_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="oscar-eval experiments") as e:
+        load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
+    assert "\n" not in str(e.value)
+
+
 def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):
     other = SHARED / "shapes" / "qwen3-8b-shape" / "config.json"
     if not other.is_file():
