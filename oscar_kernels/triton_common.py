@@ -20,7 +20,8 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-SCALE_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+SCALE_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                   torch.float8_e4m3fn: tl.float8e4nv}
 
 
 INTERP_TC_KEEP = tl.constexpr(-1)  # int32 mask of the bits a dot result keeps (-1: all)
@@ -50,6 +51,23 @@ def mma(a, b, acc, INTERP: tl.constexpr):
 def mma_f32(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b for float32 operands at the given input precision ("ieee", "tf32x3", ...)."""
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def to_scale_dtype(x, SCALE_DTYPE: tl.constexpr):
+    """x (float32) in the scale dtype. float8_e4m3fn: rounded to nearest-even on 3 mantissa
+    bits in float32 first (carry into the exponent included; steps of 2^-9 below 2^-6;
+    saturated at 448), so the final cast is exact: the same value as torch's conversion on
+    every backend (Triton's interpreter rounds 1.98 to 1.0 in a direct cast)."""
+    if SCALE_DTYPE == tl.float8e4nv:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 = 0xFFF00000
+        normal = bits.to(tl.float32, bitcast=True)
+        tiny = tl.floor(x * 512.0 + 0.5) * (1.0 / 512.0)
+        y = tl.where(tl.abs(x) < 0.015625, tiny, normal)
+        return tl.minimum(tl.maximum(y, -448.0), 448.0).to(SCALE_DTYPE)
+    else:
+        return x.to(SCALE_DTYPE)
 
 
 @triton.jit
@@ -88,16 +106,17 @@ def check_cache_layout(layer) -> None:
     if layer.k_scales.numel() and layer.k_scales.stride(2) != 2:
         raise ValueError("k/v_scales must be contiguous in their last two dimensions")
     if layer.k_scales.dtype not in SCALE_TL_DTYPES:
-        raise ValueError(f"the Triton kernels read float16/bfloat16/float32 scales, not {layer.k_scales.dtype}")
+        raise ValueError(f"the Triton kernels read float16/bfloat16/float32/float8_e4m3fn scales, "
+                         f"not {layer.k_scales.dtype}")
 
 
 def group_scale_args(layer):
     """(kgs, vgs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are read
-    as one int32 (scale, min) pair per token and group."""
+    as one int32 (scale, min) pair per token and group, float8 scales as one int16."""
     ks, vs = layer.k_scales, layer.v_scales
-    if ks.element_size() == 2 and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
-        return (ks.view(torch.int32), vs.view(torch.int32), ks.stride(0) // 2, ks.stride(1) // 2,
-                SCALE_TL_DTYPES[ks.dtype])
+    pair = {2: torch.int32, 1: torch.int16}.get(ks.element_size())
+    if pair is not None and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
+        return (ks.view(pair), vs.view(pair), ks.stride(0) // 2, ks.stride(1) // 2, SCALE_TL_DTYPES[ks.dtype])
     return ks, vs, ks.stride(0), ks.stride(1), None
 
 

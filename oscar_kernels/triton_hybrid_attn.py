@@ -193,12 +193,16 @@ def load_or0(ptr, mask):
 @triton.jit
 def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr):
     """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
-    tl.bfloat16, else None): the 16-bit scales are addressed as int32 (scale, min) pairs,
-    one load per token (strides in int32 units)."""
+    tl.bfloat16 / tl.float8e4nv, else None): the scales are addressed as int32 (16-bit) or
+    int16 (float8) (scale, min) pairs, one load per token (strides in pair units)."""
     if PAIR is not None:
         x = load_or0(sc_ptr + slot * s_slot + hoff + g, mask)
-        sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True)
-        mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True)
+        if PAIR == tl.float8e4nv:  # int16 pair of float8 values
+            sc = (x & 0xFF).to(tl.int8).to(PAIR, bitcast=True)
+            mn = (x >> 8).to(tl.int8).to(PAIR, bitcast=True)
+        else:  # int32 pair of 16-bit values
+            sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True)
+            mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True)
         return sc.to(tl.float32), mn.to(tl.float32)
     else:
         base = sc_ptr + slot * s_slot + hoff + 2 * g

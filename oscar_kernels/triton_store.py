@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .int2 import check_group_size
-from .triton_common import (SCALE_TL_DTYPES, check_cache_layout, check_last_dim_contiguous,
+from .triton_common import (SCALE_TL_DTYPES, check_cache_layout, check_last_dim_contiguous, to_scale_dtype,
                             mma_f32, sink_slot_of_row)
 
 
@@ -58,8 +58,8 @@ def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
         xg = tl.reshape(xc, [BLOCK_T, NG, G])
         lo = tl.min(xg, axis=2)
         hi = tl.max(xg, axis=2)
-        scale_q = tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)).to(SCALE_DTYPE)
-        lo_q = lo.to(SCALE_DTYPE)
+        scale_q = to_scale_dtype(tl.math.div_rn(hi - lo, tl.full(hi.shape, 3.0, tl.float32)), SCALE_DTYPE)
+        lo_q = to_scale_dtype(lo, SCALE_DTYPE)
         scale_f = scale_q.to(tl.float32)[:, :, None]
         lo_f = lo_q.to(tl.float32)[:, :, None]
         safe = tl.where(scale_f > 0, scale_f, 1.0)

@@ -28,7 +28,7 @@ from calibration.rotations_file import Rotations, RotationsMeta, load_rotations
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import (HybridLayerCache, LayerRotation, allocate_index,
                                         allocate_layer)
-from oscar_kernels.int2 import KERNEL_SCALE_DTYPES, SCALE_DTYPES
+from oscar_kernels.int2 import SCALE_DTYPES
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 
@@ -66,10 +66,6 @@ def load_rank_rotations(path: str, hf_config, layout: RankLayout
     (the loader refuses a file for another model with a one-line reason). Loaded once
     per process: pool sizing and pool construction share it."""
     rot = _load_validated(path, ModelShape.from_hf_config(hf_config))
-    if rot.meta.scale_dtype not in KERNEL_SCALE_DTYPES:
-        raise ValueError(f"oscar rotations file {path}: scale_dtype {rot.meta.scale_dtype} is for oscar-eval "
-                         f"experiments; the server reads {'/'.join(KERNEL_SCALE_DTYPES)} scales "
-                         f"(recalibrate with --scale-dtype float16)")
     rot = rot.for_tp_rank(layout.tp_rank, layout.tp_size)
     layers = rot.layers[layout.start_layer:layout.start_layer + layout.num_layers]
     if len(layers) != layout.num_layers or rot.meta.num_kv_heads != layout.num_kv_heads:

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-       torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
+       torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def _compile(kernel, args, kwargs):
@@ -152,6 +152,7 @@ CASES = {
     "nodot_convert": (dict(D=128, G=128, S=0, W=0, page=16), dict(use_dot=False, magic_unpack=False),
                       dict(magic_unpack=False), 32),
     "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
+    "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
     "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
                               dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),
 }

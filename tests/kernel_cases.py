@@ -128,11 +128,15 @@ def assert_codes_close(packed_a, packed_b, max_fraction=2e-3):
 
 
 def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache, max_fraction=2e-3):
-    assert_codes_close(test.k_packed, want.k_packed, max_fraction)
-    assert_codes_close(test.v_packed, want.v_packed, max_fraction)
+    """Codes and (scale, min) of two stores of the same tokens. With float8 scales, an fp32
+    rounding difference in the rotation can move a group's scale or min by one float8 step
+    (1/8 relative) and with it many of the group's codes by one level: looser bounds."""
+    f8 = test.k_scales.element_size() == 1
+    assert_codes_close(test.k_packed, want.k_packed, 0.05 if f8 else max_fraction)
+    assert_codes_close(test.v_packed, want.v_packed, 0.05 if f8 else max_fraction)
     for name in ("k_scales", "v_scales"):
         a, b = getattr(test, name).float(), getattr(want, name).float()
-        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+        torch.testing.assert_close(a, b, rtol=0.13 if f8 else 2e-3, atol=2e-3, msg=name)
     for name in ("k_sink", "v_sink", "k_ring", "v_ring"):
         a, b = getattr(test, name).float(), getattr(want, name).float()
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)

@@ -102,6 +102,19 @@ def test_extend_gpu(kernels, case):
     kc.check_extend(sc, hq, new, te.triton_extend)
 
 
+def test_float8_scales_gpu(kernels):
+    """Groups of 64 with float8 (scale, min): store, decode and extend against the reference."""
+    _, ts, td, te = kernels
+    f8 = torch.float8_e4m3fn
+    sc = kc.build([211, 90, 65], H=4, D=128, G=64, S=16, W=64, page=64, fill=False, seed=2, device="cuda",
+                  scale_dtype=f8)
+    kc.check_store(sc, [210, 3, 0], ts.triton_store)
+    sc = kc.build([5, 900, 3000], H=8, D=128, G=64, S=16, W=64, page=64, seed=3, device="cuda", scale_dtype=f8)
+    kc.check_decode(sc, 32, td.triton_decode)
+    sc = kc.build([0, 130, 700], H=8, D=128, G=64, S=16, W=64, page=64, seed=4, device="cuda", scale_dtype=f8)
+    kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
+
+
 def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
     _, _, _, te = kernels
     sc = kc.build([240, 300, 190], H=4, D=128, G=128, S=16, W=64, page=64, valid_from=[240, 100, 0],

@@ -87,10 +87,22 @@ def test_decode_unknown_merge_grid_is_refused():
         _check_decode(sc, 4, triton_decode_mod.DecodeConfig(merge_grid="rows", **_SMALL))
 
 
-def test_kernels_refuse_float8_scales():
-    """float8 scales exist in the reference numerics only; the kernels say so."""
-    sc = kc.build([9, 20], H=2, D=64, G=16, S=4, W=8, page=8, seed=3, scale_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="float16/bfloat16/float32 scales"):
+@pytest.mark.parametrize("grp", [16, 64])  # G >= D/4 (group pairs) and G = D
+def test_float8_scales_store_decode_extend_match_reference(grp):
+    """float8_e4m3fn (scale, min): groups of 64 at the bytes of float16 groups of 128."""
+    f8 = torch.float8_e4m3fn
+    sc = kc.build([21, 9, 5], H=2, D=64, G=grp, S=4, W=8, page=8, fill=False, seed=4, scale_dtype=f8)
+    kc.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
+    sc = kc.build([1, 13, 77], H=2, D=64, G=grp, S=4, W=8, page=8, seed=5, scale_dtype=f8)
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
+    sc = kc.build([0, 13, 40], H=2, D=64, G=grp, S=4, W=8, page=8, seed=6, scale_dtype=f8)
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend,
+                    triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+
+
+def test_kernels_refuse_other_scale_dtypes():
+    sc = kc.build([9, 20], H=2, D=64, G=16, S=4, W=8, page=8, seed=3, scale_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="scales, not torch.float8_e5m2"):
         _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("sglang")
 from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
 
 from sglang_ext.pool import (OscarKVPool, OscarWriteMeta, RankLayout,  # noqa: E402
-                             build_pool_for_configurator, load_rank_rotations,
+                             build_pool_for_configurator, load_rank_rotations, memory_plan,
                              plan_for_configurator)
 
 # Measured: SGLang 0.5.17 BF16 max_total_num_tokens for Qwen3-8B on one H200 at
@@ -177,11 +177,14 @@ def test_each_rank_loads_exactly_its_kv_heads(tmp_path, tp):
             assert torch.equal(layer.k_rot, ref_layer.k_rot[want]) and torch.equal(layer.v_rot, ref_layer.v_rot[want])
 
 
-def test_float8_scale_file_is_refused_by_the_server_with_one_line(tmp_path):
-    path = write_distinct_heads_file(tmp_path / "rot.safetensors", SMALL_QWEN3, scale_dtype="float8_e4m3fn")
-    with pytest.raises(ValueError, match="oscar-eval experiments") as e:
-        load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
-    assert "\n" not in str(e.value)
+def test_float8_scale_file_sizes_the_pool_like_float16_groups_of_twice_the_size(tmp_path):
+    f8 = write_distinct_heads_file(tmp_path / "f8.safetensors", SMALL_QWEN3, group_size=32, scale_dtype="float8_e4m3fn")
+    f16 = write_distinct_heads_file(tmp_path / "f16.safetensors", SMALL_QWEN3, group_size=64)
+    plans = []
+    for path in (f8, f16):
+        _, meta = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
+        plans.append(memory_plan(layout_for(SMALL_QWEN3), meta, 4, 8, 8, None))
+    assert plans[0].scale_dtype == "float8_e4m3fn" and plans[0].bytes_per_token == plans[1].bytes_per_token
 
 
 def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):
