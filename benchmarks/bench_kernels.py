@@ -355,12 +355,12 @@ def run_breakdown(result: dict, out: Path, cases) -> None:
         torch.cuda.empty_cache()
 
 
-def _sweep_pass(result, out, cases, variants, group, budget_s):
+def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch.float16):
     """Variants x cases, variant-major (a variant compiles once per batch size), with the
     cases' caches built once and kept for the pass."""
     scen = {}
     for b, n in cases:
-        sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n)
+        sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n, scale_dtype=scale_dtype)
         scen[(b, n)] = (sc, kc.random_q(sc, HQ))
     for name, kwargs in variants:
         for b, n in cases:
@@ -381,6 +381,7 @@ def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
     variants = sweep_variants(result["sms"])
     key = [c for c in KEY_CASES if c in cases]
     _sweep_pass(result, out, key, variants, GROUP, budget_s)
+    _sweep_pass(result, out, key, [("group=64,float8 scales", {})], 64, budget_s, torch.float8_e4m3fn)
     for group in (32, 64):
         _sweep_pass(result, out, key, [(f"group={group}", {})], group, budget_s)
     rest = [c for c in cases if c not in key]
