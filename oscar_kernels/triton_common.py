@@ -88,12 +88,6 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dimension (stride {t.stride()})")
 
 
-def check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {n: t.device for n, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors on different devices: {devices}")
-
-
 def check_cache_layout(layer) -> None:
     """The kernels index K and V buffers with one set of strides and unit last strides;
     each token's (scale, min) pairs are contiguous."""
@@ -106,8 +100,8 @@ def check_cache_layout(layer) -> None:
     if layer.k_scales.numel() and layer.k_scales.stride(2) != 2:
         raise ValueError("k/v_scales must be contiguous in their last two dimensions")
     if layer.k_scales.dtype not in SCALE_TL_DTYPES:
-        raise ValueError(f"the Triton kernels read float16/bfloat16/float32/float8_e4m3fn scales, "
-                         f"not {layer.k_scales.dtype}")
+        names = "/".join(str(t).removeprefix("torch.") for t in SCALE_TL_DTYPES)
+        raise ValueError(f"the Triton kernels read {names} scales, not {layer.k_scales.dtype}")
 
 
 def group_scale_args(layer):
@@ -130,6 +124,12 @@ def pair_views(layer):
                          "2-byte aligned (head_dim a multiple of 8, even strides)")
     k16, v16 = kp.view(torch.int16), vp.view(torch.int16)
     return k16, v16, k16.stride(0), k16.stride(1)
+
+
+def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
+    """Whether K codes unpack as float16 (HALF): asked for, magic unpacking, and one group
+    per plane or wider (G >= D/4)."""
+    return enabled and magic_unpack and layer.group_size >= layer.head_dim // 4
 
 
 def needs_int64_slots(layer) -> bool:

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            mma_f32, needs_int64_slots, pair_views)
+                            half_keys, mma_f32, needs_int64_slots, pair_views)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -144,15 +144,28 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
 
 
+@triton.jit
+def merge_stats(lse_all, sps):
+    """Of partial lse values [R, NSP2] (log2; -inf for a split that attended to nothing):
+    per row the max m (0 when all are -inf) and l = sum 2^(lse - m), and ``used`` = one past
+    the last split any row attended to (the merge reads no partial beyond it)."""
+    m = tl.max(lse_all, 1)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    l = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
+    used = tl.max(tl.max(tl.where(lse_all > float("-inf"), sps[None, :] + 1, 0), 1), 0)
+    return m, l, used
+
+
 @triton.jit(do_not_specialize=["NSP"])
 def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                   NSP, NSP2: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr,
                   D: tl.constexpr, EB: tl.constexpr, SPB: tl.constexpr, PRECISION: tl.constexpr):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
     of the lse_s (one vector load), then the partials up to the last one that attended to
-    something, SPB at a time ([BH, SPB, D] loads, no running rescale). With one partial per
-    step, batch 1 at 64k (128 splits) took 91 us on the H200 against 62 us for the earlier
-    merge over a static split count; SPB > 1 shortens that dependent chain. Grid (B, H)."""
+    something, SPB at a time ([BH, SPB, D] loads, no running rescale). One partial per step
+    is a chain of 128 dependent steps at batch 1 (128 splits); SPB > 1 shortens it (batch 1
+    at 64k: 91 us in round 3, 62 us in round 1 whose merge looped over a static split
+    count; other changes came between, and SPB is not timed yet). Grid (B, H)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     num_h = tl.num_programs(1)
@@ -164,10 +177,7 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     sps = tl.arange(0, NSP2)  # NSP2: power of two >= every NSP of the workspace (host-computed)
     lse_all = tl.load(mid_lse_ptr + base[:, None] + sps[None, :], mask=hmask[:, None] & (sps < NSP)[None, :],
                       other=float("-inf"))
-    m = tl.max(lse_all, 1)
-    m = tl.where(m > float("-inf"), m, 0.0)
-    l = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
-    used = tl.max(tl.max(tl.where(lse_all > float("-inf"), sps[None, :] + 1, 0), 1), 0)  # unused splits: -inf
+    m, l, used = merge_stats(lse_all, sps)
     acc = tl.zeros([BH, D], tl.float32)
     spb = tl.arange(0, SPB)
     for sp0 in range(0, used, SPB):  # SPB partials per step: their loads are independent
@@ -203,11 +213,9 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
     d = tl.arange(0, D)
     base = (b * num_hq + hq) * NSP
     sps = tl.arange(0, NSP2)
-    lse_all = tl.load(mid_lse_ptr + base + sps, mask=sps < NSP, other=float("-inf"))
-    m = tl.max(lse_all, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)
-    l = tl.sum(tl.exp2(lse_all - m), 0)
-    used = tl.max(tl.where(lse_all > float("-inf"), sps + 1, 0), 0)  # unused splits: -inf
+    lse_all = tl.load(mid_lse_ptr + base + sps[None, :], mask=(sps < NSP)[None, :], other=float("-inf"))
+    m, l, used = merge_stats(lse_all, sps)
+    m, l = tl.max(m, 0), tl.max(l, 0)  # the one row's values as scalars
     acc = tl.zeros([D], tl.float32)
     spb = tl.arange(0, SPB)
     for sp0 in range(0, used, SPB):
@@ -400,7 +408,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(lay), HALF=cfg.half_keys and magic and lay.group_size >= d // 4,
+        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )

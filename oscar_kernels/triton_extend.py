@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            needs_int64_slots, pair_views)
+                            half_keys, needs_int64_slots, pair_views)
 from .triton_decode import rotate_queries
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
                                  online_softmax, request_layout, store_pairs)
@@ -180,6 +180,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
         BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
         USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
-        HALF=cfg.half_keys and cfg.magic_unpack and lay.group_size >= d // 4, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)

@@ -73,37 +73,29 @@ def setk(t, k: tl.constexpr, v):
     return t[:k] + (v,) + t[k + 1:]
 
 
-# Per 32-bit register of two int16 elements: $0 = even bytes, $1 = odd bytes of plane i as
-# two bf16 values 128 + STEP_i * code each (see the module doc). lop3 0xEA = (a & b) | c: one
-# instruction per output register (the 0x43004300 register is hoisted by ptxas).
-_PAIR_ASM_0: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
-_PAIR_ASM_1: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
-_PAIR_ASM_2: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
-_PAIR_ASM_3: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $2, 2; lop3.b32 $0, t, 0x00300030, k, 0xEA; "
-    "shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+def _unpack_asm(magic: int, mask: int, shift: int = 0) -> tl.constexpr:
+    """PTX for one 32-bit register of two int16 elements: $0 = even bytes, $1 = odd bytes
+    (shifted right by 8) of one plane, each ``(($2 >> shift) & mask) | magic``: lop3 0xEA =
+    (a & b) | c, one instruction per output register (ptxas hoists the magic register)."""
+    def out(reg: str, s: int) -> str:
+        if s == 0:
+            return f"lop3.b32 {reg}, $2, 0x{mask:08X}, k, 0xEA;"
+        return f"shr.b32 t, $2, {s}; lop3.b32 {reg}, t, 0x{mask:08X}, k, 0xEA;"
+    return tl.constexpr(f"{{ .reg .b32 t, k; mov.b32 k, 0x{magic:08X}; {out('$0', shift)} {out('$1', 8 + shift)} }}")
 
 
+# Keys/values as bf16 (magic 0x4300): 128 + STEP_i * code, STEP = 1, 4, 16, 16 (plane 3 is
+# shifted down by 2 to stay in the 7-bit mantissa).
+_PAIR_ASM_0: tl.constexpr = _unpack_asm(0x43004300, 0x00030003)
+_PAIR_ASM_1: tl.constexpr = _unpack_asm(0x43004300, 0x000C000C)
+_PAIR_ASM_2: tl.constexpr = _unpack_asm(0x43004300, 0x00300030)
+_PAIR_ASM_3: tl.constexpr = _unpack_asm(0x43004300, 0x00300030, shift=2)
 # Keys as float16 (HALF): fp16 0x6400 | m = 1024 + m for a 10-bit mantissa m, so every
 # plane's field fits in place (no shift but the one to the odd bytes): 1024 + 4^i * code.
-_HALF_ASM_0: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
-_HALF_ASM_1: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
-_HALF_ASM_2: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
-_HALF_ASM_3: tl.constexpr = tl.constexpr(
-    "{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00C000C0, k, 0xEA; "
-    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00C000C0, k, 0xEA; }")
+_HALF_ASM_0: tl.constexpr = _unpack_asm(0x64006400, 0x00030003)
+_HALF_ASM_1: tl.constexpr = _unpack_asm(0x64006400, 0x000C000C)
+_HALF_ASM_2: tl.constexpr = _unpack_asm(0x64006400, 0x00300030)
+_HALF_ASM_3: tl.constexpr = _unpack_asm(0x64006400, 0x00C000C0)
 
 
 @triton.jit
