@@ -19,14 +19,14 @@ run keeps what it measured; server and client logs go to ``--log-dir``; the serv
 whole process group is stopped on exit, on error and on SIGTERM; ``--deadline-s`` bounds
 the wall time of one invocation (whatever does not fit is recorded as skipped).
 
-GPU machine (wheelhouse installed, .device/shapes carried): one call per configuration
-keeps each call under 10 minutes; results accumulate in the JSON given to --out:
+GPU machine (wheelhouse installed, .device/shapes carried). On two GPUs all four
+configurations fit one call (two at a time, one server per GPU, same settings):
 
     export PYTHONPATH=/tmp/site:$PWD
-    cp benchmarks/results/e2e_qwen3-8b-shape.json $OUT/ 2>/dev/null || true
-    python3 benchmarks/e2e.py --configs bf16_triton --out $OUT/e2e_qwen3-8b-shape.json \
-        --log-dir $OUT/e2e_logs
+    python3 benchmarks/e2e.py --gpus 0,1 --out $OUT/e2e_qwen3-8b-shape.json --log-dir $OUT/e2e_logs
 
+On one GPU, one or two configurations per call (``--configs bf16_triton`` ...); results
+accumulate in the JSON given to --out when it is copied there first
 (then bf16_flashinfer, fp8_e4m3, oscar_int2; copy the JSON and logs back to
 benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
 ``--phases capacity,decode`` and ``--phases throughput``. Here, afterwards:
@@ -35,11 +35,13 @@ benchmarks/results/ after each call). If a configuration's call runs out of time
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -102,6 +104,9 @@ def load_results(path: str) -> dict:
         data.setdefault("configs", {})
         return data
     return {"configs": {}}
+
+
+_SAVE_LOCK = threading.Lock()  # parallel workers (--gpus) share one results dict and file
 
 
 def save_results(path: str, data: dict) -> None:
@@ -317,21 +322,24 @@ def phase_throughput(server: Server, args, deadline: Deadline, log_dir: str, nam
 # ------------------------------------------------------------------------- driver
 
 
-def make_server(cfg: ServeConfig, args, rotations: str | None) -> Server:
-    server = Server(f"{cfg.name}.server", server_args(cfg, args, rotations), args.log_dir, port=args.port)
+def make_server(cfg: ServeConfig, args, rotations: str | None, env: dict | None = None) -> Server:
+    server = Server(f"{cfg.name}.server", server_args(cfg, args, rotations), args.log_dir, port=args.port, env=env)
     if args.launcher:  # another launcher (tests use a stand-in); same arguments
         server.cmd = shlex.split(args.launcher) + server.cmd[server.cmd.index("serve") + 1:]
     return server
 
 
-def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations: str | None) -> None:
+def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations: str | None,
+               gpu: str | None = None) -> None:
+    """All requested phases of one configuration on one server (pinned to ``gpu`` if given)."""
     def record(values: dict) -> None:
-        merge(data, cfg.name, values)
-        save_results(args.out, data)
+        with _SAVE_LOCK:
+            merge(data, cfg.name, values)
+            save_results(args.out, data)
 
-    server = make_server(cfg, args, rotations)
+    server = make_server(cfg, args, rotations, env=None if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})
     record({"label": cfg.label, "server_cmd": shlex.join(server.cmd), "server_log": server.log_path,
-            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+            "gpu": gpu, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     # one entry per part run now; None = it went fine (clears an earlier run's error)
     errors = {"server": None, **{p: None for p in args.phases}}
     try:
@@ -359,6 +367,41 @@ def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations
     finally:
         server.stop()
         record({"errors": errors})
+
+
+def run_all(args, deadline: Deadline, data: dict, rotations: str | None) -> None:
+    """The configurations in order, one at a time; with ``--gpus`` one worker per GPU takes
+    the next configuration as soon as its previous one is done (own server port, the
+    server sees only that GPU), so N identical GPUs measure N configurations at once."""
+    pending = list(args.configs)
+    lock = threading.Lock()
+
+    def next_config() -> str | None:
+        with lock:
+            return pending.pop(0) if pending else None
+
+    def worker(wargs, gpu: str | None) -> None:
+        while (name := next_config()) is not None:
+            if deadline.left() < 90:
+                with _SAVE_LOCK:
+                    merge(data, name, {"errors": {"server": "skipped: deadline"}})
+                    save_results(args.out, data)
+                log(f"{name}: skipped (deadline)")
+                continue
+            run_config(CONFIGS[name], wargs, deadline, data, rotations, gpu)
+
+    if not args.gpus:
+        worker(args, None)
+        return
+    threads = []
+    for i, gpu in enumerate(args.gpus):
+        wargs = copy.copy(args)
+        wargs.port = args.port + i  # the server's port and the benchmark client's
+        threads.append(threading.Thread(target=worker, args=(wargs, gpu), name=f"gpu{gpu}"))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def environment() -> dict:
@@ -408,7 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-timeout-s", type=float, default=420)
     ap.add_argument("--decode-timeout-s", type=float, default=180)
     ap.add_argument("--throughput-timeout-s", type=float, default=420)
-    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--port", type=int, default=31000, help="server port (worker i of --gpus: port + i)")
+    ap.add_argument("--gpus", default=None,
+                    help="comma-separated GPU ids: configurations run in parallel, one server per GPU "
+                         "(CUDA_VISIBLE_DEVICES); default: one at a time on what the servers see")
     ap.add_argument("--seed", type=int, default=1)
     # the common memory budget and scheduler settings (identical for every configuration)
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
@@ -449,6 +495,7 @@ def resolve_args(argv: list[str] | None = None):
         raise SystemExit(f"e2e: unknown configuration/phase {', '.join(bad)} "
                          f"(configurations: {', '.join(CONFIG_ORDER)}; phases: {', '.join(PHASES)})")
     args.decode_lens = [int(x) for x in str(args.decode_lens).split(",") if x.strip()]
+    args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     return args
 
 
@@ -482,13 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"writing the data-free hadamard rotations {rotations}")
         write_shape_rotations(args.model, rotations, args.group_size)
     data["settings"]["oscar_rotations"] = rotations
-    for name in args.configs:
-        if deadline.left() < 90:
-            merge(data, name, {"errors": {"server": "skipped: deadline"}})
-            save_results(args.out, data)
-            log(f"{name}: skipped (deadline)")
-            continue
-        run_config(CONFIGS[name], args, deadline, data, rotations)
+    data["settings"]["gpus"] = args.gpus
+    run_all(args, deadline, data, rotations)
     log(f"results: {args.out}")
     try:
         from plot_e2e import plot_e2e

@@ -36,10 +36,11 @@ FAKE_SERVER = textwrap.dedent('''
     dtype = args[args.index("--kv-cache-dtype") + 1]
     info = {"max_total_num_tokens": 1_000_000 if dtype == "oscar_int2" else 250_000,
             "max_running_requests": int(args[args.index("--max-running-requests") + 1]),
-            "kv_cache_dtype": dtype, "argv": args}
+            "kv_cache_dtype": dtype, "argv": args, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
     with open(os.environ["FAKE_SERVER_PIDS"], "a") as f:
         f.write(f"{os.getpid()}\\n")
     print(f"max_total_num_tokens={info['max_total_num_tokens']}, chunked_prefill_size=8192", flush=True)
+    print(f"visible GPUs: {info['gpu']}", flush=True)
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = json.dumps(info).encode() if self.path == "/server_info" else b"{}"
@@ -169,6 +170,28 @@ def test_full_run_against_stand_ins(fakes):
     assert Path(bf16["server_log"]).read_text().count("max_total_num_tokens=250000") == 1
     started = [int(p) for p in pids.read_text().split()]
     assert len(started) == 2 and not any(_alive(p) for p in started)
+
+
+def test_configurations_run_in_parallel_one_per_gpu(fakes):
+    tmp_path, pids = fakes
+    rc = e2e.main(_argv(tmp_path, _free_port(), "--configs", "bf16_triton,bf16_flashinfer,fp8_e4m3",
+                        "--gpus", "0,1", "--phases", "capacity,throughput"))
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    assert data["settings"]["gpus"] == ["0", "1"]
+    cfgs = data["configs"]
+    assert set(cfgs) == {"bf16_triton", "bf16_flashinfer", "fp8_e4m3"}
+    assert all(c["max_total_num_tokens"] == 250_000 and c["throughput_tok_s"] == 3000.0 for c in cfgs.values())
+    assert all(not any(c["errors"].values()) for c in cfgs.values())
+    # the first two start at once, one per GPU; the third takes whichever GPU is free first
+    assert cfgs["bf16_triton"]["gpu"] == "0" and cfgs["bf16_flashinfer"]["gpu"] == "1"
+    assert cfgs["fp8_e4m3"]["gpu"] in ("0", "1")
+    for c in cfgs.values():  # each server saw only its GPU
+        assert f"visible GPUs: {c['gpu']}" in Path(c["server_log"]).read_text()
+    ports = {c["server_cmd"].split("--port ")[1].split()[0] for c in cfgs.values()}
+    assert len(ports) == 2
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 3 and not any(_alive(p) for p in started)
 
 
 def test_phases_merge_across_runs(fakes):
