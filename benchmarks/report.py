@@ -72,6 +72,11 @@ def none_yet(command: str, where: str) -> str:
 # ------------------------------------------------------------------------- sections
 
 
+def _gpu_note(settings: dict) -> str:
+    gpus = settings.get("gpus")
+    return f" (configurations run in parallel, one per GPU: GPUs {', '.join(gpus)} of one host)" if gpus else ""
+
+
 def render_e2e(results_dir: str) -> str:
     files = _files(results_dir, "e2e_*.json")
     if not files:
@@ -86,8 +91,9 @@ def render_e2e(results_dir: str) -> str:
         parts.append(
             f"**{data.get('model', '?')}** (random weights) on {env.get('gpu', 'an unnamed GPU')}, "
             f"SGLang {env.get('sglang', '?')}, `--mem-fraction-static {st.get('mem_fraction_static')} "
-            f"--page-size {st.get('page_size')} --max-running-requests {st.get('max_running_requests')}` "
-            f"for every configuration. Source: `{_rel(path)}`, plot: "
+            f"--page-size {st.get('page_size')} --max-running-requests {st.get('max_running_requests')}"
+            f"{(' ' + st['extra_server_args']) if st.get('extra_server_args') else ''}` "
+            f"for every configuration{_gpu_note(st)}. Source: `{_rel(path)}`, plot: "
             f"`{_rel(os.path.splitext(path)[0] + '.png')}`.")
         rows = []
         for n in names:

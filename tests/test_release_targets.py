@@ -50,6 +50,17 @@ def test_kernel_and_soak_verdicts(tmp_path):
     assert [x for k, x in v.items() if k.startswith("soak")] == ["met", "met"]
 
 
+def test_e2e_throughput_is_judged_against_the_faster_bf16(tmp_path):
+    _write(tmp_path, "e2e_qwen3-8b-shape.json", {"configs": {
+        "bf16_triton": {"throughput_tok_s": 50.0, "decode_ms_64k": 30.0},
+        "bf16_flashinfer": {"throughput_tok_s": 100.0, "decode_ms_64k": 7.5},
+        "oscar_int2": {"throughput_tok_s": 400.0, "decode_ms_64k": 5.0, "concurrent_100k": 52}}})
+    rows = {t: (m, v) for t, m, v in targets.evaluate(str(tmp_path)) if t.startswith("end to end")}
+    tp = next(x for t, x in rows.items() if "throughput" in t)
+    assert tp == ("4.00 x (bf16_flashinfer)", "missed")  # 8 x bf16_triton, but 4 x flashinfer
+    assert [v for _, v in rows.values()] == ["met", "missed", "met"]  # 52; 4 x; 5.0 <= 7.5 / 1.5
+
+
 def test_fidelity_table_shows_deltas_and_first_token_logprob():
     import report
 
