@@ -74,6 +74,23 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b)) if len(a) != len(b) else -1
 
 
+def agree_up_to_a_near_tie(got: list[str], want: list[str], want_top: list[dict], margin: float):
+    """None when ``got`` equals the reference ``want`` or first leaves it at a near-tie of
+    the reference (its top two within ``margin`` nats, ``got`` taking the runner-up);
+    else a message saying where and how they differ."""
+    k = first_divergence(got, want)
+    if k < 0:
+        return None
+    if k >= min(len(got), len(want)):
+        return f"lengths differ: {len(got)} vs {len(want)} tokens"
+    top = sorted(want_top[k].items(), key=lambda kv: -kv[1])
+    gap = top[0][1] - want_top[k].get(got[k], float("-inf"))
+    if got[k] in dict(top[:2]) and gap <= margin:
+        return None
+    return (f"token {k}: got {got[k]!r}, reference {want[k]!r} (reference top-2 {top[:2]}, gap {gap:.3f} "
+            f"nats > {margin}) after {''.join(want[:k])!r}")
+
+
 def save_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

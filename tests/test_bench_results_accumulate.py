@@ -51,3 +51,15 @@ def test_tp_check_prompts_and_refusals():
         tp_check.main(["--configs", "oscar_int2"])
     with pytest.raises(SystemExit, match="--tp"):
         tp_check.main(["--configs", "bf16", "--tp", "1"])
+
+
+def test_near_tie_rule():
+    from server_harness import agree_up_to_a_near_tie as agree
+
+    top = [{"a": -0.1, "x": -3.0}, {"R": -3.119, "J": -3.182}, {"c": -0.5, "d": -0.7}]
+    assert agree(["a", "R", "c"], ["a", "R", "c"], top, 0.1) is None
+    assert agree(["a", "J", "q"], ["a", "R", "c"], top, 0.1) is None  # 0.063 nats: a near-tie
+    assert "token 1" in agree(["a", "J", "q"], ["a", "R", "c"], top, 0.05)
+    assert "token 0" in agree(["x", "R", "c"], ["a", "R", "c"], top, 0.1)  # 2.9 nats apart
+    assert "token 1" in agree(["a", "Q", "c"], ["a", "R", "c"], top, 0.1)  # not a candidate
+    assert "lengths" in agree(["a", "R"], ["a", "R", "c"], top, 0.1)
