@@ -63,3 +63,18 @@ def test_near_tie_rule():
     assert "token 0" in agree(["x", "R", "c"], ["a", "R", "c"], top, 0.1)  # 2.9 nats apart
     assert "token 1" in agree(["a", "Q", "c"], ["a", "R", "c"], top, 0.1)  # not a candidate
     assert "lengths" in agree(["a", "R"], ["a", "R", "c"], top, 0.1)
+
+
+def test_tp_check_classifies_divergences():
+    import tp_check
+
+    prompts = [[1] * 10, [2] * 20, [3] * 30]
+    ref = [([5, 6, 7], [{5: -0.1}, {6: -1.0, 9: -1.05}, {7: -0.2}]),
+           ([5, 6, 7], [{5: -0.1, 8: -3.0}, {6: -0.1}, {7: -0.2}]),
+           ([4, 4, 4], [{4: -0.1}, {4: -0.1}, {4: -0.1}])]
+    got = [([5, 9, 1], None), ([8, 6, 7], None), ([4, 4, 4], None)]
+    res = tp_check.compare(prompts, ref, got, 0.1)
+    assert res["compared"] == 3 and res["exact_equal"] == 1 and res["equal_up_to_a_near_tie"] == 2
+    assert res["first_divergent_token"] == [
+        {"prompt_len": 10, "token": 1, "near_tie": True, "ref_top2_gap": 0.05},
+        {"prompt_len": 20, "token": 0, "near_tie": False, "ref_top2_gap": 2.9}]
