@@ -75,6 +75,10 @@ CONFIGS = {
                             label="FP8 e4m3 KV (SGLang), triton attention"),
     "oscar_int2": ServeConfig("oscar_int2", ("--kv-cache-dtype", "oscar_int2"), oscar=True,
                               label="OSCAR INT2 KV (+BF16 sink/recent)"),
+    # not in the default set: the BF16-materialised prefix read of prefill, to time against oscar_int2
+    "oscar_int2_bf16_prefix": ServeConfig("oscar_int2_bf16_prefix",
+                                          ("--kv-cache-dtype", "oscar_int2", "--oscar-extend-prefix", "bf16"),
+                                          oscar=True, label="OSCAR INT2 KV, prefill reads the prefix as BF16"),
 }
 
 
@@ -438,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=default_model(), help="model directory (config + tokenizer)")
     ap.add_argument("--configs", default=",".join(CONFIG_ORDER),
-                    help=f"comma-separated, from {', '.join(CONFIG_ORDER)}")
+                    help=f"comma-separated, from {', '.join(CONFIGS)}")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {', '.join(PHASES)}")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e_<model>.json)")
     ap.add_argument("--log-dir", default=None, help="server/client logs (default <out dir>/e2e_logs)")
@@ -493,7 +497,7 @@ def resolve_args(argv: list[str] | None = None):
     bad = [c for c in args.configs if c not in CONFIGS] + [p for p in args.phases if p not in PHASES]
     if bad:
         raise SystemExit(f"e2e: unknown configuration/phase {', '.join(bad)} "
-                         f"(configurations: {', '.join(CONFIG_ORDER)}; phases: {', '.join(PHASES)})")
+                         f"(configurations: {', '.join(CONFIGS)}; phases: {', '.join(PHASES)})")
     args.decode_lens = [int(x) for x in str(args.decode_lens).split(",") if x.strip()]
     args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     return args
@@ -519,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
 
     rotations = args.rotations
-    if "oscar_int2" in args.configs and not rotations:
+    if any(CONFIGS[c].oscar for c in args.configs) and not rotations:
         from capacity import write_shape_rotations  # the data-free hadamard file capacity.py uses
 
         import tempfile  # not next to the logs: 38 MB for Qwen3-8B, and reproducible from the shape

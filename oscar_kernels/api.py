@@ -96,13 +96,18 @@ def extend_attention(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
                      req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      qo_indptr: torch.Tensor, max_extend_len: int, sm_scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, prefix_read: str = "int2",
+                     prefix_lens_host=None) -> torch.Tensor:
     """New tokens attend to their hybrid prefix and causally to themselves (k_rot, v_rot
-    from store_kv's rotated_out). Returns o [T, Hq, D]."""
+    from store_kv's rotated_out). Returns o [T, Hq, D]. ``prefix_read`` (Triton path):
+    "int2" unpacks the prefix inside the attention, "bf16" materialises it first
+    (triton_materialize; ``prefix_lens_host``, the prefix lengths as host ints, avoids a
+    device sync); both compute the reference's result."""
     if use_triton(q):
-        from .triton_extend import triton_extend
+        from .triton_extend import ExtendConfig, triton_extend
         return triton_extend(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows,
-                             prefix_lens, qo_indptr, max_extend_len, sm_scale, out=out)
+                             prefix_lens, qo_indptr, max_extend_len, sm_scale, out=out,
+                             config=ExtendConfig(prefix_read=prefix_read), prefix_lens_host=prefix_lens_host)
     o_rot = ref.reference_extend(_rotate_queries(q, rotation.k_rot), k_rot, v_rot, layer, index,
                                  req_to_token, rows, prefix_lens, qo_indptr, sm_scale)
     o = ref.rotate(o_rot, ref.expand_gqa(rotation.v_rot, q.shape[1]).transpose(-1, -2))

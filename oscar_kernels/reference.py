@@ -85,6 +85,16 @@ def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: to
     return k, v
 
 
+def reference_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
+                                 rows: torch.Tensor, prefix_lens: torch.Tensor):
+    """(k, v) bf16 [sum L_b, H, D]: the hybrid prefixes of the requests as the read rule
+    gives them (hybrid_kv), request after request (twin of triton_materialize)."""
+    h, d = layer.num_kv_heads, layer.head_dim
+    parts = [hybrid_kv(layer, index, req_to_token, int(r), int(n)) for r, n in zip(rows, prefix_lens)]
+    parts = parts or [(torch.empty(0, h, d, device=layer.k_packed.device),) * 2]
+    return torch.cat([k for k, _ in parts]).bfloat16(), torch.cat([v for _, v in parts]).bfloat16()
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
             mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] softmax attention, GQA, float32."""

@@ -249,11 +249,14 @@ class DecodeConfig:
     num_warps: int = 1
     num_stages: int = 2
     # ptxas register cap (maxnreg) of stage 1 when one quantisation group spans the head
-    # (G = D, the calibration default): at 136, 15 one-warp programs fit an SM (uncapped,
-    # ~230 registers: 8) and no value spills inside the token loops (a few in the prologue).
-    # Smaller groups keep a dot chain, weights and min sums per group and run uncapped (the
-    # cap would spill in the loop). None: uncapped.
-    max_registers: int | None = 136
+    # (G = D, the calibration default): at 168, 12 one-warp programs fit an SM (uncapped,
+    # ~230 registers: 8) and no value spills inside the token loops. Timed on the H200
+    # (kernels_h200.json, round 4, same run): 168 vs the previous 136 is 0.77-0.85 x the
+    # time at batch 8 (4k-128k), 0.97-0.99 x at batch 64, within +-0.7% at batch 1; 128
+    # spills in the loop (1.6 x slower at b64 128k). Smaller groups keep a dot chain,
+    # weights and min sums per group and run uncapped (the cap would spill in the loop).
+    # None: uncapped.
+    max_registers: int | None = 168
     max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
     # INT2 programs to aim for: NS = clamp(target // (B * H), 1, max_splits), at most one
     # wave of equally long programs (a second, partial wave would double the time).

@@ -9,10 +9,14 @@ Program (m, b, h) serves BLOCK_M new tokens x the Hq/H query heads of KV head h 
 r = token * GQP + head), flash-attention style with one running (max, sum) per row; the
 INT2 part uses the plane algebra of triton_hybrid_attn. Three launches: q' = q R_K,
 the attention (o' in float32), o = o' R_V^T (the rotation kernels of triton_decode).
+With ``ExtendConfig.prefix_read="bf16"`` a fourth launch first materialises every
+request's hybrid prefix as BF16 rows (triton_materialize), so that the prefix is unpacked
+once per call instead of once per block of rows, and the attention is BF16 throughout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
@@ -22,6 +26,7 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, needs_int64_slots, pair_views)
 from .triton_decode import rotate_queries
+from .triton_materialize import prefix_offsets, triton_materialize_prefix
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
                                  online_softmax, request_layout, store_pairs)
 
@@ -33,17 +38,21 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                    kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
+                   kpre_ptr, vpre_ptr, spre_t, spre_h, pre_off_ptr,
                    o_ptr, so_t, so_h, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
                    USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-                   HALF: tl.constexpr):
+                   HALF: tl.constexpr, BF16_PREFIX: tl.constexpr):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
-    Two phases keep the live state small: (1) the INT2 prefix with plane accumulators,
-    normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring, causal new
-    tokens) with one [R, D] accumulator, then the log-sum-exp merge with the parked part."""
+    BF16_PREFIX: the prefix was materialised (triton_materialize) as BF16 rows
+    kpre/vpre[pre_off[b] + t]; one [R, D] accumulator runs over them and the new tokens.
+    Otherwise two phases keep the live state small: (1) the INT2 prefix with plane
+    accumulators, normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring,
+    causal new tokens) with one [R, D] accumulator, then the log-sum-exp merge with the
+    parked part."""
     mb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -59,31 +68,38 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         tok = qo_lo + tq
         hq = (h * GQ + gg).to(tl.int64)
         d = tl.arange(0, D)
-        row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
-                                                 pos_of_ptr, page_size, vf_ptr, S, W)
         o_vec = o_ptr + tok * so_t + hq * so_h  # [R] row pointers of o'
-        # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
         q_vec = qr_ptr + tok * sq_t + hq * sq_h
-        qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC, HALF)
-        st = int2_range(qops, qsums, int2_state(R, D, G), s_b, ring_lo, r2t_ptr + row * r2t_stride,
-                        kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
-                        SLOT64, HALF)
-        outs, m2, l2 = int2_finish(st, D, G, MAGIC)
-        store_pairs(o_vec, rmask, outs, D)
-        # ---- phase 2: BF16 sinks, ring, then the new tokens causally
-        q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
         m_i = tl.full([R], float("-inf"), tl.float32)
         l_i = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
-        if S > 0:
-            cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
-                                       0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
-        if W > 0:
-            rr = row * srg_r + h * srg_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
-                                       ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+        if BF16_PREFIX:
+            q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+            pre = tl.load(pre_off_ptr + b).to(tl.int64) * spre_t + h * spre_h
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kpre_ptr + pre, vpre_ptr + pre, spre_t,
+                                       0, tl.load(pre_ptr + b).to(tl.int64), 0, qk_scale, BN_BF16, D,
+                                       USE_DOT, INTERP)
+        else:
+            row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
+                                                     pos_of_ptr, page_size, vf_ptr, S, W)
+            # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
+            qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC, HALF)
+            st = int2_range(qops, qsums, int2_state(R, D, G), s_b, ring_lo, r2t_ptr + row * r2t_stride,
+                            kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
+                            kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
+                            SLOT64, HALF)
+            outs, m2, l2 = int2_finish(st, D, G, MAGIC)
+            store_pairs(o_vec, rmask, outs, D)
+            # ---- phase 2: BF16 sinks, ring, then the new tokens causally
+            q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+            if S > 0:
+                cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
+                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
+                                           0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+            if W > 0:
+                rr = row * srg_r + h * srg_h
+                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
+                                           ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
         nb = tl.arange(0, BN_BF16)
         kv_new = h * sn_h
         for j0 in range(0, tl.minimum(e, m0 + BM), BN_BF16):
@@ -96,17 +112,20 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
             acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], qk_scale * 0.0, USE_DOT, INTERP)
-        # ---- merge the parked INT2 part (written by other threads of this program)
-        tl.debug_barrier()
-        o2 = tl.load(o_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-        m = tl.maximum(m_i, m2)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        f1 = tl.exp2(m_i - m_safe)
-        f2 = tl.exp2(m2 - m_safe) * l2
-        den = l_i * f1 + f2
-        den = tl.where(den > 0, den, 1.0)
-        o = (acc * f1[:, None] + o2 * f2[:, None]) / den[:, None]
-        tl.debug_barrier()
+        if BF16_PREFIX:  # every row attends to its own token at least: l_i > 0
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        else:
+            # ---- merge the parked INT2 part (written by other threads of this program)
+            tl.debug_barrier()
+            o2 = tl.load(o_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+            m = tl.maximum(m_i, m2)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            f1 = tl.exp2(m_i - m_safe)
+            f2 = tl.exp2(m2 - m_safe) * l2
+            den = l_i * f1 + f2
+            den = tl.where(den > 0, den, 1.0)
+            o = (acc * f1[:, None] + o2 * f2[:, None]) / den[:, None]
+            tl.debug_barrier()
         tl.store(o_vec[:, None] + d[None, :], o, mask=rmask[:, None])
 
 
@@ -123,6 +142,14 @@ class ExtendConfig:
     half_keys: bool = True  # as DecodeConfig.half_keys
     use_dot: bool = True
     fp32_precision: str = "ieee"
+    # how the prefix is read: "int2" (unpacked in every program, nothing materialised) or
+    # "bf16" (materialised once per call by triton_materialize: sum(prefix) x H x D x 4 bytes
+    # of scratch, then BF16 flash attention)
+    prefix_read: str = "int2"
+    materialize_block: int = 64  # prefix tokens per materialising program
+
+
+PREFIX_READS = ("int2", "bf16")
 
 
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
@@ -130,11 +157,15 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
                   q_rot_buffer: torch.Tensor | None = None, o_rot_buffer: torch.Tensor | None = None,
-                  config: ExtendConfig | None = None) -> torch.Tensor:
+                  config: ExtendConfig | None = None, prefix_lens_host: Sequence[int] | None = None) -> torch.Tensor:
     """Extend attention (api.extend_attention semantics): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
-    ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync)."""
+    ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
+    ``prefix_lens_host``: prefix_lens as host ints, for ``prefix_read="bf16"`` (without
+    it the lengths are read back from the device: one sync)."""
     cfg = config or ExtendConfig()
+    if cfg.prefix_read not in PREFIX_READS:
+        raise ValueError(f"prefix_read {cfg.prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
     t, hq, d = q.shape
     h = layer.num_kv_heads
     if d != layer.head_dim or hq % h or k_rot.shape != (t, h, d) or v_rot.shape != (t, h, d):
@@ -166,6 +197,15 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     bm = max(1, cfg.block_rows // gqp)
     lay = layer
     gs = group_scale_args(lay)
+    bf16_prefix = cfg.prefix_read == "bf16"
+    if bf16_prefix:
+        host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
+        k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
+                                                 block_tokens=cfg.materialize_block)
+        pre_off = prefix_offsets(prefix_lens)
+    else:  # unused pointers (never read)
+        k_pre = v_pre = k_rot
+        pre_off = prefix_lens
     grid = (triton.cdiv(max_extend_len, bm), b, h)
     _extend_kernel[grid](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
@@ -176,11 +216,12 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         *gs[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
+        k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
         GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
         BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
         USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
-        HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), num_warps=cfg.num_warps,
+        HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), BF16_PREFIX=bf16_prefix, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)

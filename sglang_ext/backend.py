@@ -58,6 +58,7 @@ class ExtendPlan:
     prefix_lens: torch.Tensor  # [B] cached prefix length L
     qo_indptr: torch.Tensor  # [B+1] new tokens of request b: qo_indptr[b]:qo_indptr[b+1]
     max_extend_len: int
+    prefix_lens_host: list[int]  # prefix_lens as host ints
     slots: torch.Tensor  # [T] pool slot of each new token
     write: OscarWriteMeta  # [T] positions, rows, sequence ends
 
@@ -114,7 +115,8 @@ def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
     owners = torch.tensor([rid_hash(r) for r in list(rids)[:bs]], dtype=torch.int64)
     update_ring_validity(pool, rows, prefix, seq_ends, owners.to(device, non_blocking=True))
     return ExtendPlan(rows=rows, prefix_lens=prefix, qo_indptr=qo_indptr,
-                      max_extend_len=max(ext_cpu, default=0), slots=slots, write=write)
+                      max_extend_len=max(ext_cpu, default=0), prefix_lens_host=[int(p) for p in prefix_cpu],
+                      slots=slots, write=write)
 
 
 class OscarAttnBackend(TritonAttnBackend):
@@ -225,7 +227,8 @@ class OscarAttnBackend(TritonAttnBackend):
         api.extend_attention(q.view(t, hq, d), k_rot, v_rot, pool.layer_cache(layer.layer_id),
                              pool.index, pool.layer_rotation(layer.layer_id), pool.req_to_token,
                              plan.rows, plan.prefix_lens, plan.qo_indptr, plan.max_extend_len,
-                             layer.scaling, out=o.view(t, hq, d))
+                             layer.scaling, out=o.view(t, hq, d), prefix_read=pool.extend_prefix,
+                             prefix_lens_host=plan.prefix_lens_host)
         pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_int2=False,
                            write_ring=True)
         return o

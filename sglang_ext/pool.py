@@ -100,8 +100,9 @@ class OscarKVPool(MHATokenToKVPool):
                  group_size: int, scale_dtype: str = "float16",
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
-                 enable_alt_stream: bool = True):
+                 enable_alt_stream: bool = True, extend_prefix: str = "int2"):
         num_rows = req_to_token.shape[0]
+        self.extend_prefix = extend_prefix  # how extend reads cached prefixes (settings.EXTEND_PREFIX_READS)
         self.plan = OscarMemoryPlan(
             num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
             group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
@@ -270,4 +271,5 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         sink_tokens=s.sink_tokens, recent_window=s.recent_window, group_size=meta.group_size,
         scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
         start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
-        enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)))
+        enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
+        extend_prefix=s.extend_prefix)

@@ -3,7 +3,8 @@
 Two ways the flags reach SGLang 0.5.17:
 
 - **patched sglang** (``oscar-sglang patch --apply``): ``oscar_rotations``,
-  ``oscar_sink_tokens``, ``oscar_recent_window`` and ``oscar_sink_slots`` are first-class
+  ``oscar_sink_tokens``, ``oscar_recent_window``, ``oscar_sink_slots`` and
+  ``oscar_extend_prefix`` are first-class
   ``ServerArgs`` fields (so ``sgl.Engine(..., oscar_rotations=...)`` and ``--config`` YAML
   take them) and ``oscar_int2`` is one of the ``--kv-cache-dtype`` choices;
 - **plugin only** (unpatched sglang): :func:`install_server_args_hooks` adds the choice and
@@ -28,6 +29,9 @@ DEFAULT_RECENT_WINDOW = 128
 # page size used when --kv-cache-dtype oscar_int2 is given without --page-size; sinks live
 # on a sequence's first page, so the page must hold at least the sink tokens.
 DEFAULT_PAGE_SIZE = 64
+# how extend (prefill) reads a cached prefix (oscar_kernels.triton_extend.PREFIX_READS)
+EXTEND_PREFIX_READS = ("int2", "bf16")
+DEFAULT_EXTEND_PREFIX = "int2"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,10 @@ FLAGS = (
     OscarFlag("oscar_sink_slots", "SGLANG_OSCAR_SINK_SLOTS", int,
               "OSCAR: number of BF16 sink slots (sequences whose sinks are held at once; "
               "default: chosen by the pool)."),
+    OscarFlag("oscar_extend_prefix", "SGLANG_OSCAR_EXTEND_PREFIX", str,
+              f"OSCAR: how prefill reads a cached prefix: int2 (default: unpacked inside the "
+              "attention) or bf16 (dequantised once per layer into a scratch buffer of "
+              "4 x prefix tokens x KV heads x head_dim bytes, then BF16 attention)."),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 
@@ -70,6 +78,7 @@ class OscarSettings:
     sink_tokens: int
     recent_window: int
     sink_slots: int | None
+    extend_prefix: str = DEFAULT_EXTEND_PREFIX
 
 
 def is_oscar(server_args) -> bool:
@@ -104,6 +113,17 @@ def _int(server_args, field: str, default: int | None, minimum: int) -> int | No
     return n
 
 
+def _choice(server_args, field: str, default: str, choices: tuple[str, ...]) -> str:
+    value = raw_value(server_args, field)
+    if value is None:
+        return default
+    if value not in choices:
+        flag = FLAG_BY_FIELD[field]
+        where = flag.cli if getattr(server_args, field, None) is not None else flag.env
+        raise OscarConfigError(f"{where}={value!r}: choose from {', '.join(choices)}")
+    return value
+
+
 def oscar_settings(server_args) -> OscarSettings:
     """The validated OSCAR settings of ``server_args`` (one-line OscarConfigError on bad input)."""
     if not is_oscar(server_args):
@@ -123,6 +143,7 @@ def oscar_settings(server_args) -> OscarSettings:
         sink_tokens=_int(server_args, "oscar_sink_tokens", DEFAULT_SINK_TOKENS, 0),
         recent_window=_int(server_args, "oscar_recent_window", DEFAULT_RECENT_WINDOW, 1),
         sink_slots=_int(server_args, "oscar_sink_slots", None, 1),
+        extend_prefix=_choice(server_args, "oscar_extend_prefix", DEFAULT_EXTEND_PREFIX, EXTEND_PREFIX_READS),
     )
 
 

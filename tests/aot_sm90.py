@@ -127,12 +127,12 @@ class _Recorder:
 
 
 def _patch(case, results):
-    from oscar_kernels import triton_decode, triton_extend, triton_store
+    from oscar_kernels import triton_decode, triton_extend, triton_materialize, triton_store
     saved = []
     for mod, name in ((triton_store, "_store_kernel"), (triton_decode, "_rotate_q_kernel"),
                       (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge"),
                       (triton_decode, "_decode_merge_row"),
-                      (triton_extend, "_extend_kernel")):
+                      (triton_extend, "_extend_kernel"), (triton_materialize, "_materialize_kernel")):
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(getattr(mod, name), case, results))
     return saved
@@ -153,6 +153,7 @@ CASES = {
                       dict(magic_unpack=False), 32),
     "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
+    "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {}, dict(prefix_read="bf16"), 32),
     "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
                               dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),
 }

@@ -45,6 +45,15 @@ def test_default_kernels_compile_for_sm90_without_spills():
             assert x["spill_bytes"] <= 256, f"stage 1 spills {x['spill_bytes']} bytes"
 
 
+def test_bf16_prefix_extend_compiles_for_sm90_without_spills():
+    """ExtendConfig(prefix_read="bf16"): the materialising kernel and the BF16 extend."""
+    recs = [x for x in _run("g128_bf16_prefix") if x["kernel"] in ("_materialize_kernel", "_extend_kernel")]
+    assert {x["kernel"] for x in recs} == {"_materialize_kernel", "_extend_kernel"}
+    for x in recs:
+        assert x["ok"], x.get("error")
+        assert x["spill_bytes"] == 0, f"{x['kernel']} spills {x['spill_bytes']} bytes"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OSCAR_AOT_ALL") != "1", reason="set OSCAR_AOT_ALL=1 (minutes of compiling)")
 @pytest.mark.parametrize("case", ["g32_nw4", "g64_d64", "g8_gq1", "nodot_convert"])

@@ -12,9 +12,10 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 
 import kernel_cases as kc  # noqa: E402
+from oscar_kernels import reference as ref  # noqa: E402
 
 _KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_hybrid_attn", "oscar_kernels.triton_store",
-                   "oscar_kernels.triton_decode", "oscar_kernels.triton_extend"]
+                   "oscar_kernels.triton_decode", "oscar_kernels.triton_materialize", "oscar_kernels.triton_extend"]
 
 
 def _interpreted_modules():
@@ -28,7 +29,7 @@ def _interpreted_modules():
     return mods
 
 
-_, _, triton_store_mod, triton_decode_mod, triton_extend_mod = _interpreted_modules()
+_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = _interpreted_modules()
 
 
 # ---------------------------------------------------------------- store
@@ -162,6 +163,62 @@ def test_extend_matches_reference(case):
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
     cfg = triton_extend_mod.ExtendConfig(magic_unpack=magic, **_SMALL_EXT)
     kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)
+
+
+# ---------------------------------------------------------------- BF16-materialised prefix
+@pytest.mark.parametrize("case", [
+    # (D, G, S, W, page, scale dtype, valid_from, evicted sink of, no sink for)
+    (64, 16, 4, 8, 8, torch.float16, None, (), ()),
+    (64, 64, 0, 8, 8, torch.float16, None, (), ()),
+    (128, 8, 2, 0, 4, torch.bfloat16, None, (), ()),
+    (64, 16, 4, 8, 8, torch.float8_e4m3fn, [24, 10, 0, 0], (2,), (3,)),
+])
+def test_materialize_prefix_matches_reference(case):
+    d, grp, s, w, page, dt, vf, evict, no_sink = case
+    lens = [30, 19, 40, 9] if vf else [0, 5, 13, 77]
+    sc = kc.build(lens, H=2, D=d, G=grp, S=s, W=w, page=page, seed=d + grp, scale_dtype=dt,
+                  valid_from=vf, evict_sink_of=evict, no_sink=no_sink)
+    pre = torch.tensor(lens, dtype=torch.int32)
+    want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
+    got = triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
+                                                           lens, block_tokens=16)
+    assert got[0].shape == (sum(lens), 2, d) and got[0].dtype == torch.bfloat16
+    for g, w_ in zip(got, want):  # one bf16 ulp: the interpreter's float32 -> bf16 cast truncates
+        torch.testing.assert_close(g.float(), w_.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_materialize_prefix_refuses_small_buffers():
+    sc = kc.build([9, 4], H=2, D=64, G=16, S=4, W=8, page=8, seed=2)
+    small = torch.empty(12, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_out/v_out"):
+        triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows,
+                                                         torch.tensor([9, 4]), [9, 4], small, small.clone())
+
+
+@pytest.mark.parametrize("case", [
+    # (prefix lens, new lens, D, G, Hq, H, S, W, scale dtype, valid_from, evicted sink of)
+    ([0, 5, 13, 40], [7, 1, 20, 9], 64, 16, 4, 2, 4, 8, torch.float16, None, ()),
+    ([24, 30, 19], [5, 12, 0], 64, 16, 4, 2, 4, 8, torch.float16, [24, 10, 0], (2,)),
+    ([21, 9], [3, 18], 128, 32, 8, 2, 2, 0, torch.float8_e4m3fn, None, ()),
+    ([33], [17], 64, 64, 16, 2, 0, 16, torch.float16, None, ()),
+])
+def test_extend_with_bf16_prefix_matches_reference(case):
+    import functools
+
+    prefix, new, d, grp, hq, h, s, w, dt, vf, evict = case
+    sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=8, seed=3 + d, scale_dtype=dt,
+                  valid_from=vf, evict_sink_of=evict)
+    cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16", materialize_block=16, **_SMALL_EXT)
+    fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=prefix)
+    kc.check_extend(sc, hq, new, fn, cfg)
+    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
+
+
+def test_extend_unknown_prefix_read_is_refused():
+    sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
+    with pytest.raises(ValueError, match="prefix_read"):
+        kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
+                        triton_extend_mod.ExtendConfig(prefix_read="fp8", **_SMALL_EXT))
 
 
 def test_extend_bf16_keys():

@@ -69,7 +69,8 @@ def test_apply_check_revert_round_trip(pristine, patches, capsys):
     assert after != before
     assert all(patching.patch_state(p, pristine)[0] == APPLIED for p in patches)
     text = (pristine / "srt/server_args.py").read_text()
-    for field in ("oscar_rotations", "oscar_sink_tokens", "oscar_recent_window", "oscar_sink_slots"):
+    for field in ("oscar_rotations", "oscar_sink_tokens", "oscar_recent_window", "oscar_sink_slots",
+                  "oscar_extend_prefix"):
         assert f"    {field}: A[" in text
     assert '"oscar_int2",' in text
     assert patching.main(["--check", *args]) == 0

@@ -310,3 +310,26 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
         sim.backend.forward_decode(x, kv, kv, sim.layers[0], fb, save_kv_cache=False)
     with pytest.raises(ValueError, match="oscar_int2"):
         sim.backend._init_oscar(object(), D)
+
+
+def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels():
+    """--oscar-extend-prefix reaches api.extend_attention with the batch's host prefix
+    lengths (the bf16 path sizes its scratch from them without a device sync)."""
+    from unittest import mock
+
+    from oscar_kernels import api
+
+    sim = Sim()
+    sim.pool.extend_prefix = "bf16"
+    seen = []
+    real = api.extend_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("prefix_read"), kwargs.get("prefix_lens_host")))
+        return real(*args, **kwargs)
+
+    with mock.patch.object(api, "extend_attention", spy):
+        sim.extend([dict(rid="a", row=1, content="A", prefix=0, new=20)])
+        sim.extend([dict(rid="a", row=1, content="A", prefix=20, new=12),
+                    dict(rid="b", row=2, content="B", prefix=0, new=5)])
+    assert seen == [("bf16", [0])] * LAYERS + [("bf16", [20, 0])] * LAYERS

@@ -104,9 +104,10 @@ def test_hooks_installed_once_on_this_unpatched_install():
 def test_parser_accepts_choice_and_oscar_flags():
     p = parser()
     a = p.parse_args(["--model-path", "m", "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", "r.st",
-                      "--oscar-sink-tokens", "8", "--oscar-recent-window", "64", "--oscar-sink-slots", "3"])
+                      "--oscar-sink-tokens", "8", "--oscar-recent-window", "64", "--oscar-sink-slots", "3",
+                      "--oscar-extend-prefix", "bf16"])
     assert (a.kv_cache_dtype, a.oscar_rotations, a.oscar_sink_tokens, a.oscar_recent_window,
-            a.oscar_sink_slots) == (OSCAR_KV_DTYPE, "r.st", 8, 64, 3)
+            a.oscar_sink_slots, a.oscar_extend_prefix) == (OSCAR_KV_DTYPE, "r.st", 8, 64, 3, "bf16")
     b = p.parse_args(["--model-path", "m"])
     assert all(getattr(b, f.field) is None for f in FLAGS)
     assert b.kv_cache_dtype == "auto"
@@ -129,8 +130,9 @@ def test_settings_from_env_with_defaults(small_rot):
     with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot}):
         assert oscar_settings(sa) == OscarSettings(small_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, None)
     with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot, "SGLANG_OSCAR_SINK_TOKENS": "4",
-                                      "SGLANG_OSCAR_RECENT_WINDOW": "32", "SGLANG_OSCAR_SINK_SLOTS": "7"}):
-        assert oscar_settings(sa) == OscarSettings(small_rot, 4, 32, 7)
+                                      "SGLANG_OSCAR_RECENT_WINDOW": "32", "SGLANG_OSCAR_SINK_SLOTS": "7",
+                                      "SGLANG_OSCAR_EXTEND_PREFIX": "bf16"}):
+        assert oscar_settings(sa) == OscarSettings(small_rot, 4, 32, 7, "bf16")
 
 
 def test_settings_fields_win_over_env(small_rot, tmp_path):
@@ -149,6 +151,7 @@ def test_settings_fields_win_over_env(small_rot, tmp_path):
     ({"SGLANG_OSCAR_SINK_TOKENS": "-1"}, "SGLANG_OSCAR_SINK_TOKENS=-1 must be >= 0"),
     ({"SGLANG_OSCAR_RECENT_WINDOW": "0"}, "SGLANG_OSCAR_RECENT_WINDOW=0 must be >= 1"),
     ({"SGLANG_OSCAR_SINK_SLOTS": "0"}, "SGLANG_OSCAR_SINK_SLOTS=0 must be >= 1"),
+    ({"SGLANG_OSCAR_EXTEND_PREFIX": "fp8"}, "SGLANG_OSCAR_EXTEND_PREFIX='fp8': choose from int2, bf16"),
 ])
 def test_settings_bad_input_one_line(env, match, small_rot):
     sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
@@ -417,8 +420,9 @@ def test_patched_server_args_fields(tmp_path, tinylm_dir, tiny_rot):
         install_server_args_hooks()
         # sgl.Engine-style kwargs
         sa = ServerArgs(model_path={str(tinylm_dir)!r}, device="cpu", kv_cache_dtype="oscar_int2",
-                        oscar_rotations={tiny_rot!r}, oscar_sink_tokens=4, oscar_sink_slots=2)
-        assert oscar_settings(sa) == OscarSettings({tiny_rot!r}, 4, 128, 2), oscar_settings(sa)
+                        oscar_rotations={tiny_rot!r}, oscar_sink_tokens=4, oscar_sink_slots=2,
+                        oscar_extend_prefix="bf16")
+        assert oscar_settings(sa) == OscarSettings({tiny_rot!r}, 4, 128, 2, "bf16"), oscar_settings(sa)
         assert sa.attention_backend == "oscar"
         assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ), "patched: no env needed"
         # CLI: one --oscar-rotations option (the field's), help from the constants

@@ -1,0 +1,30 @@
+"""benchmarks/bench_extend.py's OSCAR launches run (interpreted, CPU, one small chunk) and
+both prefix reads agree, so a GPU run spends its minutes measuring, not crashing."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA present: the benchmark itself runs there", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_bench_extend_launches_agree_on_cpu():
+    from test_kernels_interpret import triton_extend_mod  # interpreted kernel modules
+
+    import bench_extend
+
+    chunk = bench_extend.Chunk(200, 16, device="cpu")
+    outs = []
+    for read in ("int2", "bf16"):
+        cfg = triton_extend_mod.ExtendConfig(prefix_read=read, block_rows=16, block_n=16, block_n_bf16=16)
+        chunk.oscar(cfg)()
+        outs.append(chunk.out.float().clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=3e-2, atol=3e-2)
+    k, v = chunk.materialize()()
+    assert k.shape == (200, bench_extend.H, bench_extend.D) and torch.isfinite(k.float()).all()
+    assert bench_extend.attention_flops(0, 2) == 4.0 * 3 * bench_extend.HQ * bench_extend.D
