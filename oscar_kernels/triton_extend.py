@@ -147,6 +147,9 @@ class ExtendConfig:
     # of scratch, then BF16 flash attention)
     prefix_read: str = "int2"
     materialize_block: int = 64  # prefix tokens per materialising program
+    # "bf16" only while a call's prefixes sum to at most this many tokens (scratch
+    # 4 * H * D bytes each: 1 GiB for 8 KV heads of dim 128); larger calls read INT2
+    max_materialized_tokens: int = 262144
 
 
 PREFIX_READS = ("int2", "bf16")
@@ -197,9 +200,11 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     bm = max(1, cfg.block_rows // gqp)
     lay = layer
     gs = group_scale_args(lay)
-    bf16_prefix = cfg.prefix_read == "bf16"
-    if bf16_prefix:
+    host = None
+    if cfg.prefix_read == "bf16":
         host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
+    bf16_prefix = host is not None and sum(host) <= cfg.max_materialized_tokens
+    if bf16_prefix:
         k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
                                                  block_tokens=cfg.materialize_block)
         pre_off = prefix_offsets(prefix_lens)

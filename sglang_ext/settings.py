@@ -61,7 +61,7 @@ FLAGS = (
               "OSCAR: number of BF16 sink slots (sequences whose sinks are held at once; "
               "default: chosen by the pool)."),
     OscarFlag("oscar_extend_prefix", "SGLANG_OSCAR_EXTEND_PREFIX", str,
-              f"OSCAR: how prefill reads a cached prefix: int2 (default: unpacked inside the "
+              "OSCAR: how prefill reads a cached prefix: int2 (default: unpacked inside the "
               "attention) or bf16 (dequantised once per layer into a scratch buffer of "
               "4 x prefix tokens x KV heads x head_dim bytes, then BF16 attention)."),
 )

@@ -1,4 +1,5 @@
 """Triton kernels vs their PyTorch reference under TRITON_INTERPRET=1 (CPU, small shapes)."""
+import functools
 import importlib
 import os
 import sys
@@ -203,8 +204,6 @@ def test_materialize_prefix_refuses_small_buffers():
     ([33], [17], 64, 64, 16, 2, 0, 16, torch.float16, None, ()),
 ])
 def test_extend_with_bf16_prefix_matches_reference(case):
-    import functools
-
     prefix, new, d, grp, hq, h, s, w, dt, vf, evict = case
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=8, seed=3 + d, scale_dtype=dt,
                   valid_from=vf, evict_sink_of=evict)
@@ -212,6 +211,20 @@ def test_extend_with_bf16_prefix_matches_reference(case):
     fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=prefix)
     kc.check_extend(sc, hq, new, fn, cfg)
     kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
+
+
+def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
+    calls = []
+    real = triton_extend_mod.triton_materialize_prefix
+    monkeypatch.setattr(triton_extend_mod, "triton_materialize_prefix",
+                        lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
+    for cap, materialized in ((30, [[21, 9]]), (29, [])):
+        calls.clear()
+        cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16", max_materialized_tokens=cap, **_SMALL_EXT)
+        kc.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
+                        cfg)
+        assert calls == materialized
 
 
 def test_extend_unknown_prefix_read_is_refused():
