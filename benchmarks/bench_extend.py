@@ -6,7 +6,10 @@ the whole cached prefix. Compares, on the same lengths and in the same run:
 - ``oscar_int2_us``: ExtendConfig(prefix_read="int2"), the prefix unpacked in every program;
 - ``oscar_bf16_us``: ExtendConfig(prefix_read="bf16"), the prefix materialised once as BF16
   (triton_materialize) and BF16 flash attention; ``materialize_us`` is that first kernel
-  alone; ``oscar_bf16_rows128_us`` the same with 128 query rows per program;
+  alone; ``oscar_bf16_rows128*`` the same with 128 query rows per program (and 64-token
+  steps, two pipeline stages);
+- ``oscar_flashinfer_us``: FlashInferExtend, the materialised prefix read by FlashInfer's
+  prefill (--oscar-extend-prefix flashinfer);
 - ``flashinfer_bf16_us``: FlashInfer's paged BF16 prefill (causal) over prefix + chunk, what
   the bf16_flashinfer server runs.
 
@@ -90,6 +93,15 @@ class Chunk:
         return lambda: triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, self.pre,
                                                  [self.prefix], k, v)
 
+    def oscar_flashinfer(self):
+        """FlashInferExtend: our materialisation + FlashInfer's prefill (planned once here)."""
+        from oscar_kernels.flashinfer_extend import FlashInferExtend
+        sc = self.sc
+        fi = FlashInferExtend("cuda")
+        fi.plan([self.prefix], [self.new], HQ, H, D, sc.sm_scale)
+        return lambda: fi.run(self.q, self.k, self.v, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                              self.pre, out=self.out)
+
     def flashinfer(self):
         import flashinfer
         total = self.prefix + self.new
@@ -124,7 +136,10 @@ def main(argv=None):
               "cases": []}
     variants = (("oscar_int2_us", ExtendConfig(prefix_read="int2")),
                 ("oscar_bf16_us", ExtendConfig(prefix_read="bf16")),
-                ("oscar_bf16_rows128_us", ExtendConfig(prefix_read="bf16", block_rows=128)))
+                ("oscar_bf16_rows128_us", ExtendConfig(prefix_read="bf16", block_rows=128)),
+                ("oscar_bf16_rows128_n64_us", ExtendConfig(prefix_read="bf16", block_rows=128, block_n_bf16=64)),
+                ("oscar_bf16_rows128_n64_s2_us", ExtendConfig(prefix_read="bf16", block_rows=128, block_n_bf16=64,
+                                                             num_stages=2)))
     for prefix, new in CASES:
         log(f"case prefix={prefix} new={new}")
         chunk = Chunk(prefix, new)
@@ -134,6 +149,9 @@ def main(argv=None):
             rec[key], err = try_time(key, lambda: chunk.oscar(cfg))
             if err:
                 rec[key.replace("_us", "_error")] = err
+        rec["oscar_flashinfer_us"], err = try_time("oscar_flashinfer", chunk.oscar_flashinfer)
+        if err:
+            rec["oscar_flashinfer_error"] = err
         if prefix:
             rec["materialize_us"], err = try_time("materialize", chunk.materialize)
             if err:
@@ -141,7 +159,7 @@ def main(argv=None):
         rec["flashinfer_bf16_us"], err = try_time("flashinfer", chunk.flashinfer)
         if err:
             rec["flashinfer_error"] = err
-        for key in ("oscar_int2_us", "oscar_bf16_us", "oscar_bf16_rows128_us", "flashinfer_bf16_us"):
+        for key in [k for k, _ in variants] + ["oscar_flashinfer_us", "flashinfer_bf16_us"]:
             if rec.get(key):
                 rec[key.replace("_us", "_tflops")] = round(attention_flops(prefix, new) / (rec[key] * 1e-6) / 1e12, 1)
         log("  " + ", ".join(f"{k}={v}" for k, v in rec.items() if k.endswith(("_us", "_tflops"))))

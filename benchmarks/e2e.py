@@ -26,9 +26,8 @@ configurations fit one call (two at a time, one server per GPU, same settings):
     python3 benchmarks/e2e.py --gpus 0,1 --out $OUT/e2e_qwen3-8b-shape.json --log-dir $OUT/e2e_logs
 
 On one GPU, one or two configurations per call (``--configs bf16_triton`` ...); results
-accumulate in the JSON given to --out when it is copied there first
-(then bf16_flashinfer, fp8_e4m3, oscar_int2; copy the JSON and logs back to
-benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
+accumulate in the JSON given to --out when it is copied there first (copy the JSON back
+to benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
 ``--phases capacity,decode`` and ``--phases throughput``. Here, afterwards:
 ``python3 benchmarks/e2e.py --plot-only`` and ``python3 benchmarks/report.py --write README.md``.
 """
@@ -79,6 +78,9 @@ CONFIGS = {
     "oscar_int2_bf16_prefix": ServeConfig("oscar_int2_bf16_prefix",
                                           ("--kv-cache-dtype", "oscar_int2", "--oscar-extend-prefix", "bf16"),
                                           oscar=True, label="OSCAR INT2 KV, prefill reads the prefix as BF16"),
+    "oscar_int2_flashinfer_prefix": ServeConfig(
+        "oscar_int2_flashinfer_prefix", ("--kv-cache-dtype", "oscar_int2", "--oscar-extend-prefix", "flashinfer"),
+        oscar=True, label="OSCAR INT2 KV, prefill: BF16 prefix through FlashInfer"),
 }
 
 

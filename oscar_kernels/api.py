@@ -53,6 +53,13 @@ def make_decode_workspace(max_batch: int, num_q_heads: int, num_kv_heads: int, h
     return DecodeWorkspace(max_batch, num_q_heads, num_kv_heads, head_dim, device, config)
 
 
+def make_flashinfer_extend(device):
+    """A FlashInferExtend (flashinfer_extend) for extend_attention(flashinfer=...): plan it
+    per batch with host lengths, then pass it to every layer's call."""
+    from .flashinfer_extend import FlashInferExtend
+    return FlashInferExtend(device)
+
+
 def store_kv(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
              req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              positions: torch.Tensor, rows: torch.Tensor, seq_ends: torch.Tensor, *,
@@ -97,12 +104,17 @@ def extend_attention(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      qo_indptr: torch.Tensor, max_extend_len: int, sm_scale: float,
                      out: torch.Tensor | None = None, *, prefix_read: str = "int2",
-                     prefix_lens_host=None) -> torch.Tensor:
+                     prefix_lens_host=None, flashinfer=None) -> torch.Tensor:
     """New tokens attend to their hybrid prefix and causally to themselves (k_rot, v_rot
     from store_kv's rotated_out). Returns o [T, Hq, D]. ``prefix_read`` (Triton path):
     "int2" unpacks the prefix inside the attention, "bf16" materialises it first
     (triton_materialize; ``prefix_lens_host``, the prefix lengths as host ints, avoids a
-    device sync); both compute the reference's result."""
+    device sync); ``flashinfer``: a FlashInferExtend planned for this batch
+    (make_flashinfer_extend), which then does the attention over the materialised prefix
+    (CUDA; batches whose prefixes exceed its scratch cap take the Triton path). All compute
+    the reference's result."""
+    if flashinfer is not None and flashinfer.fits and q.is_cuda:
+        return flashinfer.run(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows, prefix_lens, out=out)
     if use_triton(q):
         from .triton_extend import ExtendConfig, triton_extend
         return triton_extend(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows,

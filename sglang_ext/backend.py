@@ -59,6 +59,7 @@ class ExtendPlan:
     qo_indptr: torch.Tensor  # [B+1] new tokens of request b: qo_indptr[b]:qo_indptr[b+1]
     max_extend_len: int
     prefix_lens_host: list[int]  # prefix_lens as host ints
+    extend_lens_host: list[int]  # new tokens per request, host ints
     slots: torch.Tensor  # [T] pool slot of each new token
     write: OscarWriteMeta  # [T] positions, rows, sequence ends
 
@@ -116,6 +117,7 @@ def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
     update_ring_validity(pool, rows, prefix, seq_ends, owners.to(device, non_blocking=True))
     return ExtendPlan(rows=rows, prefix_lens=prefix, qo_indptr=qo_indptr,
                       max_extend_len=max(ext_cpu, default=0), prefix_lens_host=[int(p) for p in prefix_cpu],
+                      extend_lens_host=[int(e) for e in ext_cpu],
                       slots=slots, write=write)
 
 
@@ -148,6 +150,14 @@ class OscarAttnBackend(TritonAttnBackend):
         # Decode scratch for the largest possible batch (one per request row), allocated
         # once here, before CUDA-graph capture: decode then allocates nothing.
         self._decode_workspace = None
+        # --oscar-extend-prefix flashinfer: FlashInfer's prefill over the materialised prefix
+        # (planned once per extend batch, on its first layer); CUDA only
+        self._fi_extend, self._fi_planned = None, None
+        if pool.extend_prefix == "flashinfer" and pool.req_to_token.is_cuda:
+            try:
+                self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
+            except ImportError as e:
+                raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({e})") from None
         if api.use_triton(pool.req_to_token):
             self._decode_workspace = api.make_decode_workspace(
                 pool.req_to_token.shape[0], self.num_head, self.num_kv_head, pool.head_dim,
@@ -224,11 +234,17 @@ class OscarAttnBackend(TritonAttnBackend):
         v_rot = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
         pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_ring=False,
                            rotated_out=(k_rot, v_rot))
+        if self._fi_extend is not None and (self._fi_planned is None or self._fi_planned[0] is not plan
+                                            or self._fi_planned[1] != layer.scaling):
+            self._fi_extend.plan(plan.prefix_lens_host, plan.extend_lens_host, hq, layer.tp_k_head_num, d,
+                                 layer.scaling)
+            self._fi_planned = (plan, layer.scaling)
         api.extend_attention(q.view(t, hq, d), k_rot, v_rot, pool.layer_cache(layer.layer_id),
                              pool.index, pool.layer_rotation(layer.layer_id), pool.req_to_token,
                              plan.rows, plan.prefix_lens, plan.qo_indptr, plan.max_extend_len,
-                             layer.scaling, out=o.view(t, hq, d), prefix_read=pool.extend_prefix,
-                             prefix_lens_host=plan.prefix_lens_host)
+                             layer.scaling, out=o.view(t, hq, d),
+                             prefix_read="int2" if pool.extend_prefix == "int2" else "bf16",
+                             prefix_lens_host=plan.prefix_lens_host, flashinfer=self._fi_extend)
         pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_int2=False,
                            write_ring=True)
         return o

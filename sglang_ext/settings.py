@@ -30,7 +30,7 @@ DEFAULT_RECENT_WINDOW = 128
 # on a sequence's first page, so the page must hold at least the sink tokens.
 DEFAULT_PAGE_SIZE = 64
 # how extend (prefill) reads a cached prefix (oscar_kernels.triton_extend.PREFIX_READS)
-EXTEND_PREFIX_READS = ("int2", "bf16")
+EXTEND_PREFIX_READS = ("int2", "bf16", "flashinfer")
 DEFAULT_EXTEND_PREFIX = "int2"
 
 
@@ -62,8 +62,9 @@ FLAGS = (
               "default: chosen by the pool)."),
     OscarFlag("oscar_extend_prefix", "SGLANG_OSCAR_EXTEND_PREFIX", str,
               "OSCAR: how prefill reads a cached prefix: int2 (default: unpacked inside the "
-              "attention) or bf16 (dequantised once per layer into a scratch buffer of "
-              "4 x prefix tokens x KV heads x head_dim bytes, then BF16 attention)."),
+              "attention), bf16 (dequantised once per layer into a scratch buffer of "
+              "4 x prefix tokens x KV heads x head_dim bytes, then our BF16 attention) or "
+              "flashinfer (the same buffer, FlashInfer's BF16 prefill; CUDA)."),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 

@@ -122,6 +122,30 @@ def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
     kc.check_extend(sc, 16, [50, 120, 0], te.triton_extend)
 
 
+@pytest.mark.parametrize("prefix, new", [([0, 5, 130, 700], [70, 1, 200, 33]), ([240, 300, 190], [50, 120, 9])])
+def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
+    """prefix_read="bf16" (our attention) and FlashInferExtend (FlashInfer's prefill) over
+    the materialised prefix, against the reference; the second batch has a late ring and
+    an evicted sink."""
+    import functools
+
+    _, _, _, te = kernels
+    extra = dict(valid_from=[240, 100, 0], evict_sink_of=(2,)) if len(prefix) == 3 else {}
+    sc = kc.build(prefix, H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda", **extra)
+    kc.check_extend(sc, 32, new, functools.partial(te.triton_extend, prefix_lens_host=prefix),
+                    te.ExtendConfig(prefix_read="bf16"))
+    pytest.importorskip("flashinfer")
+    from oscar_kernels.flashinfer_extend import FlashInferExtend
+
+    fi = FlashInferExtend("cuda")
+    fi.plan(prefix, new, 32, 8, 128, sc.sm_scale)
+    assert fi.fits and fi.has_prefix == (sum(prefix) > 0)
+
+    def via_flashinfer(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale, config=None):
+        return fi.run(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre)
+    kc.check_extend(sc, 32, new, via_flashinfer)
+
+
 def test_api_end_to_end_gpu_vs_cpu_reference(kernels):
     api, _, _, _ = kernels
     from oscar_kernels.hybrid_cache import assign_sink_slots

@@ -312,24 +312,28 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
         sim.backend._init_oscar(object(), D)
 
 
-def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels():
+@pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer"])
+def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
     """--oscar-extend-prefix reaches api.extend_attention with the batch's host prefix
-    lengths (the bf16 path sizes its scratch from them without a device sync)."""
+    lengths (the bf16 path sizes its scratch from them without a device sync); on a CPU
+    pool "flashinfer" has no FlashInfer object and the call takes the reference path."""
     from unittest import mock
 
     from oscar_kernels import api
 
     sim = Sim()
-    sim.pool.extend_prefix = "bf16"
+    sim.pool.extend_prefix = read
+    sim.backend._init_oscar(sim.pool, D)
     seen = []
     real = api.extend_attention
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("prefix_read"), kwargs.get("prefix_lens_host")))
+        seen.append((kwargs.get("prefix_read"), kwargs.get("prefix_lens_host"), kwargs.get("flashinfer")))
         return real(*args, **kwargs)
 
     with mock.patch.object(api, "extend_attention", spy):
         sim.extend([dict(rid="a", row=1, content="A", prefix=0, new=20)])
         sim.extend([dict(rid="a", row=1, content="A", prefix=20, new=12),
                     dict(rid="b", row=2, content="B", prefix=0, new=5)])
-    assert seen == [("bf16", [0])] * LAYERS + [("bf16", [20, 0])] * LAYERS
+    want = "int2" if read == "int2" else "bf16"
+    assert seen == [(want, [0], None)] * LAYERS + [(want, [20, 0], None)] * LAYERS
