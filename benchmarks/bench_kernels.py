@@ -161,7 +161,7 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None):
                                  sc.sm_scale, out=out, workspace=ws, config=cfg)
 
 
-def oscar_store(sc, precision: str | None = None):
+def oscar_store(sc, precision: str | None = None, kv_programs: int | None = None):
     """One decode step's store: B tokens at position n-1 of every request."""
     from oscar_kernels.triton_store import triton_store
     b, n = len(sc.lens), sc.lens[0]
@@ -171,11 +171,11 @@ def oscar_store(sc, precision: str | None = None):
     pos = torch.full((b,), n - 1, device="cuda", dtype=torch.int64)
     slots = sc.req_to_token[rows, n - 1].long()
     ends = pos + 1
-    if precision is None:
+    if precision is None and kv_programs is None:
         return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
                                     rows, ends)
     return lambda: triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows,
-                                ends, precision=precision)
+                                ends, precision=precision, kv_programs=kv_programs or 2)
 
 
 def try_time(name: str, make, rep: int = 40):
@@ -447,6 +447,9 @@ def main(argv=None):
             rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
             if err:
                 rec["store_error"] = err
+            # the store before K and V got separate programs (round 4: 13-17 us at every batch)
+            rec["store_kv_one_program_us"], _, _ = try_time("store (K and V in one program)",
+                                                            lambda: oscar_store(sc, kv_programs=1))
             rec["bf16_bytes"] = bf16_bytes(b, n)
             # FlashInfer first: SGLang's Triton kernel is the one that can fault
             for key, fn in (("flashinfer_bf16_us", flashinfer_decode), ("triton_bf16_us", sglang_triton_decode)):

@@ -102,9 +102,12 @@ def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                   D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
                   WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_T), H): BLOCK_T new tokens of one KV head, K then V."""
+                  PRECISION: tl.constexpr, KV_PROGRAMS: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T), H, KV_PROGRAMS): BLOCK_T new tokens of one KV head; K and V
+    in separate programs (KV_PROGRAMS = 2: half the dependent chain of loads and dots per
+    program, which is what a decode step's few tokens wait on), or K then V in one (1)."""
     h = tl.program_id(1)
+    kv = tl.program_id(2)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < T
     slot = tl.load(slots_ptr + tok, mask=tmask, other=0)
@@ -115,16 +118,18 @@ def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
         sink_c = sink_slot_of_row(row, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size)
     else:
         sink_c = tl.full([BLOCK_T], -1, tl.int64)
-    _store_one(k_ptr, sk_t, sk_h, krot_ptr, kcmin_ptr, kcmax_ptr, kpk_ptr, spk_s, spk_h,
-               ksc_ptr, ssc_s, ssc_h, ssc_g, ksink_ptr, ssk_c, ssk_p, ssk_h,
-               kring_ptr, srg_r, srg_c, srg_h, kout_ptr, so_t, so_h,
-               h, tok, tmask, slot, pos, row, end, sink_c,
-               D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
-    _store_one(v_ptr, sv_t, sv_h, vrot_ptr, vcmin_ptr, vcmax_ptr, vpk_ptr, spk_s, spk_h,
-               vsc_ptr, ssc_s, ssc_h, ssc_g, vsink_ptr, ssk_c, ssk_p, ssk_h,
-               vring_ptr, srg_r, srg_c, srg_h, vout_ptr, so_t, so_h,
-               h, tok, tmask, slot, pos, row, end, sink_c,
-               D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
+    if kv == 0:
+        _store_one(k_ptr, sk_t, sk_h, krot_ptr, kcmin_ptr, kcmax_ptr, kpk_ptr, spk_s, spk_h,
+                   ksc_ptr, ssc_s, ssc_h, ssc_g, ksink_ptr, ssk_c, ssk_p, ssk_h,
+                   kring_ptr, srg_r, srg_c, srg_h, kout_ptr, so_t, so_h,
+                   h, tok, tmask, slot, pos, row, end, sink_c,
+                   D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
+    if kv == KV_PROGRAMS - 1:
+        _store_one(v_ptr, sv_t, sv_h, vrot_ptr, vcmin_ptr, vcmax_ptr, vpk_ptr, spk_s, spk_h,
+                   vsc_ptr, ssc_s, ssc_h, ssc_g, vsink_ptr, ssk_c, ssk_p, ssk_h,
+                   vring_ptr, srg_r, srg_c, srg_h, vout_ptr, so_t, so_h,
+                   h, tok, tmask, slot, pos, row, end, sink_c,
+                   D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
 
 
 def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
@@ -133,10 +138,13 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
                  seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True,
                  rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
                  block_t: int = 16, k_block: int = 32, num_warps: int = 4,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, kv_programs: int = 2) -> None:
     """Launch the store kernel (shapes as in api.store_kv). ``precision`` is the float32
     tl.dot input precision of the rotation ("ieee" by default: codes then match the
-    PyTorch reference except on exact rounding ties)."""
+    PyTorch reference except on exact rounding ties). ``kv_programs``: 2 = K and V in
+    separate programs, 1 = one program writes both."""
+    if kv_programs not in (1, 2):
+        raise ValueError(f"kv_programs must be 1 or 2, not {kv_programs}")
     t, h, d = k.shape
     if v.shape != k.shape or h != layer.num_kv_heads or d != layer.head_dim:
         raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not match the cache "
@@ -165,7 +173,7 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         ko = vo = k  # never written (WRITE_ROT=False)
     lay = layer
     check_cache_layout(lay)
-    grid = (triton.cdiv(t, block_t), h)
+    grid = (triton.cdiv(t, block_t), h, kv_programs)
     _store_kernel[grid](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         slots, positions, rows, seq_ends, t,
@@ -180,5 +188,5 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         D=d, G=g, S=lay.sink_tokens, W=lay.recent_window, BLOCK_T=block_t, KB=min(k_block, d),
         SCALE_DTYPE=SCALE_TL_DTYPES[lay.k_scales.dtype],
         WRITE_INT2=bool(write_int2), WRITE_RING=bool(write_ring), WRITE_ROT=rotated_out is not None,
-        PRECISION=precision or "ieee", num_warps=num_warps,
+        PRECISION=precision or "ieee", KV_PROGRAMS=kv_programs, num_warps=num_warps,
     )

@@ -52,6 +52,14 @@ def test_store_matches_reference(cfg, flags):
         assert got.k_ring.abs().sum() > 0
 
 
+def test_store_with_k_and_v_in_one_program_matches_reference():
+    """kv_programs=1 (one program writes K then V): same cache as the reference."""
+    sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=3)
+    kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, kv_programs=1), True, True)
+    with pytest.raises(ValueError, match="kv_programs"):
+        kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, kv_programs=3), True, True)
+
+
 # ---------------------------------------------------------------- decode
 _SMALL = dict(block_n=16, block_n_bf16=16, min_chunk=16, target_programs=64, max_splits=4)
 
