@@ -103,18 +103,21 @@ def render_e2e(results_dir: str) -> str:
             ratio = f"{mtt / base:.2f}x" if isinstance(mtt, int) and base else "-"
             ttft = (tp.get("median_ttft_ms"), tp.get("p99_ttft_ms"))
             itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
+            conc = tp.get("settings", {}).get("max_concurrency")
+            itl_rate = conc * 1000.0 / itl[0] if conc and itl[0] else None
             rows.append([
                 n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
                 fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
-                fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")),
-                fmt(tp.get("settings", {}).get("max_concurrency")),
+                fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")), fmt(itl_rate),
+                fmt(conc),
                 " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
                 " / ".join(fmt(x, 1) for x in itl),
                 "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items() if v),
             ])
         parts.append(table(
             ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
-             "decode ms/step @32k", "@64k", "@128k", "output tok/s", "steady decode tok/s", "in flight",
+             "decode ms/step @32k", "@64k", "@128k", "output tok/s", "steady decode tok/s",
+             "decode tok/s at ITL p50", "in flight",
              "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "notes"], rows))
         tps = next((configs[n].get("throughput", {}).get("settings") for n in names
                     if configs[n].get("throughput", {}).get("settings")), None)
@@ -125,7 +128,9 @@ def render_e2e(results_dir: str) -> str:
                 f"{lo if lo != tps['input_len'] else ''}{'-' if lo != tps['input_len'] else ''}"
                 f"{tps['input_len']} random input tokens and {tps['output_len']} output tokens, all sent at once, "
                 f"at most 'in flight' = as many as fit in the pool (`sglang.benchmark.serving`, random-ids). "
-                f"Steady decode tok/s = in flight x 1000 / median TPOT (ms), derived. "
+                f"Steady decode tok/s = in flight x 1000 / median TPOT (ms), derived (TPOT includes the "
+                f"stalls while other requests prefill); decode tok/s at ITL p50 = in flight x 1000 / median "
+                f"inter-token latency (ms), derived (the rate of a decode step at that concurrency). "
                 f"Decode: one request at a time, median inter-token latency.")
     return "\n\n".join(parts)
 

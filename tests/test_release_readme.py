@@ -72,7 +72,8 @@ def test_e2e_and_capacity_tables_render_every_figure(tmp_path):
     assert list(rows) == ["bf16_triton", "oscar_int2"]  # canonical order
     o = rows["oscar_int2"]
     assert o[:6] == ["700,000", "7.00x", "6", "5.25", "-", "7.50"]
-    assert o[6:11] == ["1,234.5", "300.0", "6", "1.50 / 9.00", "20.0 / 80.0"] and "boom" in o[11]
+    # decode tok/s at ITL p50: 6 in flight x 1000 / 20 ms
+    assert o[6:12] == ["1,234.5", "300.0", "300.0", "6", "1.50 / 9.00", "20.0 / 80.0"] and "boom" in o[12]
     assert "GPU-X" in e2e and "64000 random input tokens and 256 output tokens" in e2e
     cap = report.render_capacity(str(res))
     assert "| oscar_int2 | 700,000 | 7.00x |" in cap
