@@ -48,27 +48,29 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
                      GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr):
-    """out[t, h*GQ + g] = x[t, h*GQ + g] @ R[h] (R[h]^T when TRANSPOSE); float32 dot over
-    K chunks read from memory (few registers), stored in out's dtype. Grid (T, H)."""
+                     EB: tl.constexpr, TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr):
+    """out[t, h*GQ + g, e] = sum_c x[t, h*GQ + g, c] R[h][c, e] (R[h][e, c] when TRANSPOSE)
+    for the EB output columns e of program (t, h, e-block); float32 dot over K chunks of KB
+    read from memory, stored in out's dtype. Grid (T, H, D / EB): with EB < D the few rows
+    of a small batch spread over more programs, each with a shorter chain of loads."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    e = tl.program_id(2) * EB + tl.arange(0, EB)
     g = tl.arange(0, BH)
     hmask = g < GQ
     hq = h * GQ + g
-    d = tl.arange(0, D)
     kb = tl.arange(0, KB)
     rot = rot_ptr + h.to(tl.int64) * D * D
-    acc = tl.zeros([BH, D], tl.float32)
+    acc = tl.zeros([BH, EB], tl.float32)
     for c0 in tl.static_range(0, D, KB):
         qs = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + c0 + kb[None, :], mask=hmask[:, None],
                      other=0.0).to(tl.float32)
         if TRANSPOSE:  # rs[k, e] = R[e, c0 + k]
-            rs = tl.load(rot + d[None, :] * D + (c0 + kb)[:, None]).to(tl.float32)
+            rs = tl.load(rot + e[None, :] * D + (c0 + kb)[:, None]).to(tl.float32)
         else:
-            rs = tl.load(rot + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
+            rs = tl.load(rot + (c0 + kb)[:, None] * D + e[None, :]).to(tl.float32)
         acc = mma_f32(qs, rs, acc, PRECISION)
-    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + d[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + e[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
 
@@ -276,6 +278,10 @@ class DecodeConfig:
     # un-rotation) or "query_head" (GQ x more programs: for batch 1, where 8 merge programs
     # are all the GPU runs after stage 1)
     merge_grid: str = "kv_head"
+    # output columns per query-rotation program (0: all D, one program per row block and KV
+    # head; 32: four per, each loading its [D, 32] slice of R_K at once; for batch 1, where
+    # the rotation's 8 programs wait on a chain of chunk loads)
+    rotate_out_block: int = 0
 
     def resident_per_sm(self) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
@@ -353,9 +359,11 @@ def check_decode_inputs(q, layer, rotation, rows, seq_lens):
 
 
 def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
-                   num_warps: int = 4, transpose: bool = False) -> torch.Tensor:
+                   num_warps: int = 4, transpose: bool = False, out_block: int = 0) -> torch.Tensor:
     """out[t, hq] = q[t, hq] @ rot[hq // (Hq/H)] (or @ rot^T when ``transpose``) for q
-    [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store)."""
+    [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store).
+    ``out_block``: output columns per program (0: all D; e.g. 32: D/32 programs per row
+    block, each reading its R columns in one K chunk)."""
     t, hq, d = q.shape
     h = rot.shape[0]
     gq = hq // h
@@ -363,9 +371,13 @@ def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precis
     check_last_dim_contiguous("out", out)
     if t == 0:
         return out
-    _rotate_q_kernel[(t, h)](q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1),
-                             GQ=gq, BH=triton.next_power_of_2(gq), D=d, KB=min(32, d),
-                             TRANSPOSE=bool(transpose), PRECISION=precision, num_warps=num_warps)
+    eb = out_block or d
+    if d % eb or eb & (eb - 1) or eb < 16:
+        raise ValueError(f"out_block {out_block} must be a power of two >= 16 dividing head_dim {d}")
+    kb = d if eb < d else min(32, d)  # a column block reads its R slice at once
+    _rotate_q_kernel[(t, h, d // eb)](q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1),
+                                      GQ=gq, BH=triton.next_power_of_2(gq), D=d, KB=kb, EB=eb,
+                                      TRANSPOSE=bool(transpose), PRECISION=precision, num_warps=num_warps)
     return out
 
 
@@ -394,7 +406,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
     ns, q_rot, mid_o, mid_lse = workspace.views(b, config)
-    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision)
+    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block)
     lay = layer
     bh = _block_h(gq, cfg)
     magic = cfg.magic_unpack

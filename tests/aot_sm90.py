@@ -153,6 +153,8 @@ CASES = {
                       dict(magic_unpack=False), 32),
     "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
+    "g128_rotate_blocks": (dict(D=128, G=128, S=16, W=64, page=64),
+                           dict(rotate_out_block=32, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
     "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {}, dict(prefix_read="bf16"), 32),
     "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
                               dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),

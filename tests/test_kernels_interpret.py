@@ -128,13 +128,29 @@ def test_decode_invalid_sink_and_late_ring_start():
                                      dict(merge_partials_per_step=2), dict(merge_partials_per_step=1),
                                      dict(merge_grid="query_head"),
                                      dict(merge_grid="query_head", merge_partials_per_step=2),
-                                     dict(half_keys=False), "int64_slots"])
+                                     dict(half_keys=False), dict(rotate_out_block=16),
+                                     dict(rotate_out_block=32, merge_grid="query_head"), "int64_slots"])
 def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
     if variant == "int64_slots":  # the path of caches with 2^31 or more elements per buffer
         monkeypatch.setattr(triton_decode_mod, "needs_int64_slots", lambda layer: True)
         variant = {}
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, **variant}))
+
+
+def test_rotate_queries_column_blocks_match_the_full_rotation():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 8, 64, generator=g).bfloat16()
+    rot = torch.randn(2, 64, 64, generator=g)
+    for transpose in (False, True):
+        r = rot.transpose(-1, -2) if transpose else rot
+        want = torch.einsum("thc,hce->the", q.float(), r.repeat_interleave(4, 0))
+        for block in (0, 16, 32):
+            got = triton_decode_mod.rotate_queries(q, rot, torch.empty(3, 8, 64), transpose=transpose,
+                                                   out_block=block)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="out_block"):
+        triton_decode_mod.rotate_queries(q, rot, torch.empty(3, 8, 64), out_block=24)
 
 
 def test_decode_workspace_reuse_and_out():
