@@ -351,6 +351,31 @@ def render_calibration_budget(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"), ("oscar_bf16_us", "oscar, BF16 prefix (ours)"),
+                  ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 64-token steps"),
+                  ("oscar_bf16_rows128_n64_s2_us", "same, 2 stages"),
+                  ("oscar_flashinfer_us", "oscar, BF16 prefix via FlashInfer"), ("materialize_us", "of which materialise"),
+                  ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
+
+
+def render_extend(results_dir: str) -> str:
+    files = _files(results_dir, "extend_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/bench_extend.py", "one GPU")
+    parts = []
+    for path in files:
+        data = _load(path)
+        sh = data.get("shape", {})
+        parts.append(
+            f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
+            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}; "
+            f"{data.get('timing', '')}; microseconds. Source: `{_rel(path)}`.")
+        rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in EXTEND_COLUMNS]
+                for c in data.get("cases", [])]
+        parts.append(table(["cached prefix", "new tokens"] + [label for _, label in EXTEND_COLUMNS], rows))
+    return "\n\n".join(parts)
+
+
 def render_targets(results_dir: str) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import targets
@@ -367,6 +392,7 @@ SECTIONS = {
     "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,
+    "extend": render_extend,
     "calibration-proxy": render_calibration_proxy,
     "fidelity-sweep": render_fidelity_sweep,
     "calibration-budget": render_calibration_budget,

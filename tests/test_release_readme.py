@@ -224,3 +224,15 @@ def test_calibration_budget_table(tmp_path):
     assert lines == ["| 8,192 | 14.2 | 0.2000 | 0.1000 | 0.3000 |", "| 65,536 | 93.9 | - | - | - |",
                      "| (naive, no calibration) | - | 0.3000 | - | - |"]
     assert "32,768 tokens) took 182.5 s" in t
+
+
+def test_extend_table_renders_every_measured_read(tmp_path):
+    (tmp_path / "extend_gpu.json").write_text(json.dumps({
+        "device": "GPU-X", "shape": {"q_heads": 32, "kv_heads": 8, "head_dim": 128}, "timing": "events",
+        "cases": [{"prefix": 32768, "new": 8192, "oscar_int2_us": 9000.0, "oscar_bf16_us": 4000.0,
+                   "oscar_flashinfer_us": 2500.0, "materialize_us": 300.0, "flashinfer_bf16_us": 2100.0}]}))
+    text = report.render_extend(str(tmp_path))
+    row = next(r for r in text.splitlines() if r.startswith("| 32,768"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells == ["32,768", "8,192", "9,000.0", "4,000.0", "-", "-", "-", "2,500.0", "300.0", "2,100.0"]
+    assert "GPU-X" in text and "No results" in report.render_extend(str(tmp_path / "none"))
