@@ -376,6 +376,35 @@ def render_extend(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+def render_tp(results_dir: str) -> str:
+    files = _files(results_dir, "tp_*.json")
+    if not files:
+        return none_yet("python3 benchmarks/tp_check.py --rotations FILE --tp 2", "two GPUs")
+    parts = []
+    for path in files:
+        data = _load(path)
+        st = data.get("settings", {})
+        tp = st.get("tp")
+        parts.append(
+            f"{data.get('model', '?')}: {st.get('prompts')} prompts of {fmt(st.get('shortest'))}-{fmt(st.get('longest'))} "
+            f"tokens, {st.get('max_new_tokens')} greedy tokens each, one request at a time, "
+            f"`--chunked-prefill-size {st.get('chunk')} --mem-fraction-static {st.get('mem_fraction')}`; "
+            f"tp={tp} against tp=1. Source: `{_rel(path)}`.")
+        rows = []
+        for name, c in data.get("configs", {}).items():
+            runs = c.get("runs", {})
+            one, many = runs.get("tp1", {}), runs.get(f"tp{tp}", {})
+            div = ", ".join(f"{d['prompt_len']}: token {d['token']}"
+                            + (" (near-tie)" if d.get("near_tie") else "") for d in c.get("first_divergent_token", []))
+            done = bool(one) and bool(many)
+            rows.append([name, fmt(one.get("max_total_num_tokens")), fmt(many.get("max_total_num_tokens")),
+                         f"{c.get('exact_equal')} / {c.get('compared')}" if done else "not measured",
+                         fmt(c.get("equal_up_to_a_near_tie")) if done else "-", div or "-"])
+        parts.append(table(["config", "pool tokens tp=1", f"pool tokens tp={tp}", "greedy equal to tp=1",
+                            "equal up to a near-tie", "first divergent token (prompt length: index)"], rows))
+    return "\n\n".join(parts)
+
+
 def render_targets(results_dir: str) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import targets
@@ -393,6 +422,7 @@ SECTIONS = {
     "soak": render_soak,
     "kernels": render_kernels,
     "extend": render_extend,
+    "tp": render_tp,
     "calibration-proxy": render_calibration_proxy,
     "fidelity-sweep": render_fidelity_sweep,
     "calibration-budget": render_calibration_budget,

@@ -236,3 +236,18 @@ def test_extend_table_renders_every_measured_read(tmp_path):
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells == ["32,768", "8,192", "9,000.0", "4,000.0", "-", "-", "-", "2,500.0", "300.0", "2,100.0"]
     assert "GPU-X" in text and "No results" in report.render_extend(str(tmp_path / "none"))
+
+
+def test_tp_table_renders_equality_and_near_ties(tmp_path):
+    (tmp_path / "tp_m.json").write_text(json.dumps({
+        "model": "m", "settings": {"tp": 2, "prompts": 4, "shortest": 1024, "longest": 8192, "max_new_tokens": 32,
+                                   "chunk": 1024, "mem_fraction": 0.5},
+        "configs": {"bf16": {"runs": {"tp1": {"max_total_num_tokens": 10}, "tp2": {"max_total_num_tokens": 20}},
+                             "compared": 4, "exact_equal": 3, "equal_up_to_a_near_tie": 4,
+                             "first_divergent_token": [{"prompt_len": 5000, "token": 7, "near_tie": True}]},
+                    "oscar_int2": {"runs": {"tp1": {"max_total_num_tokens": 70}}}}}))
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in report.render_tp(str(tmp_path)).splitlines() if r.startswith("| ") and "config" not in r
+            and "---" not in r}
+    assert rows["bf16"] == ["10", "20", "3 / 4", "4", "5000: token 7 (near-tie)"]
+    assert rows["oscar_int2"] == ["70", "-", "not measured", "-", "-"]
