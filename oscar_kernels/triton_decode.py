@@ -105,7 +105,6 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     g = tl.arange(0, BH)
     hmask = g < GQ
     hq = (h * GQ + g).to(tl.int64)
-    d = tl.arange(0, D)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)

@@ -395,7 +395,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     hoff_gs) per group as in group_scales."""
     NG: tl.constexpr = D // G if G >= D // 4 else 1
     PG: tl.constexpr = 4 // NG  # planes per group
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     R: tl.constexpr = st[0].shape[0]
     # per group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
     c0 = ()
