@@ -283,6 +283,8 @@ def sweep_variants(sms: int):
         ("rotate_out_block=32,merge_grid=query_head,merge_partials_per_step=16",
          dict(rotate_out_block=32, merge_grid="query_head", merge_partials_per_step=16)),
         ("max_splits=256", dict(max_splits=256)),
+        ("merge_grid=split", dict(merge_grid="split")),
+        ("merge_grid=split,rotate_out_block=32", dict(merge_grid="split", rotate_out_block=32)),
         ("max_registers=None (uncapped)", dict(max_registers=None)),
         ("max_registers=168", dict(max_registers=168)),
         ("max_registers=128", dict(max_registers=128)),
@@ -330,7 +332,7 @@ def breakdown_record(name, kwargs, sc, q, b, n):
     cfg = DecodeConfig(**kwargs)
     rec = {"variant": name, "config": kwargs, "batch": b, "context": n}
     rec["full_us"], _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
-    merge = "_decode_merge_row" if cfg.merge_grid == "query_head" else "_decode_merge"
+    merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}.get(cfg.merge_grid, "_decode_merge")
     for kernel in ("_rotate_q_kernel", "_decode_stage1", merge):
         saved = getattr(td, kernel)
         setattr(td, kernel, _NoLaunch())
@@ -353,7 +355,8 @@ def run_breakdown(result: dict, out: Path, cases) -> None:
     for b, n in [c for c in KEY_CASES if c in cases]:
         sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
         q = kc.random_q(sc, HQ)
-        for name, kwargs in (("default", {}), ("merge_grid=query_head", dict(merge_grid="query_head"))):
+        for name, kwargs in (("default", {}), ("merge_grid=query_head", dict(merge_grid="query_head")),
+                             ("merge_grid=split,rotate_out_block=32", dict(merge_grid="split", rotate_out_block=32))):
             result["breakdown"].append(breakdown_record(name, kwargs, sc, q, b, n))
             save(result, out)
         del sc, q

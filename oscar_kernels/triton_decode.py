@@ -234,8 +234,31 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
         tl.store(out_ptr + b * so_b + hq * so_h + e0 + e, oc.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["NSP"])
+def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, NSP, NSP2: tl.constexpr, D: tl.constexpr,
+                        DB: tl.constexpr):
+    """o'[b, hq, c] = sum_s 2^{lse_s - m} o~_s[c] / sum_s 2^{lse_s - m} for the DB channels c of
+    program (b, hq, channel block), every partial in one [NSP2, DB] load (no loop: the
+    latency of one load instead of a chain); float32 o' in the rotated space (the
+    un-rotation o = o' R_V^T is a separate launch). Grid (B, Hq, D / DB)."""
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    num_hq = tl.num_programs(1)
+    base = (b * num_hq + hq) * NSP
+    sps = tl.arange(0, NSP2)
+    lse = tl.load(mid_lse_ptr + base + sps, mask=sps < NSP, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.exp2(lse - m)
+    l = tl.sum(w, 0)
+    c = tl.program_id(2) * DB + tl.arange(0, DB)
+    o = tl.load(mid_o_ptr + (base + sps)[:, None] * D + c[None, :], mask=(w > 0)[:, None], other=0.0)
+    acc = tl.sum(w[:, None] * o, 0) / tl.where(l > 0, l, 1.0)
+    tl.store(o_rot_ptr + (b * num_hq + hq) * D + c, acc)
+
+
 # ----------------------------------------------------------------------------- host side
-MERGE_GRIDS = ("kv_head", "query_head")
+MERGE_GRIDS = ("kv_head", "query_head", "split")
 
 
 @dataclass
@@ -275,7 +298,8 @@ class DecodeConfig:
     merge_partials_per_step: int = 4  # partials the merge loads at once (power of two)
     # merge programs: "kv_head" (one per KV head, its GQ query heads together, tensor-core
     # un-rotation) or "query_head" (GQ x more programs: for batch 1, where 8 merge programs
-    # are all the GPU runs after stage 1)
+    # are all the GPU runs after stage 1), or "split" (one program per query head and block
+    # of 32 channels loading every partial at once, then the un-rotation as a second launch)
     merge_grid: str = "kv_head"
     # output columns per query-rotation program (0: all D, one program per row block and KV
     # head; 32: four per, each loading its [D, 32] slice of R_K at once; for batch 1, where
@@ -323,6 +347,9 @@ class DecodeWorkspace:
         self.q_rot = torch.empty(max_batch * num_q_heads * head_dim, dtype=torch.bfloat16, device=device)
         self.mid_o = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=device)
+        # merged o' before the un-rotation (merge_grid="split" only)
+        self.o_rot = torch.empty(max_batch * num_q_heads * head_dim if self.config.merge_grid == "split" else 0,
+                                 dtype=torch.float32, device=device)
 
     def views(self, batch: int, config: DecodeConfig | None = None):
         """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
@@ -426,7 +453,16 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )
-    if cfg.merge_grid == "query_head":
+    if cfg.merge_grid == "split":
+        if workspace.o_rot.numel() < b * hq * d:
+            raise ValueError('merge_grid="split" needs a workspace made with that config (its o\' buffer)')
+        o_rot = workspace.o_rot[:b * hq * d].view(b, hq, d)
+        db = min(32, d)
+        _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, o_rot, NSP=ns + 1, NSP2=workspace.merge_width, D=d,
+                                               DB=db, num_warps=4)
+        rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True,
+                       out_block=cfg.rotate_out_block or db)
+    elif cfg.merge_grid == "query_head":
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
             NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_per_step,

@@ -131,7 +131,7 @@ def _patch(case, results):
     saved = []
     for mod, name in ((triton_store, "_store_kernel"), (triton_decode, "_rotate_q_kernel"),
                       (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge"),
-                      (triton_decode, "_decode_merge_row"),
+                      (triton_decode, "_decode_merge_row"), (triton_decode, "_decode_merge_split"),
                       (triton_extend, "_extend_kernel"), (triton_materialize, "_materialize_kernel")):
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(getattr(mod, name), case, results))
@@ -155,6 +155,7 @@ CASES = {
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
     "g128_rotate_blocks": (dict(D=128, G=128, S=16, W=64, page=64),
                            dict(rotate_out_block=32, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
+    "g128_split_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="split", rotate_out_block=32), {}, 32),
     "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {}, dict(prefix_read="bf16"), 32),
     "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
                               dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),

@@ -129,7 +129,9 @@ def test_decode_invalid_sink_and_late_ring_start():
                                      dict(merge_grid="query_head"),
                                      dict(merge_grid="query_head", merge_partials_per_step=2),
                                      dict(half_keys=False), dict(rotate_out_block=16),
-                                     dict(rotate_out_block=32, merge_grid="query_head"), "int64_slots"])
+                                     dict(rotate_out_block=32, merge_grid="query_head"),
+                                     dict(merge_grid="split"), dict(merge_grid="split", max_splits=1),
+                                     "int64_slots"])
 def test_decode_variants(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
     if variant == "int64_slots":  # the path of caches with 2^31 or more elements per buffer
@@ -151,6 +153,17 @@ def test_rotate_queries_column_blocks_match_the_full_rotation():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="out_block"):
         triton_decode_mod.rotate_queries(q, rot, torch.empty(3, 8, 64), out_block=24)
+
+
+def test_split_merge_needs_a_workspace_made_for_it():
+    sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
+    q = kc.random_q(sc, 4)
+    lens = torch.tensor(sc.lens, dtype=torch.int32)
+    ws = triton_decode_mod.DecodeWorkspace(2, 4, 2, 64, "cpu", triton_decode_mod.DecodeConfig(**_SMALL))
+    with pytest.raises(ValueError, match="split"):
+        triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
+                                        sc.sm_scale, workspace=ws,
+                                        config=triton_decode_mod.DecodeConfig(merge_grid="split", **_SMALL))
 
 
 def test_decode_workspace_reuse_and_out():
