@@ -227,3 +227,26 @@ def test_concurrent_requests_share_graph_decode_batches(oscar, model_dir):
         results = list(pool.map(lambda p: _complete(client, p, max_tokens=40, ignore_eos=True), prompts))
     for text, usage in results:
         assert usage.completion_tokens == 40 and text.strip()
+
+
+@pytest.mark.parametrize("read", ["bf16", "flashinfer"])
+def test_prefix_reads_serve_what_the_int2_read_serves(oscar, model_dir, rotations, tmp_path, read):
+    """--oscar-extend-prefix bf16 / flashinfer: a 2,500-token prompt (three 1,024-token
+    chunks, so chunks 2 and 3 read a cached prefix) gives the int2 read's greedy tokens, up
+    to one near-tie of the int2 server (the same math, another summation order)."""
+    from transformers import AutoTokenizer
+
+    if read == "flashinfer":
+        pytest.importorskip("flashinfer")
+    h = _harness()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok((ROOT / "sglang_ext" / "backend.py").read_text() * 3)["input_ids"][:2500]
+    assert oscar.get("/flush_cache") is not None
+    want, want_top = _greedy_tokens(_client(oscar), ids)
+    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+            "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW),
+            "--oscar-extend-prefix", read, *COMMON]
+    args[args.index("--mem-fraction-static") + 1] = "0.3"  # next to the module's oscar server
+    with h.Server(f"oscar-{read}-prefix", args, str(tmp_path)) as server:
+        got, _ = _greedy_tokens(_client(server), ids)
+    assert h.agree_up_to_a_near_tie(got, want, want_top, NEAR_TIE) is None, (got, want)
