@@ -13,6 +13,7 @@ the whole cached prefix. Compares, on the same lengths and in the same run:
 - ``flashinfer_bf16_us``: FlashInfer's paged BF16 prefill (causal) over prefix + chunk, what
   the bf16_flashinfer server runs.
 
+Each read's output is compared with the int2 read's (``*_max_abs_diff``; outputs are O(1)).
 Shapes: Qwen3-8B-like layer (32 query / 8 KV heads, head_dim 128), INT2 group 128, sink 16,
 ring 128, page 64; random data; mean time of launches between CUDA events
 (triton.testing.do_bench: prefill is not graph-captured in SGLang).
@@ -145,13 +146,20 @@ def main(argv=None):
         chunk = Chunk(prefix, new)
         rec = {"prefix": prefix, "new": new, "attention_tflop": round(attention_flops(prefix, new) / 1e12, 3)}
         result["cases"].append(rec)
+        ref_out = None  # every read must give the int2 read's output (same math, other order)
         for key, cfg in variants:
             rec[key], err = try_time(key, lambda: chunk.oscar(cfg))
             if err:
                 rec[key.replace("_us", "_error")] = err
+            elif ref_out is None:
+                ref_out = chunk.out.float().clone()
+            else:
+                rec[key.replace("_us", "_max_abs_diff")] = round((chunk.out.float() - ref_out).abs().max().item(), 4)
         rec["oscar_flashinfer_us"], err = try_time("oscar_flashinfer", chunk.oscar_flashinfer)
         if err:
             rec["oscar_flashinfer_error"] = err
+        elif ref_out is not None:
+            rec["oscar_flashinfer_max_abs_diff"] = round((chunk.out.float() - ref_out).abs().max().item(), 4)
         if prefix:
             rec["materialize_us"], err = try_time("materialize", chunk.materialize)
             if err:
