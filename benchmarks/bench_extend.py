@@ -23,10 +23,8 @@ ring 128, page 64; random data; mean time of launches between CUDA events
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -39,17 +37,13 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import kernel_cases as kc  # noqa: E402
+from bench_kernels import T0, log, run_main, save  # noqa: E402
 from oscar_kernels.triton_extend import ExtendConfig, triton_extend  # noqa: E402
 from oscar_kernels.triton_materialize import triton_materialize_prefix  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 S, W, PAGE, GROUP = 16, 128, 64, 128
 CASES = ((0, 8192), (32768, 8192), (122880, 8192), (65536, 1024))  # (cached prefix, new tokens)
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def time_us(fn, rep: int = 20) -> float:
@@ -171,18 +165,13 @@ def main(argv=None):
             if rec.get(key):
                 rec[key.replace("_us", "_tflops")] = round(attention_flops(prefix, new) / (rec[key] * 1e-6) / 1e12, 1)
         log("  " + ", ".join(f"{k}={v}" for k, v in rec.items() if k.endswith(("_us", "_tflops"))))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        save(result, out)
         del chunk
         torch.cuda.empty_cache()
     result["elapsed_s"] = round(time.time() - T0, 1)
-    out.write_text(json.dumps(result, indent=1))
+    save(result, out)
     log(f"done -> {out}")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    run_main(main)

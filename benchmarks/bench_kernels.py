@@ -498,9 +498,14 @@ def main(argv=None):
     log(f"done -> {out}")
 
 
-if __name__ == "__main__":
+def run_main(main) -> None:
+    """Run a benchmark's main(): a traceback and exit status 1 on any error."""
     try:
         main()
     except Exception:
         traceback.print_exc()
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run_main(main)

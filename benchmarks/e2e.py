@@ -335,35 +335,40 @@ def make_server(cfg: ServeConfig, args, rotations: str | None, env: dict | None 
     return server
 
 
+def record(path: str, data: dict, config: str, values: dict) -> None:
+    """Merge one configuration's values and write the file (safe from parallel workers)."""
+    with _SAVE_LOCK:
+        merge(data, config, values)
+        save_results(path, data)
+
+
 def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations: str | None,
                gpu: str | None = None) -> None:
     """All requested phases of one configuration on one server (pinned to ``gpu`` if given)."""
-    def record(values: dict) -> None:
-        with _SAVE_LOCK:
-            merge(data, cfg.name, values)
-            save_results(args.out, data)
+    def record_here(values: dict) -> None:
+        record(args.out, data, cfg.name, values)
 
     server = make_server(cfg, args, rotations, env=None if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})
-    record({"label": cfg.label, "server_cmd": shlex.join(server.cmd), "server_log": server.log_path,
+    record_here({"label": cfg.label, "server_cmd": shlex.join(server.cmd), "server_log": server.log_path,
             "gpu": gpu, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     # one entry per part run now; None = it went fine (clears an earlier run's error)
     errors = {"server": None, **{p: None for p in args.phases}}
     try:
         ready_s = server.start(timeout=deadline.cap(args.server_timeout_s))
-        record({"server_ready_s": round(ready_s, 1)})
+        record_here({"server_ready_s": round(ready_s, 1)})
         cap = phase_capacity(server, args)
         max_total = cap["max_total_num_tokens"]
         if "capacity" in args.phases:
-            record(cap)
+            record_here(cap)
             log(f"{cfg.name}: max_total_num_tokens={max_total}, concurrent_100k={cap['concurrent_100k']}")
         if "decode" in args.phases:
-            phase_decode(server, args, deadline, args.log_dir, cfg.name, max_total, record)
+            phase_decode(server, args, deadline, args.log_dir, cfg.name, max_total, record_here)
         if "throughput" in args.phases:
             if deadline.left() < 60:
                 errors["throughput"] = "skipped: deadline"
             else:
                 try:
-                    record(phase_throughput(server, args, deadline, args.log_dir, cfg.name, max_total))
+                    record_here(phase_throughput(server, args, deadline, args.log_dir, cfg.name, max_total))
                 except (RuntimeError, OSError, ValueError) as e:
                     errors["throughput"] = str(e)[:500]
                     log(f"{cfg.name}: throughput FAILED: {str(e)[:300]}")
@@ -372,7 +377,7 @@ def run_config(cfg: ServeConfig, args, deadline: Deadline, data: dict, rotations
         log(f"{cfg.name}: FAILED: {str(e)[:600]}")
     finally:
         server.stop()
-        record({"errors": errors})
+        record_here({"errors": errors})
 
 
 def run_all(args, deadline: Deadline, data: dict, rotations: str | None) -> None:
@@ -389,9 +394,7 @@ def run_all(args, deadline: Deadline, data: dict, rotations: str | None) -> None
     def worker(wargs, gpu: str | None) -> None:
         while (name := next_config()) is not None:
             if deadline.left() < 90:
-                with _SAVE_LOCK:
-                    merge(data, name, {"errors": {"server": "skipped: deadline"}})
-                    save_results(args.out, data)
+                record(args.out, data, name, {"errors": {"server": "skipped: deadline"}})
                 log(f"{name}: skipped (deadline)")
                 continue
             run_config(CONFIGS[name], wargs, deadline, data, rotations, gpu)

@@ -20,6 +20,7 @@ results that others have not committed yet):
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -72,86 +73,92 @@ def none_yet(command: str, where: str) -> str:
 # ------------------------------------------------------------------------- sections
 
 
+def per_results_file(pattern: str, command: str, where: str, keep=None):
+    """Turn ``render_one(path, data) -> [markdown parts]`` into a section renderer over every
+    results file matching ``pattern`` (and ``keep``), or the "no results yet" line."""
+    def wrap(render_one):
+        @functools.wraps(render_one)
+        def render(results_dir: str) -> str:
+            files = [f for f in _files(results_dir, pattern) if keep is None or keep(f)]
+            if not files:
+                return none_yet(command, where)
+            return "\n\n".join(part for path in files for part in render_one(path, _load(path)))
+        return render
+    return wrap
+
+
 def _gpu_note(settings: dict) -> str:
     gpus = settings.get("gpus")
     return f" (configurations run in parallel, one per GPU: GPUs {', '.join(gpus)} of one host)" if gpus else ""
 
 
-def render_e2e(results_dir: str) -> str:
-    files = _files(results_dir, "e2e_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
+@per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
+def render_e2e(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        configs = data.get("configs", {})
-        names = [c for c in E2E_CONFIGS if c in configs] + [c for c in configs if c not in E2E_CONFIGS]
-        base = configs.get("bf16_triton", {}).get("max_total_num_tokens")
-        env, st = data.get("environment", {}), data.get("settings", {})
+    configs = data.get("configs", {})
+    names = [c for c in E2E_CONFIGS if c in configs] + [c for c in configs if c not in E2E_CONFIGS]
+    base = configs.get("bf16_triton", {}).get("max_total_num_tokens")
+    env, st = data.get("environment", {}), data.get("settings", {})
+    parts.append(
+        f"**{data.get('model', '?')}** (random weights) on {env.get('gpu', 'an unnamed GPU')}, "
+        f"SGLang {env.get('sglang', '?')}, `--mem-fraction-static {st.get('mem_fraction_static')} "
+        f"--page-size {st.get('page_size')} --max-running-requests {st.get('max_running_requests')}"
+        f"{(' ' + st['extra_server_args']) if st.get('extra_server_args') else ''}` "
+        f"for every configuration{_gpu_note(st)}. Source: `{_rel(path)}`, plot: "
+        f"`{_rel(os.path.splitext(path)[0] + '.png')}`.")
+    rows = []
+    for n in names:
+        c = configs[n]
+        tp = c.get("throughput", {})
+        mtt = c.get("max_total_num_tokens")
+        ratio = f"{mtt / base:.2f}x" if isinstance(mtt, int) and base else "-"
+        ttft = (tp.get("median_ttft_ms"), tp.get("p99_ttft_ms"))
+        itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
+        conc = tp.get("settings", {}).get("max_concurrency")
+        itl_rate = conc * 1000.0 / itl[0] if conc and itl[0] else None
+        rows.append([
+            n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
+            fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
+            fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")), fmt(itl_rate),
+            fmt(conc),
+            " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
+            " / ".join(fmt(x, 1) for x in itl),
+            "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items() if v),
+        ])
+    parts.append(table(
+        ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
+         "decode ms/step @32k", "@64k", "@128k", "output tok/s", "steady decode tok/s",
+         "decode tok/s at ITL p50", "in flight",
+         "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "notes"], rows))
+    tps = next((configs[n].get("throughput", {}).get("settings") for n in names
+                if configs[n].get("throughput", {}).get("settings")), None)
+    if tps:
+        lo = int(tps["input_len"] * tps["range_ratio"])
         parts.append(
-            f"**{data.get('model', '?')}** (random weights) on {env.get('gpu', 'an unnamed GPU')}, "
-            f"SGLang {env.get('sglang', '?')}, `--mem-fraction-static {st.get('mem_fraction_static')} "
-            f"--page-size {st.get('page_size')} --max-running-requests {st.get('max_running_requests')}"
-            f"{(' ' + st['extra_server_args']) if st.get('extra_server_args') else ''}` "
-            f"for every configuration{_gpu_note(st)}. Source: `{_rel(path)}`, plot: "
-            f"`{_rel(os.path.splitext(path)[0] + '.png')}`.")
-        rows = []
-        for n in names:
-            c = configs[n]
-            tp = c.get("throughput", {})
-            mtt = c.get("max_total_num_tokens")
-            ratio = f"{mtt / base:.2f}x" if isinstance(mtt, int) and base else "-"
-            ttft = (tp.get("median_ttft_ms"), tp.get("p99_ttft_ms"))
-            itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
-            conc = tp.get("settings", {}).get("max_concurrency")
-            itl_rate = conc * 1000.0 / itl[0] if conc and itl[0] else None
-            rows.append([
-                n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
-                fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
-                fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")), fmt(itl_rate),
-                fmt(conc),
-                " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
-                " / ".join(fmt(x, 1) for x in itl),
-                "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items() if v),
-            ])
-        parts.append(table(
-            ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
-             "decode ms/step @32k", "@64k", "@128k", "output tok/s", "steady decode tok/s",
-             "decode tok/s at ITL p50", "in flight",
-             "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "notes"], rows))
-        tps = next((configs[n].get("throughput", {}).get("settings") for n in names
-                    if configs[n].get("throughput", {}).get("settings")), None)
-        if tps:
-            lo = int(tps["input_len"] * tps["range_ratio"])
-            parts.append(
-                f"Throughput workload: {tps['num_prompts']} requests of "
-                f"{lo if lo != tps['input_len'] else ''}{'-' if lo != tps['input_len'] else ''}"
-                f"{tps['input_len']} random input tokens and {tps['output_len']} output tokens, all sent at once, "
-                f"at most 'in flight' = as many as fit in the pool (`sglang.benchmark.serving`, random-ids). "
-                f"Steady decode tok/s = in flight x 1000 / median TPOT (ms), derived (TPOT includes the "
-                f"stalls while other requests prefill); decode tok/s at ITL p50 = in flight x 1000 / median "
-                f"inter-token latency (ms), derived (the rate of a decode step at that concurrency). "
-                f"Decode: one request at a time, median inter-token latency.")
-    return "\n\n".join(parts)
+            f"Throughput workload: {tps['num_prompts']} requests of "
+            f"{lo if lo != tps['input_len'] else ''}{'-' if lo != tps['input_len'] else ''}"
+            f"{tps['input_len']} random input tokens and {tps['output_len']} output tokens, all sent at once, "
+            f"at most 'in flight' = as many as fit in the pool (`sglang.benchmark.serving`, random-ids). "
+            f"Steady decode tok/s = in flight x 1000 / median TPOT (ms), derived (TPOT includes the "
+            f"stalls while other requests prefill); decode tok/s at ITL p50 = in flight x 1000 / median "
+            f"inter-token latency (ms), derived (the rate of a decode step at that concurrency). "
+            f"Decode: one request at a time, median inter-token latency.")
+    return parts
 
 
-def render_capacity(results_dir: str) -> str:
-    files = _files(results_dir, "capacity_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/capacity.py", "one GPU")
+@per_results_file("capacity_*.json", "python3 benchmarks/capacity.py", "one GPU")
+def render_capacity(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        meta = data.get("meta", {})
-        dtypes = [k for k in data if k != "meta"]
-        base = data.get("bf16")
-        rows = [[d, fmt(data[d]), f"{data[d] / base:.2f}x" if isinstance(data[d], int) and base else "-"]
-                for d in dtypes]
-        parts.append(f"**{meta.get('model', '?')}** on {meta.get('gpu') or 'an unnamed GPU'}, "
-                     f"`--mem-fraction-static {meta.get('mem_fraction_static')} --page-size "
-                     f"{meta.get('page_size')}`. Source: `{_rel(path)}`.")
-        parts.append(table(["--kv-cache-dtype", "max_total_num_tokens", "vs bf16"], rows))
-    return "\n\n".join(parts)
+    meta = data.get("meta", {})
+    dtypes = [k for k in data if k != "meta"]
+    base = data.get("bf16")
+    rows = [[d, fmt(data[d]), f"{data[d] / base:.2f}x" if isinstance(data[d], int) and base else "-"]
+            for d in dtypes]
+    parts.append(f"**{meta.get('model', '?')}** on {meta.get('gpu') or 'an unnamed GPU'}, "
+                 f"`--mem-fraction-static {meta.get('mem_fraction_static')} --page-size "
+                 f"{meta.get('page_size')}`. Source: `{_rel(path)}`.")
+    parts.append(table(["--kv-cache-dtype", "max_total_num_tokens", "vs bf16"], rows))
+    return parts
 
 
 def _flatten(entry: dict) -> dict:
@@ -189,166 +196,144 @@ def fidelity_table(methods: dict) -> str:
     return table(header, rows)
 
 
-def render_server_fidelity(results_dir: str) -> str:
-    files = _files(results_dir, "server_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
+@per_results_file("server_*.json", "python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
+def render_server_fidelity(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        st = data.get("settings", {})
-        parts.append(f"SGLang server per method, `--chunked-prefill-size {st.get('chunked_prefill_size')}`; "
-                     f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
-                     f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
-                     f"Source: `{_rel(path)}`.")
-        parts.append(fidelity_table(data.get("methods", {})))
-    return "\n\n".join(parts)
+    st = data.get("settings", {})
+    parts.append(f"SGLang server per method, `--chunked-prefill-size {st.get('chunked_prefill_size')}`; "
+                 f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
+                 f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
+                 f"Source: `{_rel(path)}`.")
+    parts.append(fidelity_table(data.get("methods", {})))
+    return parts
 
 
-def render_fidelity(results_dir: str) -> str:
-    files = [f for f in _files(results_dir, "fidelity_*.json") if "sweep" not in f and "ablation" not in f]
-    if not files:
-        return none_yet("oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU")
+@per_results_file("fidelity_*.json", "oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU",
+                  keep=lambda f: "sweep" not in f and "ablation" not in f)
+def render_fidelity(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        st = data.get("settings", {})
-        parts.append(f"`oscar-eval` (HF transformers, KV simulated with oscar_kernels' reference numerics), "
-                     f"S={st.get('sink')}, W={st.get('recent')}, G={st.get('group_size')}, chunk {st.get('chunk')}; "
-                     f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
-                     f"{st.get('passkey_trials')} prompts per length and depth; {st.get('device')}. "
-                     f"Source: `{_rel(path)}`.")
-        parts.append(fidelity_table(data.get("methods", {})))
-    return "\n\n".join(parts)
+    st = data.get("settings", {})
+    parts.append(f"`oscar-eval` (HF transformers, KV simulated with oscar_kernels' reference numerics), "
+                 f"S={st.get('sink')}, W={st.get('recent')}, G={st.get('group_size')}, chunk {st.get('chunk')}; "
+                 f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
+                 f"{st.get('passkey_trials')} prompts per length and depth; {st.get('device')}. "
+                 f"Source: `{_rel(path)}`.")
+    parts.append(fidelity_table(data.get("methods", {})))
+    return parts
 
 
-def render_soak(results_dir: str) -> str:
-    files = _files(results_dir, "soak_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/soak.py", "one GPU")
+@per_results_file("soak_*.json", "python3 benchmarks/soak.py", "one GPU")
+def render_soak(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        configs = _load(path).get("configs", {})
-        rows = [[n, fmt(c.get("pass")), fmt(c.get("requests")), fmt(c.get("aborted_mid_stream")),
-                 fmt(c.get("shared_prefix_requests")), fmt(c.get("error_count")),
-                 fmt(len(c.get("leak_messages") or [])) if "leak_messages" in c else "-",
-                 fmt(c.get("traceback_count")),
-                 f"{fmt(c.get('exact_equal'))} / {fmt(c.get('compared'))}"]
-                for n, c in configs.items()]
-        parts.append(f"Source: `{_rel(path)}`.")
-        parts.append(table(["config", "pass", "requests", "aborted mid-stream", "on shared prefixes",
-                            "failed requests", "leak messages", "tracebacks",
-                            "greedy outputs equal to sequential"], rows))
-    return "\n\n".join(parts)
+    configs = data.get("configs", {})
+    rows = [[n, fmt(c.get("pass")), fmt(c.get("requests")), fmt(c.get("aborted_mid_stream")),
+             fmt(c.get("shared_prefix_requests")), fmt(c.get("error_count")),
+             fmt(len(c.get("leak_messages") or [])) if "leak_messages" in c else "-",
+             fmt(c.get("traceback_count")),
+             f"{fmt(c.get('exact_equal'))} / {fmt(c.get('compared'))}"]
+            for n, c in configs.items()]
+    parts.append(f"Source: `{_rel(path)}`.")
+    parts.append(table(["config", "pass", "requests", "aborted mid-stream", "on shared prefixes",
+                        "failed requests", "leak messages", "tracebacks",
+                        "greedy outputs equal to sequential"], rows))
+    return parts
 
 
-def render_kernels(results_dir: str) -> str:
-    files = [f for f in _files(results_dir, "kernels_*.json")
-             if not f.endswith("_sweep.json") and "cases" in _load(f)]
-    if not files:
-        return none_yet("python3 benchmarks/bench_kernels.py", "one GPU")
+def _layer_shape(data: dict) -> str:
+    """Device and layer shape of a kernel benchmark file, as the tables' captions give them."""
+    sh = data.get("shape", {})
+    return (f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
+            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}")
+
+
+@per_results_file("kernels_*.json", "python3 benchmarks/bench_kernels.py", "one GPU",
+                  keep=lambda f: not f.endswith("_sweep.json") and "cases" in _load(f))
+def render_kernels(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        sh = data.get("shape", {})
-        parts.append(
-            f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
-            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, "
-            f"W={sh.get('recent_window')}, page {sh.get('page_size')}; one layer; {data.get('timing', '')}. "
-            f"Device copy bandwidth {fmt(data.get('copy_GBps'))} GB/s. Source: `{_rel(path)}`.")
-        rows = [[fmt(c.get("batch")), fmt(c.get("context")), fmt(c.get("oscar_decode_us"), 2),
-                 fmt(c.get("oscar_GBps")), fmt(c.get("oscar_fraction_of_copy"), 3), fmt(c.get("store_us"), 2),
-                 fmt(c.get("triton_bf16_us"), 2), fmt(c.get("flashinfer_bf16_us"), 2),
-                 fmt(c.get("speedup_vs_flashinfer"), 2)] for c in data["cases"]]
-        parts.append(table(["batch", "context", "oscar decode (us)", "oscar GB/s", "of copy bw", "store (us)",
-                            "SGLang triton BF16 (us)", "flashinfer BF16 (us)", "speed-up vs flashinfer"], rows))
-        sweep = os.path.splitext(path)[0] + "_sweep.png"
-        if os.path.isfile(sweep):
-            parts.append(f"Decode variants (block sizes, warps, stages, splits, group size): `{_rel(sweep)}`.")
-    return "\n\n".join(parts)
+    parts.append(
+        f"{_layer_shape(data)}, page {data.get('shape', {}).get('page_size')}; one layer; {data.get('timing', '')}. "
+        f"Device copy bandwidth {fmt(data.get('copy_GBps'))} GB/s. Source: `{_rel(path)}`.")
+    rows = [[fmt(c.get("batch")), fmt(c.get("context")), fmt(c.get("oscar_decode_us"), 2),
+             fmt(c.get("oscar_GBps")), fmt(c.get("oscar_fraction_of_copy"), 3), fmt(c.get("store_us"), 2),
+             fmt(c.get("triton_bf16_us"), 2), fmt(c.get("flashinfer_bf16_us"), 2),
+             fmt(c.get("speedup_vs_flashinfer"), 2)] for c in data["cases"]]
+    parts.append(table(["batch", "context", "oscar decode (us)", "oscar GB/s", "of copy bw", "store (us)",
+                        "SGLang triton BF16 (us)", "flashinfer BF16 (us)", "speed-up vs flashinfer"], rows))
+    sweep = os.path.splitext(path)[0] + "_sweep.png"
+    if os.path.isfile(sweep):
+        parts.append(f"Decode variants (block sizes, warps, stages, splits, group size): `{_rel(sweep)}`.")
+    return parts
 
 
 def _dataset_label(name: str) -> str:
     return "+".join(os.path.basename(p.rstrip("/")) for p in name.split(",")) if "/" in name else name
 
 
-def render_calibration_proxy(results_dir: str) -> str:
-    files = _files(results_dir, "calibration_proxy*.json")
-    if not files:
-        return none_yet("PYTHONPATH=. python3 benchmarks/calibration_sweep.py", "CPU")
+@per_results_file("calibration_proxy*.json", "PYTHONPATH=. python3 benchmarks/calibration_sweep.py", "CPU")
+def render_calibration_proxy(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        evals = data.get("evals", {})
-        sets = list(evals)
-        configs = []
-        for d in sets:
-            configs += [c for c in evals[d].get("results", {}) if c not in configs]
-        header = ["rotations"] + [f"{_dataset_label(d)}: {m}" for d in sets for m in ("logit_rel", "attn_kl", "out_rel")]
-        rows = [[c] + [fmt(evals[d]["results"].get(c, {}).get("mean", {}).get(m), 4)
-                       for d in sets for m in ("logit_rel", "attn_kl", "out_rel")] for c in configs]
-        parts.append(f"Per-layer attention error with fake-INT2 K/V, mean over layers (lower is better); "
-                     f"model `{os.path.basename(str(data.get('model', '?')))}`, {fmt(data.get('calib_tokens'))} "
-                     f"calibration tokens, sink {data.get('sink')}, recent {data.get('recent')}. "
-                     f"Source: `{_rel(path)}`.")
-        parts.append(table(header, rows))
-    return "\n\n".join(parts)
+    evals = data.get("evals", {})
+    sets = list(evals)
+    configs = []
+    for d in sets:
+        configs += [c for c in evals[d].get("results", {}) if c not in configs]
+    header = ["rotations"] + [f"{_dataset_label(d)}: {m}" for d in sets for m in ("logit_rel", "attn_kl", "out_rel")]
+    rows = [[c] + [fmt(evals[d]["results"].get(c, {}).get("mean", {}).get(m), 4)
+                   for d in sets for m in ("logit_rel", "attn_kl", "out_rel")] for c in configs]
+    parts.append(f"Per-layer attention error with fake-INT2 K/V, mean over layers (lower is better); "
+                 f"model `{os.path.basename(str(data.get('model', '?')))}`, {fmt(data.get('calib_tokens'))} "
+                 f"calibration tokens, sink {data.get('sink')}, recent {data.get('recent')}. "
+                 f"Source: `{_rel(path)}`.")
+    parts.append(table(header, rows))
+    return parts
 
 
-def render_fidelity_sweep(results_dir: str) -> str:
-    files = _files(results_dir, "fidelity_*sweep*.json")
-    if not files:
-        return none_yet("python -m calibration.fidelity.sweep --model DIR --method oscar=FILE ...", "CPU or GPU")
+@per_results_file("fidelity_*sweep*.json", "python -m calibration.fidelity.sweep --model DIR --method oscar=FILE ...", "CPU or GPU")
+def render_fidelity_sweep(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        runs = data.get("runs", [])
-        methods = []
-        for r in runs:
-            methods += [m for m in r.get("methods", {}) if m not in methods]
-        bf16 = data.get("bf16", {})
-        rows = [["bf16 (reference)", "-", "-", "-"] + [f"{fmt(bf16.get('ppl_2k'), 3)} / {fmt(bf16.get('ppl_decode_tail'), 3)}"
-                                                        for _ in methods]]
-        for r in runs:
-            mem = r.get("memory", {})
-            rows.append([f"S={r.get('sink')}", f"W={r.get('recent')}", fmt(mem.get("ring_in_int2_tokens")),
-                         fmt(mem.get("sink_in_int2_tokens"))]
-                        + [f"{fmt(r['methods'].get(m, {}).get('ppl_2k'), 3)} / "
-                           f"{fmt(r['methods'].get(m, {}).get('ppl_decode_tail'), 3)}" for m in methods])
-        parts.append(f"Perplexity (whole window / decoded tail) on held-out text, model "
-                     f"`{data.get('model', '?')}`, `oscar-eval {' '.join(data.get('eval_args', []))}`; memory of the "
-                     f"BF16 ring (per request) and sinks (per sequence) in INT2-token equivalents. "
-                     f"Source: `{_rel(path)}`.")
-        parts.append(table(["sink", "recent window", "ring = INT2 tokens", "sinks = INT2 tokens",
-                            *[f"{m}: ppl / tail ppl" for m in methods]], rows))
-    return "\n\n".join(parts)
+    runs = data.get("runs", [])
+    methods = []
+    for r in runs:
+        methods += [m for m in r.get("methods", {}) if m not in methods]
+    bf16 = data.get("bf16", {})
+    rows = [["bf16 (reference)", "-", "-", "-"] + [f"{fmt(bf16.get('ppl_2k'), 3)} / {fmt(bf16.get('ppl_decode_tail'), 3)}"
+                                                    for _ in methods]]
+    for r in runs:
+        mem = r.get("memory", {})
+        rows.append([f"S={r.get('sink')}", f"W={r.get('recent')}", fmt(mem.get("ring_in_int2_tokens")),
+                     fmt(mem.get("sink_in_int2_tokens"))]
+                    + [f"{fmt(r['methods'].get(m, {}).get('ppl_2k'), 3)} / "
+                       f"{fmt(r['methods'].get(m, {}).get('ppl_decode_tail'), 3)}" for m in methods])
+    parts.append(f"Perplexity (whole window / decoded tail) on held-out text, model "
+                 f"`{data.get('model', '?')}`, `oscar-eval {' '.join(data.get('eval_args', []))}`; memory of the "
+                 f"BF16 ring (per request) and sinks (per sequence) in INT2-token equivalents. "
+                 f"Source: `{_rel(path)}`.")
+    parts.append(table(["sink", "recent window", "ring = INT2 tokens", "sinks = INT2 tokens",
+                        *[f"{m}: ppl / tail ppl" for m in methods]], rows))
+    return parts
 
 
-def render_calibration_budget(results_dir: str) -> str:
-    files = _files(results_dir, "calibration_budget*.json")
-    if not files:
-        return none_yet("oscar-calibrate --model DIR --out F --tokens N (several N)", "CPU")
+@per_results_file("calibration_budget*.json", "oscar-calibrate --model DIR --out F --tokens N (several N)", "CPU")
+def render_calibration_budget(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        walls, proxy = data.get("wall_seconds_by_tokens", {}), data.get("proxy", {})
-        rows = []
-        for n in sorted(walls, key=int):
-            p = proxy.get(f"default_{n}", {})
-            rows.append([fmt(int(n)), fmt(walls[n]), fmt(p.get("logit_rel"), 4), fmt(p.get("attn_kl"), 4),
-                         fmt(p.get("out_rel"), 4)])
-        for base in ("hadamard", "naive"):
-            if base in proxy:
-                rows.append([f"({base}, no calibration)", "-", fmt(proxy[base].get("logit_rel"), 4),
-                             fmt(proxy[base].get("attn_kl"), 4), fmt(proxy[base].get("out_rel"), 4)])
-        parts.append(f"{data.get('what', '')}. Source: `{_rel(path)}`.")
-        parts.append(table(["calibration tokens", "wall (s)", "logit_rel", "attn_kl", "out_rel"], rows))
-        run = data.get("default_cpu_run")
-        if run:
-            parts.append(f"The default CPU run (`{run.get('command')}`, {fmt(run.get('tokens'))} tokens) took "
-                         f"{fmt(run.get('wall_seconds'))} s (load average during the run: "
-                         f"{run.get('load_average_during', 'not recorded')}).")
-    return "\n\n".join(parts)
+    walls, proxy = data.get("wall_seconds_by_tokens", {}), data.get("proxy", {})
+    rows = []
+    for n in sorted(walls, key=int):
+        p = proxy.get(f"default_{n}", {})
+        rows.append([fmt(int(n)), fmt(walls[n]), fmt(p.get("logit_rel"), 4), fmt(p.get("attn_kl"), 4),
+                     fmt(p.get("out_rel"), 4)])
+    for base in ("hadamard", "naive"):
+        if base in proxy:
+            rows.append([f"({base}, no calibration)", "-", fmt(proxy[base].get("logit_rel"), 4),
+                         fmt(proxy[base].get("attn_kl"), 4), fmt(proxy[base].get("out_rel"), 4)])
+    parts.append(f"{data.get('what', '')}. Source: `{_rel(path)}`.")
+    parts.append(table(["calibration tokens", "wall (s)", "logit_rel", "attn_kl", "out_rel"], rows))
+    run = data.get("default_cpu_run")
+    if run:
+        parts.append(f"The default CPU run (`{run.get('command')}`, {fmt(run.get('tokens'))} tokens) took "
+                     f"{fmt(run.get('wall_seconds'))} s (load average during the run: "
+                     f"{run.get('load_average_during', 'not recorded')}).")
+    return parts
 
 
 EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"), ("oscar_bf16_us", "oscar, BF16 prefix (ours)"),
@@ -358,51 +343,39 @@ EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"), ("oscar_bf16_us"
                   ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
 
 
-def render_extend(results_dir: str) -> str:
-    files = _files(results_dir, "extend_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/bench_extend.py", "one GPU")
+@per_results_file("extend_*.json", "python3 benchmarks/bench_extend.py", "one GPU")
+def render_extend(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        sh = data.get("shape", {})
-        parts.append(
-            f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
-            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}; "
-            f"{data.get('timing', '')}; microseconds. Source: `{_rel(path)}`.")
-        rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in EXTEND_COLUMNS]
-                for c in data.get("cases", [])]
-        parts.append(table(["cached prefix", "new tokens"] + [label for _, label in EXTEND_COLUMNS], rows))
-    return "\n\n".join(parts)
+    parts.append(f"{_layer_shape(data)}; {data.get('timing', '')}; microseconds. Source: `{_rel(path)}`.")
+    rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in EXTEND_COLUMNS]
+            for c in data.get("cases", [])]
+    parts.append(table(["cached prefix", "new tokens"] + [label for _, label in EXTEND_COLUMNS], rows))
+    return parts
 
 
-def render_tp(results_dir: str) -> str:
-    files = _files(results_dir, "tp_*.json")
-    if not files:
-        return none_yet("python3 benchmarks/tp_check.py --rotations FILE --tp 2", "two GPUs")
+@per_results_file("tp_*.json", "python3 benchmarks/tp_check.py --rotations FILE --tp 2", "two GPUs")
+def render_tp(path: str, data: dict) -> list[str]:
     parts = []
-    for path in files:
-        data = _load(path)
-        st = data.get("settings", {})
-        tp = st.get("tp")
-        parts.append(
-            f"{data.get('model', '?')}: {st.get('prompts')} prompts of {fmt(st.get('shortest'))}-{fmt(st.get('longest'))} "
-            f"tokens, {st.get('max_new_tokens')} greedy tokens each, one request at a time, "
-            f"`--chunked-prefill-size {st.get('chunk')} --mem-fraction-static {st.get('mem_fraction')}`; "
-            f"tp={tp} against tp=1. Source: `{_rel(path)}`.")
-        rows = []
-        for name, c in data.get("configs", {}).items():
-            runs = c.get("runs", {})
-            one, many = runs.get("tp1", {}), runs.get(f"tp{tp}", {})
-            div = ", ".join(f"{d['prompt_len']}: token {d['token']}"
-                            + (" (near-tie)" if d.get("near_tie") else "") for d in c.get("first_divergent_token", []))
-            done = bool(one) and bool(many)
-            rows.append([name, fmt(one.get("max_total_num_tokens")), fmt(many.get("max_total_num_tokens")),
-                         f"{c.get('exact_equal')} / {c.get('compared')}" if done else "not measured",
-                         fmt(c.get("equal_up_to_a_near_tie")) if done else "-", div or "-"])
-        parts.append(table(["config", "pool tokens tp=1", f"pool tokens tp={tp}", "greedy equal to tp=1",
-                            "equal up to a near-tie", "first divergent token (prompt length: index)"], rows))
-    return "\n\n".join(parts)
+    st = data.get("settings", {})
+    tp = st.get("tp")
+    parts.append(
+        f"{data.get('model', '?')}: {st.get('prompts')} prompts of {fmt(st.get('shortest'))}-{fmt(st.get('longest'))} "
+        f"tokens, {st.get('max_new_tokens')} greedy tokens each, one request at a time, "
+        f"`--chunked-prefill-size {st.get('chunk')} --mem-fraction-static {st.get('mem_fraction')}`; "
+        f"tp={tp} against tp=1. Source: `{_rel(path)}`.")
+    rows = []
+    for name, c in data.get("configs", {}).items():
+        runs = c.get("runs", {})
+        one, many = runs.get("tp1", {}), runs.get(f"tp{tp}", {})
+        div = ", ".join(f"{d['prompt_len']}: token {d['token']}"
+                        + (" (near-tie)" if d.get("near_tie") else "") for d in c.get("first_divergent_token", []))
+        done = bool(one) and bool(many)
+        rows.append([name, fmt(one.get("max_total_num_tokens")), fmt(many.get("max_total_num_tokens")),
+                     f"{c.get('exact_equal')} / {c.get('compared')}" if done else "not measured",
+                     fmt(c.get("equal_up_to_a_near_tie")) if done else "-", div or "-"])
+    parts.append(table(["config", "pool tokens tp=1", f"pool tokens tp={tp}", "greedy equal to tp=1",
+                        "equal up to a near-tie", "first divergent token (prompt length: index)"], rows))
+    return parts
 
 
 def render_targets(results_dir: str) -> str:

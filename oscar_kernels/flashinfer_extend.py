@@ -17,16 +17,16 @@ PyTorch twin is reference.reference_extend (same math, float32).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_decode import rotate_queries
-from .triton_materialize import triton_materialize_prefix
+from .triton_materialize import MAX_MATERIALIZED_TOKENS, triton_materialize_prefix
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
-MAX_MATERIALIZED_TOKENS = 262144  # as triton_extend.ExtendConfig: larger batches read INT2
 
 
 class FlashInferExtend:
@@ -41,18 +41,19 @@ class FlashInferExtend:
         self.prefix = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.prefix_lens_host: list[int] = []
-        self.has_prefix = False
         self.fits = False  # the planned batch's prefixes fit the scratch cap (else: not used)
+
+    @property
+    def has_prefix(self) -> bool:
+        return sum(self.prefix_lens_host) > 0
 
     def plan(self, prefix_lens_host: Sequence[int], extend_lens_host: Sequence[int], num_q_heads: int,
              num_kv_heads: int, head_dim: int, sm_scale: float) -> None:
         """Plan a batch from host lengths (FlashInfer plans on the host: no device sync)."""
         def indptr(lens):
-            return torch.tensor([0, *torch.tensor(list(lens), dtype=torch.int64).cumsum(0).tolist()],
-                                dtype=torch.int32)
+            return torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
 
         self.prefix_lens_host = [int(n) for n in prefix_lens_host]
-        self.has_prefix = sum(self.prefix_lens_host) > 0
         self.fits = sum(self.prefix_lens_host) <= MAX_MATERIALIZED_TOKENS
         if not self.fits:
             return

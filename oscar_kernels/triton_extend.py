@@ -26,7 +26,7 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, needs_int64_slots, pair_views)
 from .triton_decode import rotate_queries
-from .triton_materialize import prefix_offsets, triton_materialize_prefix
+from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
                                  online_softmax, request_layout, store_pairs)
 
@@ -147,9 +147,8 @@ class ExtendConfig:
     # of scratch, then BF16 flash attention)
     prefix_read: str = "int2"
     materialize_block: int = 64  # prefix tokens per materialising program
-    # "bf16" only while a call's prefixes sum to at most this many tokens (scratch
-    # 4 * H * D bytes each: 1 GiB for 8 KV heads of dim 128); larger calls read INT2
-    max_materialized_tokens: int = 262144
+    # "bf16" only while a call's prefixes sum to at most this many tokens; larger calls read INT2
+    max_materialized_tokens: int = MAX_MATERIALIZED_TOKENS
 
 
 PREFIX_READS = ("int2", "bf16")
@@ -205,9 +204,9 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
     bf16_prefix = host is not None and sum(host) <= cfg.max_materialized_tokens
     if bf16_prefix:
-        k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
-                                                 block_tokens=cfg.materialize_block)
         pre_off = prefix_offsets(prefix_lens)
+        k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
+                                                 block_tokens=cfg.materialize_block, offsets=pre_off)
     else:  # unused pointers (never read)
         k_pre = v_pre = k_rot
         pre_off = prefix_lens

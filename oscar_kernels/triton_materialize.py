@@ -96,6 +96,11 @@ def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr
             _copy_rows(vring_ptr, src, d, in_ring, vout_ptr, dst)
 
 
+# Largest sum of prefix lengths one call materialises (scratch 4 x H x D bytes per token:
+# 1 GiB for 8 KV heads of dim 128); callers read INT2 above it
+MAX_MATERIALIZED_TOKENS = 262144
+
+
 def prefix_offsets(prefix_lens: torch.Tensor) -> torch.Tensor:
     """off_b = sum_{b' < b} prefix_lens[b'] (int64, on the device, no sync)."""
     lens = prefix_lens.to(torch.int64)
@@ -105,9 +110,10 @@ def prefix_offsets(prefix_lens: torch.Tensor) -> torch.Tensor:
 def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                               rows: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int],
                               k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
-                              block_tokens: int = 64):
+                              block_tokens: int = 64, offsets: torch.Tensor | None = None):
     """(k, v) bf16 [sum L_b, H, D]: the prefixes of the requests, request after request
-    (module doc). ``prefix_lens_host`` holds the same lengths as host ints (no sync)."""
+    (module doc). ``prefix_lens_host`` holds the same lengths as host ints (no sync);
+    ``offsets``: prefix_offsets(prefix_lens) when the caller has it already."""
     check_cache_layout(layer)
     h, d = layer.num_kv_heads, layer.head_dim
     total = int(sum(prefix_lens_host))
@@ -128,7 +134,8 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
         (layer.k_scales, layer.v_scales)
     grid = (triton.cdiv(longest, block_tokens), b, h)
     _materialize_kernel[grid](
-        rows, prefix_lens, prefix_offsets(prefix_lens), req_to_token, req_to_token.stride(0),
+        rows, prefix_lens, prefix_offsets(prefix_lens) if offsets is None else offsets, req_to_token,
+        req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         layer.k_packed, layer.v_packed, layer.k_packed.stride(0), layer.k_packed.stride(1),
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),

@@ -57,11 +57,14 @@ class ExtendPlan:
     rows: torch.Tensor  # [B] req_to_token rows
     prefix_lens: torch.Tensor  # [B] cached prefix length L
     qo_indptr: torch.Tensor  # [B+1] new tokens of request b: qo_indptr[b]:qo_indptr[b+1]
-    max_extend_len: int
     prefix_lens_host: list[int]  # prefix_lens as host ints
     extend_lens_host: list[int]  # new tokens per request, host ints
     slots: torch.Tensor  # [T] pool slot of each new token
     write: OscarWriteMeta  # [T] positions, rows, sequence ends
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_host, default=0)
 
 
 def update_ring_validity(pool: OscarKVPool, rows: torch.Tensor, prefix_lens: torch.Tensor,
@@ -116,8 +119,7 @@ def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
     owners = torch.tensor([rid_hash(r) for r in list(rids)[:bs]], dtype=torch.int64)
     update_ring_validity(pool, rows, prefix, seq_ends, owners.to(device, non_blocking=True))
     return ExtendPlan(rows=rows, prefix_lens=prefix, qo_indptr=qo_indptr,
-                      max_extend_len=max(ext_cpu, default=0), prefix_lens_host=[int(p) for p in prefix_cpu],
-                      extend_lens_host=[int(e) for e in ext_cpu],
+                      prefix_lens_host=[int(p) for p in prefix_cpu], extend_lens_host=[int(e) for e in ext_cpu],
                       slots=slots, write=write)
 
 

@@ -97,12 +97,17 @@ def raw_value(server_args, field: str):
     return env if env not in (None, "") else None
 
 
+def _where(server_args, field: str) -> str:
+    """How the user gave ``field``: its --flag when set on ServerArgs, else its variable."""
+    flag = FLAG_BY_FIELD[field]
+    return flag.cli if getattr(server_args, field, None) is not None else flag.env
+
+
 def _int(server_args, field: str, default: int | None, minimum: int) -> int | None:
     value = raw_value(server_args, field)
     if value is None:
         return default
-    flag = FLAG_BY_FIELD[field]
-    where = flag.cli if getattr(server_args, field, None) is not None else flag.env
+    where = _where(server_args, field)
     try:
         n = int(value)
     except (TypeError, ValueError):
@@ -119,9 +124,7 @@ def _choice(server_args, field: str, default: str, choices: tuple[str, ...]) -> 
     if value is None:
         return default
     if value not in choices:
-        flag = FLAG_BY_FIELD[field]
-        where = flag.cli if getattr(server_args, field, None) is not None else flag.env
-        raise OscarConfigError(f"{where}={value!r}: choose from {', '.join(choices)}")
+        raise OscarConfigError(f"{_where(server_args, field)}={value!r}: choose from {', '.join(choices)}")
     return value
 
 
