@@ -4,10 +4,11 @@ Where a long prompt's time to first token goes with OSCAR: every 8k-token chunk 
 the whole cached prefix. Compares, on the same lengths and in the same run:
 
 - ``oscar_int2_us``: ExtendConfig(prefix_read="int2"), the prefix unpacked in every program;
-- ``oscar_bf16_us``: ExtendConfig(prefix_read="bf16"), the prefix materialised once as BF16
+- ``oscar_bf16_*``: prefix_read="bf16", the prefix materialised once as BF16
   (triton_materialize) and BF16 flash attention; ``materialize_us`` is that first kernel
-  alone; ``oscar_bf16_rows128*`` the same with 128 query rows per program (and 64-token
-  steps, two pipeline stages);
+  alone; ``oscar_bf16_us`` with the INT2 read's tiles (64 rows, 32-token steps, 1 stage),
+  ``oscar_bf16_rows128_n64_s2_us`` with its own default tiles (extend_config("bf16")), the
+  others around them;
 - ``oscar_flashinfer_us``: FlashInferExtend, the materialised prefix read by FlashInfer's
   prefill (--oscar-extend-prefix flashinfer);
 - ``flashinfer_bf16_us``: FlashInfer's paged BF16 prefill (causal) over prefix + chunk, what
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +40,7 @@ import triton.testing  # noqa: E402
 
 import kernel_cases as kc  # noqa: E402
 from bench_kernels import T0, log, run_main, save  # noqa: E402
-from oscar_kernels.triton_extend import ExtendConfig, triton_extend  # noqa: E402
+from oscar_kernels.triton_extend import ExtendConfig, extend_config, triton_extend  # noqa: E402
 from oscar_kernels.triton_materialize import triton_materialize_prefix  # noqa: E402
 
 HQ, H, D = 32, 8, 128
@@ -118,6 +120,32 @@ def attention_flops(prefix: int, new: int) -> float:
     return 4.0 * pairs * HQ * D
 
 
+def plot(result: dict, path: Path) -> None:
+    """Milliseconds per case and read (log scale), one group of bars per case."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result["cases"]
+    keys = [k for k in dict.fromkeys(k for c in cases for k in c)
+            if k.endswith("_us") and k != "materialize_us"]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        xs = [j + i * width for j, c in enumerate(cases) if c.get(key)]
+        ax.bar(xs, [c[key] / 1e3 for c in cases if c.get(key)], width, label=key[:-3])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))],
+                  [f"prefix {c['prefix'] // 1024}k\n+{c['new']} new" for c in cases])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer (one request)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{result.get('device', 'GPU')}: extend (prefill chunk over a cached prefix), one layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"plot -> {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extend_h200.json"))
@@ -129,12 +157,12 @@ def main(argv=None):
                         "recent_window": W, "page_size": PAGE},
               "timing": "mean between CUDA events (triton.testing.do_bench), one layer, batch 1, random data",
               "cases": []}
-    variants = (("oscar_int2_us", ExtendConfig(prefix_read="int2")),
-                ("oscar_bf16_us", ExtendConfig(prefix_read="bf16")),
-                ("oscar_bf16_rows128_us", ExtendConfig(prefix_read="bf16", block_rows=128)),
-                ("oscar_bf16_rows128_n64_us", ExtendConfig(prefix_read="bf16", block_rows=128, block_n_bf16=64)),
-                ("oscar_bf16_rows128_n64_s2_us", ExtendConfig(prefix_read="bf16", block_rows=128, block_n_bf16=64,
-                                                             num_stages=2)))
+    bf16 = extend_config("bf16")  # the BF16 read's default tiles: 128 rows, 64-token steps, 2 stages
+    variants = (("oscar_int2_us", extend_config("int2")),
+                ("oscar_bf16_us", ExtendConfig(prefix_read="bf16")),  # the INT2 read's tiles
+                ("oscar_bf16_rows128_n64_s2_us", bf16),
+                ("oscar_bf16_rows128_n64_s3_us", replace(bf16, num_stages=3)),
+                ("oscar_bf16_rows128_n128_s2_us", replace(bf16, block_n_bf16=128)))
     for prefix, new in CASES:
         log(f"case prefix={prefix} new={new}")
         chunk = Chunk(prefix, new)
@@ -170,6 +198,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     result["elapsed_s"] = round(time.time() - T0, 1)
     save(result, out)
+    plot(result, out.with_suffix(".png"))
     log(f"done -> {out}")
 
 

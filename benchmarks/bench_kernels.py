@@ -270,37 +270,35 @@ def plot_sweep(result: dict, path: Path) -> None:
 
 
 def sweep_variants(sms: int):
-    """DecodeConfig variants around the default (name, kwargs), most informative first."""
+    """DecodeConfig variants around the default (name, kwargs), most informative first:
+    stage 1's launch shape (the batch >= 8 cases are stage-1 bound), then the merge."""
     return [
         ("default", {}),
-        ("merge_partials_per_step=1", dict(merge_partials_per_step=1)),
-        ("merge_partials_per_step=8", dict(merge_partials_per_step=8)),
-        ("max_splits=64", dict(max_splits=64)),
-        ("merge_grid=query_head", dict(merge_grid="query_head")),
-        ("merge_grid=query_head,merge_partials_per_step=16", dict(merge_grid="query_head", merge_partials_per_step=16)),
-        ("merge_grid=query_head,merge_partials_per_step=64", dict(merge_grid="query_head", merge_partials_per_step=64)),
-        ("rotate_out_block=32", dict(rotate_out_block=32)),
-        ("rotate_out_block=32,merge_grid=query_head,merge_partials_per_step=16",
-         dict(rotate_out_block=32, merge_grid="query_head", merge_partials_per_step=16)),
-        ("max_splits=256", dict(max_splits=256)),
-        ("merge_grid=split", dict(merge_grid="split")),
-        ("merge_grid=split,rotate_out_block=32", dict(merge_grid="split", rotate_out_block=32)),
-        ("max_registers=None (uncapped)", dict(max_registers=None)),
-        ("max_registers=168", dict(max_registers=168)),
-        ("max_registers=128", dict(max_registers=128)),
-        ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
         ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
+        ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
+        ("num_stages=3", dict(num_stages=3)),
+        ("num_stages=1", dict(num_stages=1)),
         (f"target_programs={8 * sms} (8 x SMs)", dict(target_programs=8 * sms)),
         (f"target_programs={30 * sms} (30 x SMs, two waves)", dict(target_programs=30 * sms)),
-        ("num_stages=3", dict(num_stages=3)),
-        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
+        ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
+        ("max_registers=None (uncapped)", dict(max_registers=None)),
         ("max_registers=144", dict(max_registers=144)),
+        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
         ("min_chunk=128", dict(min_chunk=128)),
         ("min_chunk=512", dict(min_chunk=512)),
-        ("num_stages=1", dict(num_stages=1)),
-        ("block_n=32,max_registers=128", dict(block_n=32, max_registers=128)),
-        ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
+        ("max_splits=64", dict(max_splits=64)),
+        ("max_splits=256", dict(max_splits=256)),
+        ("merge_grid=kv_head", dict(merge_grid="kv_head")),
+        ("merge_grid=split", dict(merge_grid="split")),
+        ("merge_grid=query_head,merge_partials_per_step=64", dict(merge_grid="query_head", merge_partials_per_step=64)),
+        ("rotate_out_block=0", dict(rotate_out_block=0)),
     ]
+
+
+# the merge choice between the timed ends (DecodeConfig.split_merge_max_batch)
+MERGE_CASES = ((2, 65536), (4, 65536), (16, 65536))
+MERGE_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head")),
+                  ("merge_grid=split", dict(merge_grid="split")))
 
 
 def sweep_record(name, kwargs, group, sc, q, b, n):
@@ -332,7 +330,8 @@ def breakdown_record(name, kwargs, sc, q, b, n):
     cfg = DecodeConfig(**kwargs)
     rec = {"variant": name, "config": kwargs, "batch": b, "context": n}
     rec["full_us"], _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
-    merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}.get(cfg.merge_grid, "_decode_merge")
+    merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}.get(cfg.merge_grid_for(b),
+                                                                                  "_decode_merge")
     for kernel in ("_rotate_q_kernel", "_decode_stage1", merge):
         saved = getattr(td, kernel)
         setattr(td, kernel, _NoLaunch())
@@ -350,13 +349,12 @@ def breakdown_record(name, kwargs, sc, q, b, n):
 
 
 def run_breakdown(result: dict, out: Path, cases) -> None:
-    """Leave-one-kernel-out timings of the default decode and the query-head merge on the
+    """Leave-one-kernel-out timings of the default decode and the kv_head merge on the
     key cases (assert nothing about them: they are for reading)."""
     for b, n in [c for c in KEY_CASES if c in cases]:
         sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
         q = kc.random_q(sc, HQ)
-        for name, kwargs in (("default", {}), ("merge_grid=query_head", dict(merge_grid="query_head")),
-                             ("merge_grid=split,rotate_out_block=32", dict(merge_grid="split", rotate_out_block=32))):
+        for name, kwargs in (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head"))):
             result["breakdown"].append(breakdown_record(name, kwargs, sc, q, b, n))
             save(result, out)
         del sc, q
@@ -384,11 +382,13 @@ def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch
 
 
 def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
-    """Every variant on the four key cases, group sizes 32 / 64 there, then every variant
-    on the other cases, until the budget (items not started are recorded as skipped)."""
+    """Every variant on the four key cases, the merge choice at batch 2 / 4 / 16, group sizes
+    32 / 64 there, then every variant on the other cases, until the budget (items not started
+    are recorded as skipped)."""
     variants = sweep_variants(result["sms"])
     key = [c for c in KEY_CASES if c in cases]
     _sweep_pass(result, out, key, variants, GROUP, budget_s)
+    _sweep_pass(result, out, MERGE_CASES, MERGE_VARIANTS, GROUP, budget_s)
     _sweep_pass(result, out, key, [("group=64,float8 scales", {})], 64, budget_s, torch.float8_e4m3fn)
     for group in (32, 64):
         _sweep_pass(result, out, key, [(f"group={group}", {})], group, budget_s)

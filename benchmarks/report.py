@@ -336,9 +336,12 @@ def render_calibration_budget(path: str, data: dict) -> list[str]:
     return parts
 
 
-EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"), ("oscar_bf16_us", "oscar, BF16 prefix (ours)"),
-                  ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 64-token steps"),
-                  ("oscar_bf16_rows128_n64_s2_us", "same, 2 stages"),
+EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"),
+                  ("oscar_bf16_us", "oscar, BF16 prefix read: 64 rows, 32-token steps, 1 stage"),
+                  ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 128 rows, 64-token steps"),
+                  ("oscar_bf16_rows128_n64_s2_us", "same, 128 rows, 64-token steps, 2 stages (its default tiles)"),
+                  ("oscar_bf16_rows128_n64_s3_us", "same, 3 stages"),
+                  ("oscar_bf16_rows128_n128_s2_us", "same, 128-token steps, 2 stages"),
                   ("oscar_flashinfer_us", "oscar, BF16 prefix via FlashInfer"), ("materialize_us", "of which materialise"),
                   ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
 
@@ -347,9 +350,10 @@ EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"), ("oscar_bf16_us"
 def render_extend(path: str, data: dict) -> list[str]:
     parts = []
     parts.append(f"{_layer_shape(data)}; {data.get('timing', '')}; microseconds. Source: `{_rel(path)}`.")
-    rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in EXTEND_COLUMNS]
-            for c in data.get("cases", [])]
-    parts.append(table(["cached prefix", "new tokens"] + [label for _, label in EXTEND_COLUMNS], rows))
+    cases = data.get("cases", [])
+    columns = [(k, label) for k, label in EXTEND_COLUMNS if any(k in c for c in cases)]  # what this run timed
+    rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in columns] for c in cases]
+    parts.append(table(["cached prefix", "new tokens"] + [label for _, label in columns], rows))
     return parts
 
 

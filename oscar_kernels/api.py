@@ -116,10 +116,10 @@ def extend_attention(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
     if flashinfer is not None and flashinfer.fits and q.is_cuda:
         return flashinfer.run(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows, prefix_lens, out=out)
     if use_triton(q):
-        from .triton_extend import ExtendConfig, triton_extend
+        from .triton_extend import extend_config, triton_extend
         return triton_extend(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows,
                              prefix_lens, qo_indptr, max_extend_len, sm_scale, out=out,
-                             config=ExtendConfig(prefix_read=prefix_read), prefix_lens_host=prefix_lens_host)
+                             config=extend_config(prefix_read), prefix_lens_host=prefix_lens_host)
     o_rot = ref.reference_extend(_rotate_queries(q, rotation.k_rot), k_rot, v_rot, layer, index,
                                  req_to_token, rows, prefix_lens, qo_indptr, sm_scale)
     o = ref.rotate(o_rot, ref.expand_gqa(rotation.v_rot, q.shape[1]).transpose(-1, -2))

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_decode import rotate_queries
+from .triton_decode import rotate_tokens
 from .triton_materialize import MAX_MATERIALIZED_TOKENS, triton_materialize_prefix
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -73,7 +73,7 @@ class FlashInferExtend:
             out = torch.empty_like(q)
         if t == 0:
             return out
-        q_rot = rotate_queries(q, rotation.k_rot.contiguous(), torch.empty(t, hq, d, dtype=torch.bfloat16,
+        q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), torch.empty(t, hq, d, dtype=torch.bfloat16,
                                                                            device=q.device))
         o_rot, lse = self.new.run(q_rot, k_rot, v_rot, return_lse=True)
         if self.has_prefix:
@@ -81,4 +81,4 @@ class FlashInferExtend:
                                                      self.prefix_lens_host)
             o_pre, lse_pre = self.prefix.run(q_rot, k_pre, v_pre, return_lse=True)
             o_rot, lse = self._merge_state(o_pre, lse_pre, o_rot, lse)
-        return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, transpose=True)
+        return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

@@ -21,7 +21,9 @@ no allocation when a :class:`DecodeWorkspace` is given):
    under NS = clamp(target_programs // (B * H), 1, max_splits) of the batch size (by default
    the stage-1 programs resident at once, so batch 1 still fills the GPU). NS is a runtime
    argument: one compiled kernel serves every batch size.
-3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T.
+3. ``_decode_merge``     log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T
+   (small batches: ``_decode_merge_split``, one program per query head and channel block,
+   then the un-rotation by ``_rotate_q_kernel``; DecodeConfig.merge_grid).
 
 Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;
 ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).
@@ -46,32 +48,34 @@ LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
-def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h,
-                     GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h, T,
+                     GQ: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
                      EB: tl.constexpr, TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr):
     """out[t, h*GQ + g, e] = sum_c x[t, h*GQ + g, c] R[h][c, e] (R[h][e, c] when TRANSPOSE)
-    for the EB output columns e of program (t, h, e-block); float32 dot over K chunks of KB
-    read from memory, stored in out's dtype. Grid (T, H, D / EB): with EB < D the few rows
+    for the EB output columns e of program (token block, h, e-block); float32 dot over K
+    chunks of KB read from memory, stored in out's dtype. Grid (cdiv(T, BT), H, D / EB):
+    each program rotates BT tokens x GQ query heads (BT x BH rows, padded heads masked), so
+    R[h] is read once per BT tokens (extend: thousands of tokens); with EB < D the few rows
     of a small batch spread over more programs, each with a shorter chain of loads."""
-    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, BT * BH)
+    t = tl.program_id(0).to(tl.int64) * BT + r // BH
     h = tl.program_id(1)
     e = tl.program_id(2) * EB + tl.arange(0, EB)
-    g = tl.arange(0, BH)
-    hmask = g < GQ
-    hq = h * GQ + g
+    g = r % BH
+    rmask = (g < GQ) & (t < T)
+    row_q = t * sq_b + (h * GQ + g) * sq_h
     kb = tl.arange(0, KB)
     rot = rot_ptr + h.to(tl.int64) * D * D
-    acc = tl.zeros([BH, EB], tl.float32)
+    acc = tl.zeros([BT * BH, EB], tl.float32)
     for c0 in tl.static_range(0, D, KB):
-        qs = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + c0 + kb[None, :], mask=hmask[:, None],
-                     other=0.0).to(tl.float32)
+        qs = tl.load(q_ptr + row_q[:, None] + c0 + kb[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
         if TRANSPOSE:  # rs[k, e] = R[e, c0 + k]
             rs = tl.load(rot + e[None, :] * D + (c0 + kb)[:, None]).to(tl.float32)
         else:
             rs = tl.load(rot + (c0 + kb)[:, None] * D + e[None, :]).to(tl.float32)
         acc = mma_f32(qs, rs, acc, PRECISION)
-    tl.store(out_ptr + b * so_b + hq[:, None] * so_h + e[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None])
+    row_o = t * so_b + (h * GQ + g) * so_h
+    tl.store(out_ptr + row_o[:, None] + e[None, :], acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -256,7 +260,7 @@ def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, NSP, NSP2: tl.constex
 
 
 # ----------------------------------------------------------------------------- host side
-MERGE_GRIDS = ("kv_head", "query_head", "split")
+MERGE_GRIDS = ("auto", "kv_head", "query_head", "split")
 
 
 @dataclass
@@ -297,12 +301,25 @@ class DecodeConfig:
     # merge programs: "kv_head" (one per KV head, its GQ query heads together, tensor-core
     # un-rotation) or "query_head" (GQ x more programs: for batch 1, where 8 merge programs
     # are all the GPU runs after stage 1), or "split" (one program per query head and block
-    # of 32 channels loading every partial at once, then the un-rotation as a second launch)
-    merge_grid: str = "kv_head"
+    # of 32 channels loading every partial at once, then the un-rotation as a second launch),
+    # or "auto": "split" up to split_merge_max_batch requests, "kv_head" above. Timed on the
+    # H200 (kernels_h200.json round 5, same run, whole decode, rotate_out_block 32):
+    # split / kv_head = 35.1 / 46.2 us at batch 1 (64k), 159.2 / 157.7 at batch 8 (64k),
+    # 364.9 / 317.3 at batch 64 (16k): the split merge pays only while the batch leaves the
+    # kv_head merge too few programs (B x H).
+    merge_grid: str = "auto"
+    split_merge_max_batch: int = 4  # "auto": batches 2-4 untimed, between the two timed ends
     # output columns per query-rotation program (0: all D, one program per row block and KV
-    # head; 32: four per, each loading its [D, 32] slice of R_K at once; for batch 1, where
-    # the rotation's 8 programs wait on a chain of chunk loads)
-    rotate_out_block: int = 0
+    # head; 32: four per, each loading its [D, 32] slice of R_K at once). Timed (round 5,
+    # kv_head merge): 32 / 0 = 46.2 / 50.5 us at batch 1 (64k), 157.7 / 163.7 at batch 8
+    # (64k), 317.3 / 315.3 at batch 64 (16k), 2259 / 2263 at batch 64 (128k).
+    rotate_out_block: int = 32
+
+    def merge_grid_for(self, batch: int) -> str:
+        """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
+        if self.merge_grid != "auto":
+            return self.merge_grid
+        return "split" if batch <= self.split_merge_max_batch else "kv_head"
 
     def resident_per_sm(self) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
@@ -345,9 +362,9 @@ class DecodeWorkspace:
         self.q_rot = torch.empty(max_batch * num_q_heads * head_dim, dtype=torch.bfloat16, device=device)
         self.mid_o = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=device)
-        # merged o' before the un-rotation (merge_grid="split" only)
-        self.o_rot = torch.empty(max_batch * num_q_heads * head_dim if self.config.merge_grid == "split" else 0,
-                                 dtype=torch.float32, device=device)
+        # merged o' before the un-rotation (batches that run the "split" merge only)
+        split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
+        self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
     def views(self, batch: int, config: DecodeConfig | None = None):
         """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
@@ -383,11 +400,13 @@ def check_decode_inputs(q, layer, rotation, rows, seq_lens):
 
 
 def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
-                   num_warps: int = 4, transpose: bool = False, out_block: int = 0) -> torch.Tensor:
+                   num_warps: int = 4, transpose: bool = False, out_block: int = 0,
+                   tokens_per_program: int = 1) -> torch.Tensor:
     """out[t, hq] = q[t, hq] @ rot[hq // (Hq/H)] (or @ rot^T when ``transpose``) for q
     [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store).
     ``out_block``: output columns per program (0: all D; e.g. 32: D/32 programs per row
-    block, each reading its R columns in one K chunk)."""
+    block, each reading its R columns in one K chunk). ``tokens_per_program`` (a power of
+    two): tokens per program (decode: 1; extend: enough for ~64 rows, see EXTEND_ROTATION_ROWS)."""
     t, hq, d = q.shape
     h = rot.shape[0]
     gq = hq // h
@@ -398,11 +417,30 @@ def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precis
     eb = out_block or d
     if d % eb or eb & (eb - 1) or eb < 16:
         raise ValueError(f"out_block {out_block} must be a power of two >= 16 dividing head_dim {d}")
+    if tokens_per_program < 1 or tokens_per_program & (tokens_per_program - 1):
+        raise ValueError(f"tokens_per_program {tokens_per_program} must be a power of two")
     kb = d if eb < d else min(32, d)  # a column block reads its R slice at once
-    _rotate_q_kernel[(t, h, d // eb)](q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1),
-                                      GQ=gq, BH=triton.next_power_of_2(gq), D=d, KB=kb, EB=eb,
-                                      TRANSPOSE=bool(transpose), PRECISION=precision, num_warps=num_warps)
+    bt = tokens_per_program
+    _rotate_q_kernel[(triton.cdiv(t, bt), h, d // eb)](
+        q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1), t,
+        GQ=gq, BH=triton.next_power_of_2(gq), BT=bt, D=d, KB=kb, EB=eb, TRANSPOSE=bool(transpose),
+        PRECISION=precision, num_warps=num_warps)
     return out
+
+
+# rows (tokens x query heads of a KV head) per rotation program in extend: R[h] (64 KB at
+# D = 128, float32) is then read once per 32 rows instead of once per token. sm_90 build
+# (tests/aot_sm90.py, D = 128, GQ = 4, ieee): 32 rows x 8 warps 79 registers; 64 rows x 8
+# warps 203; 64 rows x 4 warps spills 2 KB.
+EXTEND_ROTATION_ROWS = 32
+
+
+def rotate_tokens(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
+                  transpose: bool = False) -> torch.Tensor:
+    """rotate_queries for many tokens (extend): EXTEND_ROTATION_ROWS rows per program."""
+    gqp = triton.next_power_of_2(q.shape[1] // rot.shape[0])
+    return rotate_queries(q, rot, out, precision, num_warps=8, transpose=transpose,
+                          tokens_per_program=max(1, EXTEND_ROTATION_ROWS // gqp))
 
 
 def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
@@ -423,6 +461,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     cfg = config or workspace.config
     if cfg.merge_grid not in MERGE_GRIDS:
         raise ValueError(f"DecodeConfig.merge_grid must be one of {MERGE_GRIDS}, not {cfg.merge_grid!r}")
+    merge_grid = cfg.merge_grid_for(b)
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
@@ -451,7 +490,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.max_registers if lay.group_size >= d else None,
     )
-    if cfg.merge_grid == "split":
+    if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
             raise ValueError('merge_grid="split" needs a workspace made with that config (its o\' buffer)')
         o_rot = workspace.o_rot[:b * hq * d].view(b, hq, d)
@@ -460,7 +499,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                                                DB=db, num_warps=4)
         rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True,
                        out_block=cfg.rotate_out_block or db)
-    elif cfg.merge_grid == "query_head":
+    elif merge_grid == "query_head":
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
             NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_per_step,

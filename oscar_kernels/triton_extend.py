@@ -15,7 +15,7 @@ once per call instead of once per block of rows, and the attention is BF16 throu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -25,7 +25,7 @@ import triton.language as tl
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, needs_int64_slots, pair_views)
-from .triton_decode import rotate_queries
+from .triton_decode import rotate_tokens
 from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
                                  online_softmax, request_layout, store_pairs)
@@ -153,6 +153,21 @@ class ExtendConfig:
 
 PREFIX_READS = ("int2", "bf16")
 
+# Tiles per prefix read. BF16 read, timed on the H200 (extend_h200.json, one layer, 8,192 new
+# tokens): 128 rows, 64-token BF16 steps, 2 stages = 5.26 / 20.0 / 62.8 ms over prefixes of
+# 0 / 32k / 120k tokens, against 8.59 / 59.9 / 227.6 ms with the INT2 read's tiles (64 rows,
+# 32-token steps, 1 stage). The INT2 read keeps its tiles: the BF16 read's spill 284 bytes
+# there on sm_90 (tests/aot_sm90.py).
+INT2_READ_TILES = dict(block_rows=64, block_n_bf16=32, num_stages=1)
+BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=2)
+
+
+def extend_config(prefix_read: str = "int2") -> ExtendConfig:
+    """The default ExtendConfig of a prefix read, with that read's tiles."""
+    if prefix_read not in PREFIX_READS:
+        raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
+    return ExtendConfig(prefix_read=prefix_read, **(BF16_READ_TILES if prefix_read == "bf16" else INT2_READ_TILES))
+
 
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
                   index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor,
@@ -192,17 +207,18 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         q_rot_buffer = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
     if o_rot_buffer is None:
         o_rot_buffer = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
-    q_rot = rotate_queries(q, rotation.k_rot.contiguous(), q_rot_buffer[:t], cfg.fp32_precision)
+    q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), q_rot_buffer[:t], cfg.fp32_precision)
     o_rot = o_rot_buffer[:t]
     gq = hq // h
     gqp = triton.next_power_of_2(gq)
-    bm = max(1, cfg.block_rows // gqp)
     lay = layer
     gs = group_scale_args(lay)
     host = None
     if cfg.prefix_read == "bf16":
         host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
     bf16_prefix = host is not None and sum(host) <= cfg.max_materialized_tokens
+    if cfg.prefix_read == "bf16" and not bf16_prefix:  # prefixes above the scratch cap: INT2 read
+        cfg = replace(cfg, **INT2_READ_TILES)
     if bf16_prefix:
         pre_off = prefix_offsets(prefix_lens)
         k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
@@ -210,6 +226,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     else:  # unused pointers (never read)
         k_pre = v_pre = k_rot
         pre_off = prefix_lens
+    bm = max(1, cfg.block_rows // gqp)
     grid = (triton.cdiv(max_extend_len, bm), b, h)
     _extend_kernel[grid](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
@@ -228,4 +245,4 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), BF16_PREFIX=bf16_prefix, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)
+    return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)

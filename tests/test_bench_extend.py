@@ -28,3 +28,14 @@ def test_bench_extend_launches_agree_on_cpu():
     k, v = chunk.materialize()()
     assert k.shape == (200, bench_extend.H, bench_extend.D) and torch.isfinite(k.float()).all()
     assert bench_extend.attention_flops(0, 2) == 4.0 * 3 * bench_extend.HQ * bench_extend.D
+
+
+def test_bench_extend_plots_what_a_run_timed(tmp_path):
+    import bench_extend
+
+    result = {"device": "cpu", "cases": [
+        {"prefix": 0, "new": 8192, "oscar_int2_us": 8906.7, "oscar_flashinfer_us": 4038.7},
+        {"prefix": 32768, "new": 8192, "oscar_int2_us": 54285.5, "oscar_flashinfer_us": 10080.0,
+         "materialize_us": 199.1, "oscar_bf16_us": None}]}
+    bench_extend.plot(result, tmp_path / "extend.png")
+    assert (tmp_path / "extend.png").stat().st_size > 10_000

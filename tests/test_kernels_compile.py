@@ -29,16 +29,18 @@ def _check(recs):
     bad = [f"{x['kernel']}: {x.get('error')}" for x in recs if not x["ok"]]
     assert not bad, "\n".join(bad)
     names = {x["kernel"] for x in recs}
-    assert {"_store_kernel", "_rotate_q_kernel", "_decode_stage1", "_decode_merge", "_extend_kernel"} <= names
+    assert {"_store_kernel", "_rotate_q_kernel", "_decode_stage1", "_extend_kernel"} <= names
+    assert names & {"_decode_merge", "_decode_merge_row", "_decode_merge_split"}, names
 
 
 def test_default_kernels_compile_for_sm90_without_spills():
     """No register spills inside loops (decode stage 1 runs under a register cap: a few
     spilled values in its prologue / epilogue are allowed, none in its token loops)."""
-    recs = _run("g128")
+    recs = _run("g128") + _run("g128_kv_head_merge")  # batch 2: the split merge by default
     _check(recs)
+    assert {"_decode_merge", "_decode_merge_split"} <= {x["kernel"] for x in recs}
     for x in recs:
-        if x["kernel"] in ("_decode_merge", "_rotate_q_kernel", "_extend_kernel"):
+        if x["kernel"] in ("_decode_merge", "_decode_merge_split", "_rotate_q_kernel", "_extend_kernel"):
             assert x["spill_bytes"] == 0, f"{x['kernel']} spills {x['spill_bytes']} bytes"
         if x["kernel"] == "_decode_stage1":
             assert x["loop_spill_instructions"] == 0, f"stage 1 spills in a loop: {x}"

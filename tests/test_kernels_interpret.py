@@ -1,5 +1,6 @@
 """Triton kernels vs their PyTorch reference under TRITON_INTERPRET=1 (CPU, small shapes)."""
 import functools
+from dataclasses import replace
 import importlib
 import os
 import sys
@@ -155,11 +156,44 @@ def test_rotate_queries_column_blocks_match_the_full_rotation():
         triton_decode_mod.rotate_queries(q, rot, torch.empty(3, 8, 64), out_block=24)
 
 
+@pytest.mark.parametrize("hq, tokens", [(8, 4), (6, 4), (4, 16)])  # 6: padded head rows
+def test_rotate_token_blocks_match_the_full_rotation(hq, tokens):
+    """Several tokens per program (extend), token counts not a multiple of the block."""
+    g = torch.Generator().manual_seed(hq)
+    q = torch.randn(tokens + 3, hq, 64, generator=g).bfloat16()
+    rot = torch.randn(2, 64, 64, generator=g)
+    for transpose in (False, True):
+        r = rot.transpose(-1, -2) if transpose else rot
+        want = torch.einsum("thc,hce->the", q.float(), r.repeat_interleave(hq // 2, 0))
+        got = triton_decode_mod.rotate_queries(q, rot, torch.full((tokens + 3, hq, 64), float("nan")),
+                                               transpose=transpose, tokens_per_program=tokens)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        got = triton_decode_mod.rotate_tokens(q, rot, torch.full((tokens + 3, hq, 64), float("nan")),
+                                              transpose=transpose)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_decode_mod.rotate_queries(q, rot, torch.empty(tokens + 3, hq, 64), tokens_per_program=3)
+
+
+def test_auto_merge_grid_splits_small_batches_only():
+    cfg = triton_decode_mod.DecodeConfig(split_merge_max_batch=2, **_SMALL)
+    assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "kv_head", "kv_head"]
+    ws = triton_decode_mod.DecodeWorkspace(5, 4, 2, 64, "cpu", cfg)
+    assert ws.o_rot.numel() == 2 * 4 * 64  # the o' buffer only for the batches that split
+    for lens in ([9, 50], [3, 17, 40]):  # one batch through each merge, one workspace
+        sc = kc.build(lens, H=2, D=64, G=16, S=4, W=8, page=8, seed=len(lens))
+        q = kc.random_q(sc, 4)
+        got = triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                                              torch.tensor(lens, dtype=torch.int32), sc.sm_scale, workspace=ws)
+        torch.testing.assert_close(got.float(), kc.decode_reference(sc, q).float(), rtol=3e-2, atol=3e-2)
+
+
 def test_split_merge_needs_a_workspace_made_for_it():
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
     q = kc.random_q(sc, 4)
     lens = torch.tensor(sc.lens, dtype=torch.int32)
-    ws = triton_decode_mod.DecodeWorkspace(2, 4, 2, 64, "cpu", triton_decode_mod.DecodeConfig(**_SMALL))
+    ws = triton_decode_mod.DecodeWorkspace(2, 4, 2, 64, "cpu",
+                                           triton_decode_mod.DecodeConfig(merge_grid="kv_head", **_SMALL))
     with pytest.raises(ValueError, match="split"):
         triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
                                         sc.sm_scale, workspace=ws,
@@ -262,6 +296,30 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
         kc.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
                         cfg)
         assert calls == materialized
+
+
+def test_extend_config_gives_each_read_its_tiles_and_the_fallback_the_int2_tiles(monkeypatch):
+    ext = triton_extend_mod
+    assert ext.extend_config("bf16").block_rows == ext.BF16_READ_TILES["block_rows"]
+    assert ext.extend_config("int2").block_rows == ext.INT2_READ_TILES["block_rows"]
+    with pytest.raises(ValueError, match="prefix_read"):
+        ext.extend_config("fp8")
+    grids = []
+    real = ext._extend_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ext, "_extend_kernel", Recording())
+    sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
+    for cap in (30, 0):  # materialised (BF16 tiles), then over the cap (INT2 read and tiles)
+        cfg = replace(ext.extend_config("bf16"), max_materialized_tokens=cap, block_n=16)
+        kc.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]), cfg)
+    gqp = 2  # 4 query heads over 2 KV heads; 40 = the longest chunk
+    assert [g[0] for g in grids] == [-(-40 // (ext.BF16_READ_TILES["block_rows"] // gqp)),
+                                     -(-40 // (ext.INT2_READ_TILES["block_rows"] // gqp))]
 
 
 def test_extend_unknown_prefix_read_is_refused():

@@ -229,24 +229,45 @@ def test_concurrent_requests_share_graph_decode_batches(oscar, model_dir):
         assert usage.completion_tokens == 40 and text.strip()
 
 
+# a prefix read against the int2 read, teacher-forced: mean |NLL difference| per token and
+# the ratio of the mean NLLs, over the tokens that read a cached prefix
+READ_NLL_MEAN_ABS_DIFF = 0.02
+READ_NLL_RATIO_TOLERANCE = 0.005
+
+
 @pytest.mark.parametrize("read", ["bf16", "flashinfer"])
-def test_prefix_reads_serve_what_the_int2_read_serves(oscar, model_dir, rotations, tmp_path, read):
-    """--oscar-extend-prefix bf16 / flashinfer: a 2,500-token prompt (three 1,024-token
-    chunks, so chunks 2 and 3 read a cached prefix) gives the int2 read's greedy tokens, up
-    to one near-tie of the int2 server (the same math, another summation order)."""
+def test_prefix_reads_score_a_prompt_as_the_int2_read_does(oscar, model_dir, rotations, tmp_path, read):
+    """--oscar-extend-prefix bf16 / flashinfer: a 3,000-token prompt prefilled in 1,024-token
+    chunks (chunks 2 and 3 read the cached prefix through the read under test) gets the int2
+    read's per-token negative log-likelihoods up to rounding: mean |difference| <=
+    READ_NLL_MEAN_ABS_DIFF nats and mean NLL within READ_NLL_RATIO_TOLERANCE, over the
+    tokens of chunks 2 and 3. Teacher-forced, not greedy: a greedy continuation drifts
+    (a rounding-level change of one hidden state can flip an INT2 code of a later token;
+    seen on the H200, session 4: the bf16 read's 21st greedy token differed, top-2 gap 0.75
+    nats), so token equality would not tell a wrong read from a reordered sum."""
     from transformers import AutoTokenizer
 
     if read == "flashinfer":
         pytest.importorskip("flashinfer")
     h = _harness()
+    import server_fidelity
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = tok((ROOT / "sglang_ext" / "backend.py").read_text() * 3)["input_ids"][:2500]
+    ids = tok((ROOT / "sglang_ext" / "backend.py").read_text() * 4)["input_ids"][:3000]
+    assert len(ids) == 3000
     assert oscar.get("/flush_cache") is not None
-    want, want_top = _greedy_tokens(_client(oscar), ids)
+    want = server_fidelity.window_nll(oscar, ids)
     args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
             "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW),
             "--oscar-extend-prefix", read, *COMMON]
     args[args.index("--mem-fraction-static") + 1] = "0.3"  # next to the module's oscar server
     with h.Server(f"oscar-{read}-prefix", args, str(tmp_path)) as server:
-        got, _ = _greedy_tokens(_client(server), ids)
-    assert h.agree_up_to_a_near_tie(got, want, want_top, NEAR_TIE) is None, (got, want)
+        got = server_fidelity.window_nll(server, ids)
+    tail = slice(1023, None)  # predictions by tokens 1024.. (chunks 2 and 3)
+    diffs = [abs(a - b) for a, b in zip(got[tail], want[tail])]
+    mean_diff = sum(diffs) / len(diffs)
+    ratio = sum(got[tail]) / sum(want[tail])
+    print(f"{read} read vs int2 read over {len(diffs)} tokens: mean |dNLL| {mean_diff:.4f} nats, "
+          f"max {max(diffs):.3f}, NLL ratio {ratio:.4f}")
+    assert mean_diff <= READ_NLL_MEAN_ABS_DIFF and abs(ratio - 1) <= READ_NLL_RATIO_TOLERANCE, \
+        (mean_diff, max(diffs), ratio)
