@@ -349,7 +349,9 @@ EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"),
 @per_results_file("extend_*.json", "python3 benchmarks/bench_extend.py", "one GPU")
 def render_extend(path: str, data: dict) -> list[str]:
     parts = []
-    parts.append(f"{_layer_shape(data)}; {data.get('timing', '')}; microseconds. Source: `{_rel(path)}`.")
+    png = os.path.splitext(path)[0] + ".png"
+    plot = f", plot: `{_rel(png)}`" if os.path.exists(png) else ""
+    parts.append(f"{_layer_shape(data)}; {data.get('timing', '')}; microseconds. Source: `{_rel(path)}`{plot}.")
     cases = data.get("cases", [])
     columns = [(k, label) for k, label in EXTEND_COLUMNS if any(k in c for c in cases)]  # what this run timed
     rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in columns] for c in cases]

@@ -234,8 +234,12 @@ def test_extend_table_renders_every_measured_read(tmp_path):
     text = report.render_extend(str(tmp_path))
     row = next(r for r in text.splitlines() if r.startswith("| 32,768"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells == ["32,768", "8,192", "9,000.0", "4,000.0", "-", "-", "-", "2,500.0", "300.0", "2,100.0"]
-    assert "GPU-X" in text and "No results" in report.render_extend(str(tmp_path / "none"))
+    assert cells == ["32,768", "8,192", "9,000.0", "4,000.0", "2,500.0", "300.0", "2,100.0"]  # untimed reads: no column
+    header = next(r for r in text.splitlines() if r.startswith("| cached prefix"))
+    assert "128 rows" not in header and "via FlashInfer" in header
+    assert "GPU-X" in text and "plot:" not in text and "No results" in report.render_extend(str(tmp_path / "none"))
+    (tmp_path / "extend_gpu.png").write_bytes(b"png")
+    assert "plot: `" in report.render_extend(str(tmp_path))
 
 
 def test_tp_table_renders_equality_and_near_ties(tmp_path):
