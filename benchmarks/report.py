@@ -173,6 +173,27 @@ def _flatten(entry: dict) -> dict:
     return out
 
 
+def paired_gap(hits: list[int], ref_hits: list[int]) -> tuple[float, float]:
+    """Mean of hits - ref_hits over the same prompts, and its 95% half-width (normal
+    approximation, 1.96 x sample sd / sqrt(n)): the resolution of a passkey gap."""
+    d = [a - b for a, b in zip(hits, ref_hits)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    return mean, 1.96 * (var / n) ** 0.5
+
+
+def _passkey_cell(m: dict, ref: dict, n: str, is_ref: bool) -> str:
+    a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
+    if a is None or ra is None or is_ref:
+        return fmt(a, 3)
+    h, rh = m.get("passkey_hits", {}).get(n), ref.get("passkey_hits", {}).get(n)
+    if h and rh and len(h) == len(rh):
+        gap, half = paired_gap(h, rh)
+        return f"{a:.3f} ({gap:+.3f} ± {half:.3f})"
+    return f"{a:.3f} ({a - ra:+.3f})"
+
+
 def fidelity_table(methods: dict) -> str:
     """Perplexity and passkey per method, each against the bf16 row (targets: ppl <= 1.03 x
     bf16, passkey within 0.02 of bf16 at every length)."""
@@ -184,13 +205,14 @@ def fidelity_table(methods: dict) -> str:
         ppl, rp = m.get(ppl_key), ref.get(ppl_key)
         row = [name, fmt(ppl, 4), f"{ppl / rp:.4f}" if ppl and rp else "-"]
         for n in lengths:
-            a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
-            row.append(fmt(a, 3) if a is None or ra is None or name == "bf16" else f"{a:.3f} ({a - ra:+.3f})")
+            row.append(_passkey_cell(m, ref, n, name == "bf16"))
         if any("passkey_first_token_logprob" in v for v in methods.values()):
             lp = m.get("passkey_first_token_logprob", {})
             row.append(" / ".join(fmt(lp.get(n), 3) for n in lengths))
         rows.append(row)
-    header = ["method", ppl_key, "vs bf16", *[f"passkey {n} (vs bf16)" for n in lengths]]
+    paired = any("passkey_hits" in v for v in methods.values())
+    header = ["method", ppl_key, "vs bf16",
+              *[f"passkey {n} (vs bf16{', paired 95% CI' if paired else ''})" for n in lengths]]
     if any("passkey_first_token_logprob" in v for v in methods.values()):
         header.append("log p(first answer token) " + " / ".join(lengths))
     return table(header, rows)
@@ -200,8 +222,10 @@ def fidelity_table(methods: dict) -> str:
 def render_server_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
+    ppl = (f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens" if st.get("ppl_windows")
+           else "no perplexity (passkey only)")
     parts.append(f"SGLang server per method, `--chunked-prefill-size {st.get('chunked_prefill_size')}`; "
-                 f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
+                 f"{ppl}; passkey "
                  f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
                  f"Source: `{_rel(path)}`.")
     parts.append(fidelity_table(data.get("methods", {})))

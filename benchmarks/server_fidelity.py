@@ -91,9 +91,10 @@ def passkey(server: Server, model: str, prompts, workers: int) -> dict:
         cell.append(tasks.passkey_hit(a, p.value))
         if p.trial == 0:
             examples.append({"len": p.length, "depth": p.depth, "want": p.value, "got": a[:12]})
+    hits = {k: [int(h) for d in v.values() for h in d] for k, v in by_depth.items()}  # same order every method
     by_depth = {k: {d: sum(h) / len(h) for d, h in v.items()} for k, v in by_depth.items()}
     mean = {k: sum(v.values()) / len(v) for k, v in by_depth.items()}
-    return {"mean": mean, "by_depth": by_depth, "examples": examples}
+    return {"mean": mean, "by_depth": by_depth, "examples": examples, "hits": hits}
 
 
 def _method(s: str) -> tuple[str, str]:
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recent", type=int, default=None, help="--oscar-recent-window (default: the server's)")
     ap.add_argument("--chunk", type=int, default=1024, help="--chunked-prefill-size")
     ap.add_argument("--ppl-len", type=int, default=8192)
-    ap.add_argument("--ppl-windows", type=int, default=16)
+    ap.add_argument("--ppl-windows", type=int, default=16, help="0: skip perplexity (passkey only)")
     ap.add_argument("--lengths", type=_ints, default=[2048, 4096, 8192], help="passkey lengths")
     ap.add_argument("--passkey-trials", type=int, default=20, help="prompts per (length, depth)")
     ap.add_argument("--workers", type=int, default=32, help="concurrent requests")
@@ -177,17 +178,20 @@ def main(argv=None) -> int:
         server = Server(f"fidelity-{name}", server_args(args, rotations), args.log_dir)
         try:
             startup = server.start()
-            log(f"{name}: perplexity, {args.ppl_windows} windows of {args.ppl_len}")
-            ppl = perplexity(server, held.tokens, args.ppl_len, args.ppl_windows, args.workers)
-            log(f"{name}: {ppl_key} = {ppl['ppl']:.4f}; passkey, {len(prompts)} prompts")
+            ppl = None
+            if args.ppl_windows:  # 0: passkey only
+                log(f"{name}: perplexity, {args.ppl_windows} windows of {args.ppl_len}")
+                ppl = perplexity(server, held.tokens, args.ppl_len, args.ppl_windows, args.workers)
+                log(f"{name}: {ppl_key} = {ppl['ppl']:.4f}")
+            log(f"{name}: passkey, {len(prompts)} prompts")
             pk = passkey(server, args.model, prompts, args.workers)
             log(f"{name}: passkey " + ", ".join(f"{k}: {v:.3f}" for k, v in pk["mean"].items()))
         finally:
             server.stop()
         result["methods"][name] = {
-            ppl_key: ppl["ppl"], "passkey": pk["mean"],
-            "nll": ppl["nll"], "nll_by_position": ppl["nll_by_position"], "ppl_windows": ppl["windows"],
-            "passkey_by_depth": pk["by_depth"], "passkey_examples": pk["examples"],
+            **({ppl_key: ppl["ppl"], "nll": ppl["nll"], "nll_by_position": ppl["nll_by_position"],
+                "ppl_windows": ppl["windows"]} if ppl else {}),
+            "passkey": pk["mean"], "passkey_by_depth": pk["by_depth"], "passkey_examples": pk["examples"], "passkey_hits": pk["hits"],
             "rotations": rotations, "server_cmd": server.cmd[1:], "server_log": server.log_path,
             "startup_s": round(startup, 1), "wall_s": round(time.time() - t0, 1),
         }

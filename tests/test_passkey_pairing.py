@@ -1,0 +1,59 @@
+"""Passkey through the server: per-prompt hits in one order for every method, and the
+report's paired gap with its 95% half-width (a gap of 0.02 needs hundreds of prompts)."""
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["report"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_gap_and_its_half_width():
+    report = _report()
+    gap, half = report.paired_gap([1, 1, 0, 1], [1, 0, 0, 1])  # differences 0, 1, 0, 0
+    assert gap == pytest.approx(0.25) and half == pytest.approx(1.96 * 0.5 / 2)
+    assert report.paired_gap([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
+
+
+def test_fidelity_table_shows_the_paired_interval_when_hits_are_recorded():
+    report = _report()
+    methods = {"bf16": {"ppl_8k": 5.0, "passkey": {"8192": 0.75}, "passkey_hits": {"8192": [1, 1, 1, 0]}},
+               "oscar": {"ppl_8k": 5.1, "passkey": {"8192": 0.5}, "passkey_hits": {"8192": [1, 0, 1, 0]}}}
+    text = report.fidelity_table(methods)
+    assert "paired 95% CI" in text and "0.500 (-0.250 ± 0.490)" in text
+    del methods["oscar"]["passkey_hits"]  # an older file: the plain difference
+    assert "0.500 (-0.250)" in report.fidelity_table(methods)
+
+
+def test_passkey_records_hits_per_prompt_in_prompt_order(monkeypatch):
+    import openai
+    import server_fidelity
+
+    cases = [((2048, 0.1, 0), "abc123", "abc123"), ((2048, 0.1, 1), "yyyyyy", "zzzzzz"),
+             ((2048, 0.5, 0), "def456", "def456"), ((4096, 0.1, 0), "ghi789", "nope!!")]
+
+    class FakeClient:
+        def __init__(self, **_):
+            self.completions = self
+
+        def create(self, prompt, **_):  # prompt: [index of the case]
+            return SimpleNamespace(choices=[SimpleNamespace(text=cases[prompt[0]][2])])
+
+    monkeypatch.setattr(openai, "OpenAI", FakeClient)
+    prompts = [SimpleNamespace(ids=torch.tensor([i]), length=k[0], depth=k[1], trial=k[2], value=v)
+               for i, (k, v, _) in enumerate(cases)]
+    pk = server_fidelity.passkey(SimpleNamespace(url="http://unused"), "m", prompts, workers=2)
+    assert pk["hits"] == {"2048": [1, 0, 1], "4096": [0]}
+    assert pk["mean"] == {"2048": pytest.approx(0.75), "4096": 0.0}
