@@ -73,8 +73,8 @@ class FlashInferExtend:
             out = torch.empty_like(q)
         if t == 0:
             return out
-        q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), torch.empty(t, hq, d, dtype=torch.bfloat16,
-                                                                           device=q.device))
+        q_rot = rotate_tokens(q, rotation.k_rot.contiguous(),
+                              torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device))
         o_rot, lse = self.new.run(q_rot, k_rot, v_rot, return_lse=True)
         if self.has_prefix:
             k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens,

@@ -406,7 +406,7 @@ def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precis
     [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store).
     ``out_block``: output columns per program (0: all D; e.g. 32: D/32 programs per row
     block, each reading its R columns in one K chunk). ``tokens_per_program`` (a power of
-    two): tokens per program (decode: 1; extend: enough for ~64 rows, see EXTEND_ROTATION_ROWS)."""
+    two): tokens per program (decode: 1; extend: EXTEND_ROTATION_ROWS rows, see rotate_tokens)."""
     t, hq, d = q.shape
     h = rot.shape[0]
     gq = hq // h
