@@ -161,8 +161,19 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None):
                                  sc.sm_scale, out=out, workspace=ws, config=cfg)
 
 
-def oscar_store(sc, precision: str | None = None, kv_programs: int | None = None):
-    """One decode step's store: B tokens at position n-1 of every request."""
+# store launch variants timed at batch 1 and 64 (the store takes ~10 us at every batch: latency).
+# All compile for sm_90 without spills (tests/aot_sm90.py; the default uses 245 registers, the
+# k_block 16 and tf32x3 variants 128); k_block 128, num_warps 2 and k_block 64 x 8 warps spill.
+STORE_VARIANTS = (("k_block=16", dict(k_block=16)), ("num_warps=8", dict(num_warps=8)),
+                  ("k_block=16,num_warps=8", dict(k_block=16, num_warps=8)),
+                  ("precision=tf32x3", dict(precision="tf32x3")),
+                  ("precision=tf32x3,num_warps=8", dict(precision="tf32x3", num_warps=8)),
+                  ("kv_programs=1", dict(kv_programs=1)))
+
+
+def oscar_store(sc, **launch):
+    """One decode step's store: B tokens at position n-1 of every request (``launch``:
+    triton_store's launch parameters; none: the api path)."""
     from oscar_kernels.triton_store import triton_store
     b, n = len(sc.lens), sc.lens[0]
     rows = sc.rows.long()
@@ -171,11 +182,11 @@ def oscar_store(sc, precision: str | None = None, kv_programs: int | None = None
     pos = torch.full((b,), n - 1, device="cuda", dtype=torch.int64)
     slots = sc.req_to_token[rows, n - 1].long()
     ends = pos + 1
-    if precision is None and kv_programs is None:
+    if not launch:
         return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
                                     rows, ends)
     return lambda: triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows,
-                                ends, precision=precision, kv_programs=kv_programs or 2)
+                                ends, **launch)
 
 
 def try_time(name: str, make, rep: int = 40):
@@ -455,9 +466,9 @@ def main(argv=None):
             rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
             if err:
                 rec["store_error"] = err
-            # the store before K and V got separate programs (round 4: 13-17 us at every batch)
-            rec["store_kv_one_program_us"], _, _ = try_time("store (K and V in one program)",
-                                                            lambda: oscar_store(sc, kv_programs=1))
+            if b in (1, 64):
+                rec["store_variants_us"] = {name: try_time(f"store {name}", lambda: oscar_store(sc, **kw))[0]
+                                            for name, kw in STORE_VARIANTS}
             rec["bf16_bytes"] = bf16_bytes(b, n)
             # FlashInfer first: SGLang's Triton kernel is the one that can fault
             for key, fn in (("flashinfer_bf16_us", flashinfer_decode), ("triton_bf16_us", sglang_triton_decode)):

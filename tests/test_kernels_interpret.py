@@ -53,6 +53,13 @@ def test_store_matches_reference(cfg, flags):
         assert got.k_ring.abs().sum() > 0
 
 
+@pytest.mark.parametrize("launch", [dict(k_block=16), dict(k_block=16, num_warps=8)])
+def test_store_launch_variants_match_reference(launch):
+    """The launch shapes bench_kernels times (STORE_VARIANTS) write the reference's cache."""
+    sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=9)
+    kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, **launch), True, True)
+
+
 def test_store_with_k_and_v_in_one_program_matches_reference():
     """kv_programs=1 (one program writes K then V): same cache as the reference."""
     sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=3)
