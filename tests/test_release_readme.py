@@ -255,3 +255,14 @@ def test_tp_table_renders_equality_and_near_ties(tmp_path):
             and "---" not in r}
     assert rows["bf16"] == ["10", "20", "3 / 4", "4", "5000: token 7 (near-tie)"]
     assert rows["oscar_int2"] == ["70", "-", "not measured", "-", "-"]
+
+
+def test_kernel_sweep_winners_are_reported_only_beyond_noise():
+    sweep = [{"variant": "default", "batch": 1, "context": 65536, "oscar_decode_us": 50.0},
+             {"variant": "merge_grid=split", "batch": 1, "context": 65536, "oscar_decode_us": 35.0},
+             {"variant": "x", "batch": 1, "context": 65536, "oscar_decode_us": 40.0},
+             {"variant": "default", "batch": 64, "context": 16384, "oscar_decode_us": 315.0},
+             {"variant": "y", "batch": 64, "context": 16384, "oscar_decode_us": 310.0},  # 1.6%: noise
+             {"variant": "group=64", "batch": 64, "context": 16384, "oscar_decode_us": 100.0},  # other layout
+             {"variant": "z", "batch": 8, "context": 65536, "skipped": "time budget"}]
+    assert report.fastest_variants(sweep) == ["batch 1, 65,536: merge_grid=split 35.0 us vs 50.0 us default"]
