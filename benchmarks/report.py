@@ -384,6 +384,8 @@ def render_calibration_budget(path: str, data: dict) -> list[str]:
 
 
 EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"),
+                  ("oscar_int2_s2_us", "same, 2 stages"), ("oscar_int2_n16_us", "same, 16-token INT2 steps"),
+                  ("oscar_int2_rows32_us", "same, 32 rows"),
                   ("oscar_bf16_us", "oscar, BF16 prefix read: 64 rows, 32-token steps, 1 stage"),
                   ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 128 rows, 64-token steps"),
                   ("oscar_bf16_rows128_n64_s2_us", "same, 128 rows, 64-token steps, 2 stages (its default tiles)"),
