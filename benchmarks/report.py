@@ -116,9 +116,11 @@ def render_e2e(path: str, data: dict) -> list[str]:
         itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
         conc = tp.get("settings", {}).get("max_concurrency")
         itl_rate = conc * 1000.0 / itl[0] if conc and itl[0] else None
+        b1_ttft = [(c.get("decode") or {}).get(f"decode_ms_{k}", {}).get("median_ttft_ms") for k in ("32k", "64k", "128k")]
         rows.append([
             n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
             fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
+            " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in b1_ttft),
             fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")), fmt(itl_rate),
             fmt(conc),
             " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
@@ -127,7 +129,8 @@ def render_e2e(path: str, data: dict) -> list[str]:
         ])
     parts.append(table(
         ["config", "KV pool (tokens)", "vs bf16_triton", "100k-token requests that fit",
-         "decode ms/step @32k", "@64k", "@128k", "output tok/s", "steady decode tok/s",
+         "decode ms/step @32k", "@64k", "@128k", "one request's TTFT @32k / 64k / 128k (s)",
+         "output tok/s", "steady decode tok/s",
          "decode tok/s at ITL p50", "in flight",
          "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "notes"], rows))
     tps = next((configs[n].get("throughput", {}).get("settings") for n in names
@@ -142,7 +145,8 @@ def render_e2e(path: str, data: dict) -> list[str]:
             f"Steady decode tok/s = in flight x 1000 / median TPOT (ms), derived (TPOT includes the "
             f"stalls while other requests prefill); decode tok/s at ITL p50 = in flight x 1000 / median "
             f"inter-token latency (ms), derived (the rate of a decode step at that concurrency). "
-            f"Decode: one request at a time, median inter-token latency.")
+            f"Decode: one request at a time, median inter-token latency; its time to first token is that "
+            f"prompt's whole prefill (chunks of {st.get('chunked_prefill_size', '?')} tokens over the cached prefix).")
     return parts
 
 

@@ -51,6 +51,8 @@ def _e2e_fixture(tmp_path: Path) -> Path:
                 "oscar_int2": {"max_total_num_tokens": 700000, "concurrent_100k": 6, "decode_ms_32k": 5.25,
                                "decode_ms_64k": None, "decode_ms_128k": 7.5, "throughput_tok_s": 1234.5,
                                "steady_decode_tok_s": 300.0,
+                               "decode": {"decode_ms_32k": {"median_ttft_ms": 4270.0},
+                                          "decode_ms_128k": {"median_ttft_ms": 70000.0}},
                                "throughput": {"median_ttft_ms": 1500.0, "p99_ttft_ms": 9000.0,
                                               "median_itl_ms": 20.0, "p99_itl_ms": 80.0,
                                               "settings": {"max_concurrency": 6, "num_prompts": 32,
@@ -71,9 +73,9 @@ def test_e2e_and_capacity_tables_render_every_figure(tmp_path):
             for r in e2e.splitlines() if r.startswith("| ") and "config" not in r and "---" not in r}
     assert list(rows) == ["bf16_triton", "oscar_int2"]  # canonical order
     o = rows["oscar_int2"]
-    assert o[:6] == ["700,000", "7.00x", "6", "5.25", "-", "7.50"]
+    assert o[:7] == ["700,000", "7.00x", "6", "5.25", "-", "7.50", "4.27 / - / 70.00"]
     # decode tok/s at ITL p50: 6 in flight x 1000 / 20 ms
-    assert o[6:12] == ["1,234.5", "300.0", "300.0", "6", "1.50 / 9.00", "20.0 / 80.0"] and "boom" in o[12]
+    assert o[7:13] == ["1,234.5", "300.0", "300.0", "6", "1.50 / 9.00", "20.0 / 80.0"] and "boom" in o[13]
     assert "GPU-X" in e2e and "64000 random input tokens and 256 output tokens" in e2e
     cap = report.render_capacity(str(res))
     assert "| oscar_int2 | 700,000 | 7.00x |" in cap
