@@ -162,8 +162,9 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None):
 
 
 # store launch variants timed at batch 1 and 64 (the store takes ~10 us at every batch: latency).
-# All compile for sm_90 without spills (tests/aot_sm90.py; the default uses 245 registers, the
-# k_block 16 and tf32x3 variants 128); k_block 128, num_warps 2 and k_block 64 x 8 warps spill.
+# All compile for sm_90 without spills (tests/aot_sm90.py registers: default 245, k_block 16 128,
+# tf32x3 138, tf32x3 x 8 warps 128, 8 warps 254, one K+V program 253); k_block 128, num_warps 2
+# and k_block 64 x 8 warps spill.
 STORE_VARIANTS = (("k_block=16", dict(k_block=16)), ("num_warps=8", dict(num_warps=8)),
                   ("k_block=16,num_warps=8", dict(k_block=16, num_warps=8)),
                   ("precision=tf32x3", dict(precision="tf32x3")),

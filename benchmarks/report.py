@@ -92,6 +92,12 @@ def _gpu_note(settings: dict) -> str:
     return f" (configurations run in parallel, one per GPU: GPUs {', '.join(gpus)} of one host)" if gpus else ""
 
 
+def _seconds(ms_values) -> str:
+    """'1.51 / 4.63 / -': milliseconds as seconds, '-' where missing."""
+    return " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ms_values)
+
+
+
 @per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
 def render_e2e(path: str, data: dict) -> list[str]:
     parts = []
@@ -116,14 +122,15 @@ def render_e2e(path: str, data: dict) -> list[str]:
         itl = (tp.get("median_itl_ms"), tp.get("p99_itl_ms"))
         conc = tp.get("settings", {}).get("max_concurrency")
         itl_rate = conc * 1000.0 / itl[0] if conc and itl[0] else None
-        b1_ttft = [(c.get("decode") or {}).get(f"decode_ms_{k}", {}).get("median_ttft_ms") for k in ("32k", "64k", "128k")]
+        b1_ttft = [(c.get("decode") or {}).get(f"decode_ms_{k}", {}).get("median_ttft_ms")
+                   for k in ("32k", "64k", "128k")]
         rows.append([
             n, fmt(mtt), ratio, fmt(c.get("concurrent_100k")),
             fmt(c.get("decode_ms_32k"), 2), fmt(c.get("decode_ms_64k"), 2), fmt(c.get("decode_ms_128k"), 2),
-            " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in b1_ttft),
+            _seconds(b1_ttft),
             fmt(c.get("throughput_tok_s")), fmt(c.get("steady_decode_tok_s")), fmt(itl_rate),
             fmt(conc),
-            " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ttft),
+            _seconds(ttft),
             " / ".join(fmt(x, 1) for x in itl),
             "; ".join(f"{k}: {v}"[:80] for k, v in (c.get("errors") or {}).items() if v),
         ])
@@ -304,10 +311,12 @@ def fastest_variants(sweep: list[dict]) -> list[str]:
     """Per (batch, context) of the default group size: the fastest timed variant against
     the run's default ('batch 1, 65,536: merge_grid=split 35.1 us vs 50.5 us default'),
     where it is more than SWEEP_WIN faster (smaller gaps are within run-to-run noise)."""
-    timed = [r for r in sweep if r.get("oscar_decode_us") and not r["variant"].startswith("group=")]
+    by_case: dict[tuple, list[dict]] = {}
+    for r in sweep:
+        if r.get("oscar_decode_us") and not r["variant"].startswith("group="):
+            by_case.setdefault((r["batch"], r["context"]), []).append(r)
     out = []
-    for b, n in dict.fromkeys((r["batch"], r["context"]) for r in timed):
-        here = [r for r in timed if (r["batch"], r["context"]) == (b, n)]
+    for (b, n), here in by_case.items():
         default = next((r["oscar_decode_us"] for r in here if r["variant"] == "default"), None)
         win = min(here, key=lambda r: r["oscar_decode_us"])
         if default and win["oscar_decode_us"] < (1 - SWEEP_WIN) * default:

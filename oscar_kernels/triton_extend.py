@@ -158,15 +158,19 @@ PREFIX_READS = ("int2", "bf16")
 # 0 / 32k / 120k tokens, against 8.59 / 59.9 / 227.6 ms with the INT2 read's tiles (64 rows,
 # 32-token steps, 1 stage). The INT2 read keeps its tiles: the BF16 read's spill 284 bytes
 # there on sm_90 (tests/aot_sm90.py).
-INT2_READ_TILES = dict(block_rows=64, block_n_bf16=32, num_stages=1)
 BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=2)
+INT2_READ_TILES = {k: getattr(ExtendConfig, k) for k in BF16_READ_TILES}  # ExtendConfig's defaults
+
+
+def check_prefix_read(prefix_read: str) -> None:
+    if prefix_read not in PREFIX_READS:
+        raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
 
 
 def extend_config(prefix_read: str = "int2") -> ExtendConfig:
     """The default ExtendConfig of a prefix read, with that read's tiles."""
-    if prefix_read not in PREFIX_READS:
-        raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
-    return ExtendConfig(prefix_read=prefix_read, **(BF16_READ_TILES if prefix_read == "bf16" else INT2_READ_TILES))
+    check_prefix_read(prefix_read)
+    return ExtendConfig(prefix_read=prefix_read, **(BF16_READ_TILES if prefix_read == "bf16" else {}))
 
 
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
@@ -181,8 +185,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     ``prefix_lens_host``: prefix_lens as host ints, for ``prefix_read="bf16"`` (without
     it the lengths are read back from the device: one sync)."""
     cfg = config or ExtendConfig()
-    if cfg.prefix_read not in PREFIX_READS:
-        raise ValueError(f"prefix_read {cfg.prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
+    check_prefix_read(cfg.prefix_read)
     t, hq, d = q.shape
     h = layer.num_kv_heads
     if d != layer.head_dim or hq % h or k_rot.shape != (t, h, d) or v_rot.shape != (t, h, d):
