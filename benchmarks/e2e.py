@@ -72,9 +72,14 @@ CONFIGS = {
                                    label="BF16 KV, flashinfer attention"),
     "fp8_e4m3": ServeConfig("fp8_e4m3", ("--attention-backend", "triton", "--kv-cache-dtype", "fp8_e4m3"),
                             label="FP8 e4m3 KV (SGLang), triton attention"),
+    # the server's defaults: prefill reads cached prefixes through FlashInfer (--oscar-extend-prefix
+    # auto) since session 5; run 3 of e2e_qwen3-8b-shape.json timed oscar_int2 with the int2 read
     "oscar_int2": ServeConfig("oscar_int2", ("--kv-cache-dtype", "oscar_int2"), oscar=True,
-                              label="OSCAR INT2 KV (+BF16 sink/recent)"),
-    # not in the default set: the BF16-materialised prefix read of prefill, to time against oscar_int2
+                              label="OSCAR INT2 KV (+BF16 sink/recent), server defaults"),
+    # not in the default set: the other prefix reads of prefill, to time against oscar_int2
+    "oscar_int2_int2_prefix": ServeConfig("oscar_int2_int2_prefix",
+                                          ("--kv-cache-dtype", "oscar_int2", "--oscar-extend-prefix", "int2"),
+                                          oscar=True, label="OSCAR INT2 KV, prefill unpacks the INT2 prefix"),
     "oscar_int2_bf16_prefix": ServeConfig("oscar_int2_bf16_prefix",
                                           ("--kv-cache-dtype", "oscar_int2", "--oscar-extend-prefix", "bf16"),
                                           oscar=True, label="OSCAR INT2 KV, prefill reads the prefix as BF16"),

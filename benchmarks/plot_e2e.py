@@ -11,7 +11,7 @@ import sys
 
 COLORS = {"bf16_triton": "#7f7f7f", "bf16_flashinfer": "#1f77b4", "fp8_e4m3": "#ff7f0e",
           "oscar_int2": "#2ca02c", "oscar_int2_bf16_prefix": "#98df8a",
-          "oscar_int2_flashinfer_prefix": "#17becf"}
+          "oscar_int2_flashinfer_prefix": "#17becf", "oscar_int2_int2_prefix": "#bcbd22"}
 
 
 def decode_points(entry: dict) -> list[tuple[int, float]]:

@@ -184,22 +184,14 @@ def _flatten(entry: dict) -> dict:
     return out
 
 
-def paired_gap(hits: list[int], ref_hits: list[int]) -> tuple[float, float]:
-    """Mean of hits - ref_hits over the same prompts, and its 95% half-width (normal
-    approximation, 1.96 x sample sd / sqrt(n)): the resolution of a passkey gap."""
-    d = [a - b for a, b in zip(hits, ref_hits)]
-    n = len(d)
-    mean = sum(d) / n
-    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
-    return mean, 1.96 * (var / n) ** 0.5
-
-
 def _passkey_cell(m: dict, ref: dict, n: str, is_ref: bool) -> str:
     a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
     if a is None or ra is None or is_ref:
         return fmt(a, 3)
     h, rh = m.get("passkey_hits", {}).get(n), ref.get("passkey_hits", {}).get(n)
     if h and rh and len(h) == len(rh):
+        from targets import paired_gap
+
         gap, half = paired_gap(h, rh)
         return f"{a:.3f} ({gap:+.3f} ± {half:.3f})"
     return f"{a:.3f} ({a - ra:+.3f})"
@@ -396,13 +388,15 @@ def render_calibration_budget(path: str, data: dict) -> list[str]:
     return parts
 
 
-EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read"),
+EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read (the run's default tiles)"),
+                  ("oscar_int2_s1_us", "same, 1 stage"),
                   ("oscar_int2_s2_us", "same, 2 stages"), ("oscar_int2_n16_us", "same, 16-token INT2 steps"),
                   ("oscar_int2_rows32_us", "same, 32 rows"),
                   ("oscar_bf16_us", "oscar, BF16 prefix read: 64 rows, 32-token steps, 1 stage"),
                   ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 128 rows, 64-token steps"),
-                  ("oscar_bf16_rows128_n64_s2_us", "same, 128 rows, 64-token steps, 2 stages (its default tiles)"),
+                  ("oscar_bf16_rows128_n64_s2_us", "same, 128 rows, 64-token steps, 2 stages"),
                   ("oscar_bf16_rows128_n64_s3_us", "same, 3 stages"),
+                  ("oscar_bf16_rows64_n64_s3_us", "same, 64 rows, 64-token steps, 3 stages"),
                   ("oscar_bf16_rows128_n128_s2_us", "same, 128-token steps, 2 stages"),
                   ("oscar_flashinfer_us", "oscar, BF16 prefix via FlashInfer"), ("materialize_us", "of which materialise"),
                   ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
@@ -414,6 +408,11 @@ def render_extend(path: str, data: dict) -> list[str]:
     png = os.path.splitext(path)[0] + ".png"
     plot = f", plot: `{_rel(png)}`" if os.path.exists(png) else ""
     parts.append(f"{_layer_shape(data)}; {data.get('timing', '')}; microseconds. Source: `{_rel(path)}`{plot}.")
+    tiles = data.get("default_tiles")
+    if tiles:
+        parts.append("Default tiles of the run: " + "; ".join(
+            f"{read} read {t['block_rows']} rows, {t['block_n'] if read == 'int2' else t['block_n_bf16']}-token steps, "
+            f"{t['num_stages']} stage{'s' * (t['num_stages'] > 1)}" for read, t in tiles.items()) + ".")
     cases = data.get("cases", [])
     columns = [(k, label) for k, label in EXTEND_COLUMNS if any(k in c for c in cases)]  # what this run timed
     rows = [[fmt(c.get("prefix")), fmt(c.get("new"))] + [fmt(c.get(k)) for k, _ in columns] for c in cases]

@@ -297,18 +297,21 @@ class DecodeConfig:
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
-    merge_partials_per_step: int = 4  # partials the merge loads at once (power of two)
+    # partials the merge loads at once (power of two); 0: per merge grid, 64 for "query_head"
+    # (one program per query head: [64, D] per load), 4 for "kv_head" (GQ rows per program)
+    merge_partials_per_step: int = 0
     # merge programs: "kv_head" (one per KV head, its GQ query heads together, tensor-core
-    # un-rotation) or "query_head" (GQ x more programs: for batch 1, where 8 merge programs
-    # are all the GPU runs after stage 1), or "split" (one program per query head and block
-    # of 32 channels loading every partial at once, then the un-rotation as a second launch),
-    # or "auto": "split" up to split_merge_max_batch requests, "kv_head" above. Timed on the
-    # H200 (kernels_h200.json round 5, same run, whole decode, rotate_out_block 32):
-    # split / kv_head = 35.1 / 46.2 us at batch 1 (64k), 159.2 / 157.7 at batch 8 (64k),
-    # 364.9 / 317.3 at batch 64 (16k): the split merge pays only while the batch leaves the
-    # kv_head merge too few programs (B x H).
+    # un-rotation) or "query_head" (GQ x more programs, each loading 64 partials at once), or
+    # "split" (one program per query head and block of 32 channels loading every partial at
+    # once, then the un-rotation as a second launch), or "auto": "split" up to
+    # split_merge_max_batch requests, "query_head" above. Timed on the H200, whole decode:
+    # round 5, split / kv_head = 35.1 / 46.2 us at batch 1 (64k), 159.2 / 157.7 at batch 8
+    # (64k), 364.9 / 317.3 at batch 64 (16k); round 6 (kernels_h200.json): split / kv_head =
+    # 52.5 / 60.8 us at batch 2 and 92.2 / 97.0 at batch 4 (64k); query_head (64 partials) /
+    # kv_head = 152.6 / 158.3 at batch 8 (64k), 321.1 / 320.2 at batch 64 (16k), 2,282.8 /
+    # 2,275.7 at batch 64 (128k); batch 16: kv_head 290.4, split 298.8, query_head untimed.
     merge_grid: str = "auto"
-    split_merge_max_batch: int = 4  # "auto": batches 2-4 untimed, between the two timed ends
+    split_merge_max_batch: int = 4  # "auto": the split merge up to this batch (timed: 1, 2, 4)
     # output columns per query-rotation program (0: all D, one program per row block and KV
     # head; 32: four per, each loading its [D, 32] slice of R_K at once). Timed (round 5,
     # kv_head merge): 32 / 0 = 46.2 / 50.5 us at batch 1 (64k), 157.7 / 163.7 at batch 8
@@ -319,7 +322,13 @@ class DecodeConfig:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
         if self.merge_grid != "auto":
             return self.merge_grid
-        return "split" if batch <= self.split_merge_max_batch else "kv_head"
+        return "split" if batch <= self.split_merge_max_batch else "query_head"
+
+    def merge_partials_for(self, merge_grid: str) -> int:
+        """Partials per merge step of a merge grid (merge_partials_per_step 0 resolved)."""
+        if self.merge_partials_per_step:
+            return self.merge_partials_per_step
+        return 64 if merge_grid == "query_head" else 4
 
     def resident_per_sm(self) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
@@ -502,14 +511,14 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     elif merge_grid == "query_head":
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-            NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_per_step,
+            NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_for(merge_grid),
             num_warps=4,
         )
     else:
         _decode_merge[(b, h)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
             NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, BH=bh, D=d, EB=min(32, d),
-            SPB=cfg.merge_partials_per_step, PRECISION=cfg.merge_precision, num_warps=4,
+            SPB=cfg.merge_partials_for(merge_grid), PRECISION=cfg.merge_precision, num_warps=4,
         )
     return out
 

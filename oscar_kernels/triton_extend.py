@@ -137,7 +137,7 @@ class ExtendConfig:
     block_n: int = 32  # INT2 prefix tokens per step
     block_n_bf16: int = 32  # BF16 (sink / ring / new) tokens per step
     num_warps: int = 8  # (64 rows, 32-token steps, 8 warps: no register spills on sm_90)
-    num_stages: int = 1
+    num_stages: int = 2
     magic_unpack: bool = True
     half_keys: bool = True  # as DecodeConfig.half_keys
     use_dot: bool = True
@@ -153,12 +153,13 @@ class ExtendConfig:
 
 PREFIX_READS = ("int2", "bf16")
 
-# Tiles per prefix read. BF16 read, timed on the H200 (extend_h200.json, one layer, 8,192 new
-# tokens): 128 rows, 64-token BF16 steps, 2 stages = 5.26 / 20.0 / 62.8 ms over prefixes of
-# 0 / 32k / 120k tokens, against 8.59 / 59.9 / 227.6 ms with the INT2 read's tiles (64 rows,
-# 32-token steps, 1 stage). The INT2 read keeps its tiles: the BF16 read's spill 284 bytes
-# there on sm_90 (tests/aot_sm90.py).
-BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=2)
+# Tiles per prefix read, timed on the H200 (extend_h200.json, one layer, 8,192 new tokens over
+# prefixes of 0 / 32k / 120k tokens). INT2 read (64 rows, 32-token steps): 2 stages 6.4 / 42.7 /
+# 157.0 ms against 7.1 / 52.3 / 272.1 with 1 stage; 16-token steps or 32 rows are slower (64-token
+# INT2 steps spill on sm_90). BF16 read: 128 rows, 64-token steps, 3 stages 3.2 / 14.7 / 46.3 ms,
+# against 3.5 / 18.0 / 60.8 with 2 stages, 3.3 / 16.3 / 55.5 with 128-token steps and 2 stages,
+# and 6.8 / 56.6 / 218.6 with the INT2 read's tiles (those spill 284 bytes in the INT2 read).
+BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=3)
 INT2_READ_TILES = {k: getattr(ExtendConfig, k) for k in BF16_READ_TILES}  # ExtendConfig's defaults
 
 

@@ -28,6 +28,7 @@ decode needs no host synchronisation and allocates nothing outside the graph.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,6 +41,9 @@ from oscar_kernels import api
 from oscar_kernels.hybrid_cache import assign_sink_slots
 
 from .pool import OscarKVPool, OscarWriteMeta
+from .settings import resolve_extend_prefix
+
+logger = logging.getLogger(__name__)
 
 
 def rid_hash(rid: Optional[str]) -> int:
@@ -152,18 +156,31 @@ class OscarAttnBackend(TritonAttnBackend):
         # Decode scratch for the largest possible batch (one per request row), allocated
         # once here, before CUDA-graph capture: decode then allocates nothing.
         self._decode_workspace = None
-        # --oscar-extend-prefix flashinfer: FlashInfer's prefill over the materialised prefix
-        # (planned once per extend batch, on its first layer); CUDA only
+        # --oscar-extend-prefix flashinfer (the "auto" default on CUDA): FlashInfer's prefill
+        # over the materialised prefix (planned once per extend batch, on its first layer)
         self._fi_extend, self._fi_planned = None, None
-        if pool.extend_prefix == "flashinfer" and pool.req_to_token.is_cuda:
-            try:
-                self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
-            except ImportError as e:
-                raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({e})") from None
+        self.prefix_read = self._make_prefix_read(pool)
         if api.use_triton(pool.req_to_token):
             self._decode_workspace = api.make_decode_workspace(
                 pool.req_to_token.shape[0], self.num_head, self.num_kv_head, pool.head_dim,
                 pool.req_to_token.device)
+
+    def _make_prefix_read(self, pool) -> str:
+        """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) and build FlashInfer's
+        extend where it is the read; returns "int2", "bf16" or "flashinfer"."""
+        cuda = pool.req_to_token.is_cuda
+        fi_error = None
+        if cuda and pool.extend_prefix in ("auto", "flashinfer"):
+            try:
+                self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
+            except ImportError as e:
+                fi_error = e
+        read = resolve_extend_prefix(pool.extend_prefix, cuda, self._fi_extend is not None)
+        if read == "flashinfer" and cuda and self._fi_extend is None:
+            raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({fi_error})")
+        if fi_error is not None:
+            logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", fi_error)
+        return read
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -245,7 +262,7 @@ class OscarAttnBackend(TritonAttnBackend):
                              pool.index, pool.layer_rotation(layer.layer_id), pool.req_to_token,
                              plan.rows, plan.prefix_lens, plan.qo_indptr, plan.max_extend_len,
                              layer.scaling, out=o.view(t, hq, d),
-                             prefix_read="int2" if pool.extend_prefix == "int2" else "bf16",
+                             prefix_read="int2" if self.prefix_read == "int2" else "bf16",
                              prefix_lens_host=plan.prefix_lens_host, flashinfer=self._fi_extend)
         pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_int2=False,
                            write_ring=True)

@@ -53,7 +53,7 @@ def test_store_matches_reference(cfg, flags):
         assert got.k_ring.abs().sum() > 0
 
 
-@pytest.mark.parametrize("launch", [dict(k_block=16), dict(k_block=16, num_warps=8)])
+@pytest.mark.parametrize("launch", [dict(k_block=16), dict(precision="ieee", num_warps=4)])
 def test_store_launch_variants_match_reference(launch):
     """The launch shapes bench_kernels times (STORE_VARIANTS) write the reference's cache."""
     sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=9)
@@ -184,7 +184,9 @@ def test_rotate_token_blocks_match_the_full_rotation(hq, tokens):
 
 def test_auto_merge_grid_splits_small_batches_only():
     cfg = triton_decode_mod.DecodeConfig(split_merge_max_batch=2, **_SMALL)
-    assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "kv_head", "kv_head"]
+    assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "query_head", "query_head"]
+    assert [cfg.merge_partials_for(g) for g in ("query_head", "kv_head")] == [64, 4]
+    assert triton_decode_mod.DecodeConfig(merge_partials_per_step=8).merge_partials_for("query_head") == 8
     ws = triton_decode_mod.DecodeWorkspace(5, 4, 2, 64, "cpu", cfg)
     assert ws.o_rot.numel() == 2 * 4 * 64  # the o' buffer only for the batches that split
     for lens in ([9, 50], [3, 17, 40]):  # one batch through each merge, one workspace

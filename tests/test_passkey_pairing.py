@@ -21,10 +21,11 @@ def _report():
 
 
 def test_paired_gap_and_its_half_width():
-    report = _report()
-    gap, half = report.paired_gap([1, 1, 0, 1], [1, 0, 0, 1])  # differences 0, 1, 0, 0
+    import targets
+
+    gap, half = targets.paired_gap([1, 1, 0, 1], [1, 0, 0, 1])  # differences 0, 1, 0, 0
     assert gap == pytest.approx(0.25) and half == pytest.approx(1.96 * 0.5 / 2)
-    assert report.paired_gap([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
+    assert targets.paired_gap([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
 
 
 def test_fidelity_table_shows_the_paired_interval_when_hits_are_recorded():
@@ -57,3 +58,22 @@ def test_passkey_records_hits_per_prompt_in_prompt_order(monkeypatch):
     pk = server_fidelity.passkey(SimpleNamespace(url="http://unused"), "m", prompts, workers=2)
     assert pk["hits"] == {"2048": [1, 0, 1], "4096": [0]}
     assert pk["mean"] == {"2048": pytest.approx(0.75), "4096": 0.0}
+
+
+def test_paired_passkey_target_is_missed_only_when_the_interval_excludes_the_bound(tmp_path):
+    """targets.passkey_paired: a gap resolved below -0.02 is "missed"; one whose interval
+    reaches -0.02 is not (the run cannot tell it from the target)."""
+    import json
+
+    import targets
+
+    def write(osc_hits):
+        data = {"methods": {"bf16": {"passkey_hits": {"8192": [1] * 100}},
+                            "oscar": {"passkey_hits": {"8192": osc_hits}}}}
+        (tmp_path / "p.json").write_text(json.dumps(data))
+        return targets.passkey_paired(str(tmp_path), "p.json", "x")[0]
+
+    assert write([1] * 90 + [0] * 10)[2] == "missed"  # -0.10 +- 0.059
+    assert write([1] * 99 + [0])[2] == "met"  # -0.01 +- 0.020
+    assert "8192: -0.100" in write([1] * 90 + [0] * 10)[1]
+    assert targets.passkey_paired(str(tmp_path), "absent.json", "x") == []

@@ -229,26 +229,40 @@ def test_concurrent_requests_share_graph_decode_batches(oscar, model_dir):
         assert usage.completion_tokens == 40 and text.strip()
 
 
-# a prefix read against the int2 read, teacher-forced: mean |NLL difference| per token and
-# the ratio of the mean NLLs, over the tokens that read a cached prefix
-READ_NLL_MEAN_ABS_DIFF = 0.02
+# a prefix read against the module server's (--oscar-extend-prefix auto: flashinfer where it
+# imports), teacher-forced: mean |NLL difference| per token and the ratio of the mean NLLs, over
+# the tokens that read a cached prefix. Measured on the H200 (session 5, against the int2 read):
+# bf16 read 0.0301 nats mean (max 1.44), NLL ratio 0.9999; flashinfer read 0.0322 (max 0.95),
+# 0.9997. All three reads compute the same attention over the same dequantised prefix, in other
+# orders and roundings; the spread is the INT2 code flips that such a rounding-level change in a
+# hidden state causes in the tokens that chunk stores (a wrong read -- rotation, scale, position
+# -- moves the NLL ratio by far more than 0.5%). The first bound, 0.02, was a guess below that.
+READ_NLL_MEAN_ABS_DIFF = 0.05
 READ_NLL_RATIO_TOLERANCE = 0.005
 
 
-@pytest.mark.parametrize("read", ["bf16", "flashinfer"])
-def test_prefix_reads_score_a_prompt_as_the_int2_read_does(oscar, model_dir, rotations, tmp_path, read):
-    """--oscar-extend-prefix bf16 / flashinfer: a 3,000-token prompt prefilled in 1,024-token
-    chunks (chunks 2 and 3 read the cached prefix through the read under test) gets the int2
-    read's per-token negative log-likelihoods up to rounding: mean |difference| <=
-    READ_NLL_MEAN_ABS_DIFF nats and mean NLL within READ_NLL_RATIO_TOLERANCE, over the
-    tokens of chunks 2 and 3. Teacher-forced, not greedy: a greedy continuation drifts
-    (a rounding-level change of one hidden state can flip an INT2 code of a later token;
-    seen on the H200, session 4: the bf16 read's 21st greedy token differed, top-2 gap 0.75
-    nats), so token equality would not tell a wrong read from a reordered sum."""
+def _default_prefix_read() -> str:
+    import importlib.util
+
+    return "flashinfer" if importlib.util.find_spec("flashinfer") else "int2"
+
+
+@pytest.mark.parametrize("read", ["int2", "bf16"])
+def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, rotations, tmp_path, read):
+    """--oscar-extend-prefix int2 / bf16 against the default (flashinfer): a 3,000-token
+    prompt prefilled in 1,024-token chunks (chunks 2 and 3 read the cached prefix through the
+    read under test) gets the default read's per-token negative log-likelihoods up to
+    rounding: mean |difference| <= READ_NLL_MEAN_ABS_DIFF nats and mean NLL within
+    READ_NLL_RATIO_TOLERANCE, over the tokens of chunks 2 and 3. Teacher-forced, not greedy:
+    a greedy continuation drifts (a rounding-level change of one hidden state can flip an INT2
+    code of a later token; seen on the H200, session 4: the bf16 read's 21st greedy token
+    differed, top-2 gap 0.75 nats), so token equality would not tell a wrong read from a
+    reordered sum."""
     from transformers import AutoTokenizer
 
-    if read == "flashinfer":
-        pytest.importorskip("flashinfer")
+    default = _default_prefix_read()
+    if read == default:
+        pytest.skip(f"the module server already reads {read} (flashinfer does not import)")
     h = _harness()
     import server_fidelity
 
@@ -267,7 +281,7 @@ def test_prefix_reads_score_a_prompt_as_the_int2_read_does(oscar, model_dir, rot
     diffs = [abs(a - b) for a, b in zip(got[tail], want[tail])]
     mean_diff = sum(diffs) / len(diffs)
     ratio = sum(got[tail]) / sum(want[tail])
-    print(f"{read} read vs int2 read over {len(diffs)} tokens: mean |dNLL| {mean_diff:.4f} nats, "
+    print(f"{read} read vs {default} read over {len(diffs)} tokens: mean |dNLL| {mean_diff:.4f} nats, "
           f"max {max(diffs):.3f}, NLL ratio {ratio:.4f}")
     assert mean_diff <= READ_NLL_MEAN_ABS_DIFF and abs(ratio - 1) <= READ_NLL_RATIO_TOLERANCE, \
         (mean_diff, max(diffs), ratio)

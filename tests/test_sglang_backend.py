@@ -312,11 +312,12 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
         sim.backend._init_oscar(object(), D)
 
 
-@pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer"])
+@pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer", "auto"])
 def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
     """--oscar-extend-prefix reaches api.extend_attention with the batch's host prefix
     lengths (the bf16 path sizes its scratch from them without a device sync); on a CPU
-    pool "flashinfer" has no FlashInfer object and the call takes the reference path."""
+    pool "flashinfer" has no FlashInfer object and the call takes the reference path, and
+    "auto" reads INT2."""
     from unittest import mock
 
     from oscar_kernels import api
@@ -335,5 +336,36 @@ def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
         sim.extend([dict(rid="a", row=1, content="A", prefix=0, new=20)])
         sim.extend([dict(rid="a", row=1, content="A", prefix=20, new=12),
                     dict(rid="b", row=2, content="B", prefix=0, new=5)])
-    want = "int2" if read == "int2" else "bf16"
+    want = "int2" if read in ("int2", "auto") else "bf16"
     assert seen == [(want, [0], None)] * LAYERS + [(want, [20, 0], None)] * LAYERS
+
+
+@pytest.mark.parametrize("choice, imports, want", [
+    ("auto", True, "flashinfer"), ("auto", False, "int2"), ("flashinfer", True, "flashinfer"),
+    ("flashinfer", False, RuntimeError), ("int2", True, "int2"), ("bf16", True, "bf16")])
+def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_when_auto(choice, imports, want, caplog):
+    """On a CUDA pool "auto" builds FlashInfer's extend; where flashinfer does not import it
+    reads INT2 with one warning, while an explicit "flashinfer" refuses to start."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from oscar_kernels import api
+
+    pool = SimpleNamespace(extend_prefix=choice, req_to_token=SimpleNamespace(is_cuda=True, device="cuda:0"))
+    fi = object()
+
+    def make(device):
+        if not imports:
+            raise ImportError("No module named 'flashinfer'")
+        return fi
+
+    sim = Sim()
+    with mock.patch.object(api, "make_flashinfer_extend", make):
+        if want is RuntimeError:
+            with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
+                sim.backend._make_prefix_read(pool)
+            return
+        sim.backend._fi_extend = None
+        assert sim.backend._make_prefix_read(pool) == want
+    assert (sim.backend._fi_extend is fi) == (want == "flashinfer")
+    assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)

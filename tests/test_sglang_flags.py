@@ -151,7 +151,7 @@ def test_settings_fields_win_over_env(small_rot, tmp_path):
     ({"SGLANG_OSCAR_SINK_TOKENS": "-1"}, "SGLANG_OSCAR_SINK_TOKENS=-1 must be >= 0"),
     ({"SGLANG_OSCAR_RECENT_WINDOW": "0"}, "SGLANG_OSCAR_RECENT_WINDOW=0 must be >= 1"),
     ({"SGLANG_OSCAR_SINK_SLOTS": "0"}, "SGLANG_OSCAR_SINK_SLOTS=0 must be >= 1"),
-    ({"SGLANG_OSCAR_EXTEND_PREFIX": "fp8"}, "SGLANG_OSCAR_EXTEND_PREFIX='fp8': choose from int2, bf16, flashinfer"),
+    ({"SGLANG_OSCAR_EXTEND_PREFIX": "fp8"}, "SGLANG_OSCAR_EXTEND_PREFIX='fp8': choose from auto, int2, bf16, flashinfer"),
 ])
 def test_settings_bad_input_one_line(env, match, small_rot):
     sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
