@@ -156,9 +156,11 @@ CASES = {
     "g128_whole_row_rotation": (dict(D=128, G=128, S=16, W=64, page=64),
                                 dict(rotate_out_block=0, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
     "g128_kv_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="kv_head"), {}, 32),
-    "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {}, dict(prefix_read="bf16"), 32),
-    "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64),
-                              dict(merge_grid="query_head", merge_partials_per_step=16), {}, 32),
+    # the BF16 read with its default tiles (triton_extend.BF16_READ_TILES)
+    "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {},
+                         dict(prefix_read="bf16", block_rows=128, block_n_bf16=64, num_stages=3), 32),
+    # the merge "auto" runs above batch 4 (64 partials per step)
+    "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="query_head"), {}, 32),
 }
 
 

@@ -48,7 +48,7 @@ def test_default_kernels_compile_for_sm90_without_spills():
 
 
 def test_bf16_prefix_extend_compiles_for_sm90_without_spills():
-    """ExtendConfig(prefix_read="bf16"): the materialising kernel and the BF16 extend."""
+    """The BF16 prefix read with its default tiles: the materialising kernel and the BF16 extend."""
     recs = [x for x in _run("g128_bf16_prefix") if x["kernel"] in ("_materialize_kernel", "_extend_kernel")]
     assert {x["kernel"] for x in recs} == {"_materialize_kernel", "_extend_kernel"}
     for x in recs:
