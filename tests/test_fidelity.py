@@ -153,6 +153,11 @@ def test_oscar_eval_smoke(tinylm_dir, tmp_path):
         assert set(m["passkey"]) == {"256"} and 0.0 <= m["passkey"]["256"] <= 1.0
         assert set(m["passkey_by_depth"]["256"]) == {"0.1", "0.5", "0.9"}
         assert set(m["passkey_first_token_logprob"]) == {"256"} and m["passkey_first_token_logprob"]["256"] <= 0.0
+        # per prompt, in prompt order (one prompt per depth): the mean and the accuracy follow from them
+        hits, lps = m["passkey_hits"]["256"], m["passkey_first_token_logprobs"]["256"]
+        assert len(hits) == len(lps) == 3 and set(hits) <= {0, 1}
+        assert sum(hits) / 3 == pytest.approx(m["passkey"]["256"])
+        assert sum(lps) / 3 == pytest.approx(m["passkey_first_token_logprob"]["256"], abs=1e-3)
 
 
 def test_oscar_eval_rejects_bad_method(tinylm_dir):

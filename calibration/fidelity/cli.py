@@ -203,6 +203,8 @@ def main(argv=None) -> int:
             res["passkey_by_depth"] = pr["by_depth"]
             res["passkey_examples"] = pr["examples"]
             res["passkey_first_token_logprob"] = pr["first_token_logprob"]
+            res["passkey_hits"] = pr["hits"]  # per prompt: the report's paired interval
+            res["passkey_first_token_logprobs"] = pr["first_token_logprobs"]
         res["wall_s"] = round(time.time() - t0, 1)
         result["methods"][name] = res
         _write(a.out, result)

@@ -109,8 +109,10 @@ def passkey(model, sim, tokenizer, prompts: list[tasks.PasskeyPrompt], chunk: in
             batch: int = 1, desc: str = "passkey", examples: int = 1) -> dict:
     """Accuracy per (length, depth) cell, its mean over depths per length, a few answers, and
     per length the mean log-probability of the value's first token right after the prompt
-    (finer-grained than hit or miss when comparing methods on the same prompts)."""
-    by_depth, shown, first_lp = {}, [], {}
+    (finer-grained than hit or miss when comparing methods on the same prompts). ``hits`` and
+    ``first_token_logprobs``: per length, one entry per prompt in prompt order (the same order
+    for every method: paired comparisons)."""
+    by_depth, shown, first_lp, hit_list = {}, [], {}, {}
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
     for (length, depth), cell in groupby(prompts, key=lambda p: (p.length, p.depth)):
         cell = list(cell)
@@ -122,12 +124,15 @@ def passkey(model, sim, tokenizer, prompts: list[tasks.PasskeyPrompt], chunk: in
                                           first_targets=targets)
             first_lp.setdefault(str(length), []).extend(lps)
             for p, a in zip(part, answers):
-                hits += tasks.passkey_hit(a, p.value)
+                hit = tasks.passkey_hit(a, p.value)
+                hits += hit
+                hit_list.setdefault(str(length), []).append(int(hit))
                 if p.trial < examples:
                     shown.append({"len": length, "depth": depth, "want": p.value, "got": a[:12]})
             bar.update(len(part))
         by_depth.setdefault(str(length), {})[str(depth)] = hits / len(cell)
     bar.close()
     mean = {k: sum(v.values()) / len(v) for k, v in by_depth.items()}
-    return {"mean": mean, "by_depth": by_depth, "examples": shown,
-            "first_token_logprob": {k: round(sum(v) / len(v), 4) for k, v in first_lp.items()}}
+    return {"mean": mean, "by_depth": by_depth, "examples": shown, "hits": hit_list,
+            "first_token_logprob": {k: round(sum(v) / len(v), 4) for k, v in first_lp.items()},
+            "first_token_logprobs": {k: [round(x, 4) for x in v] for k, v in first_lp.items()}}
