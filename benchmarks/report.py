@@ -221,16 +221,19 @@ def fidelity_table(methods: dict) -> str:
     return table(header, rows)
 
 
+def _ppl_passkey_caption(st: dict) -> str:
+    """What a fidelity run measured: its perplexity windows and passkey prompts."""
+    ppl = (f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens" if st.get("ppl_windows")
+           else "no perplexity (passkey only)")
+    return f"{ppl}; passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}"
+
+
 @per_results_file("server_*.json", "python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
 def render_server_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
-    ppl = (f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens" if st.get("ppl_windows")
-           else "no perplexity (passkey only)")
     parts.append(f"SGLang server per method, `--chunked-prefill-size {st.get('chunked_prefill_size')}`; "
-                 f"{ppl}; passkey "
-                 f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
-                 f"Source: `{_rel(path)}`.")
+                 f"{_ppl_passkey_caption(st)}. Source: `{_rel(path)}`.")
     parts.append(fidelity_table(data.get("methods", {})))
     return parts
 
@@ -242,9 +245,11 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     st = data.get("settings", {})
     parts.append(f"`oscar-eval` (HF transformers, KV simulated with oscar_kernels' reference numerics), "
                  f"S={st.get('sink')}, W={st.get('recent')}, G={st.get('group_size')}, chunk {st.get('chunk')}; "
-                 f"{st.get('ppl_windows')} held-out windows of {st.get('ppl_len')} tokens; passkey "
-                 f"{st.get('passkey_trials')} prompts per length and depth; {st.get('device')}. "
-                 f"Source: `{_rel(path)}`.")
+                 f"{_ppl_passkey_caption(st)}; {st.get('device')}. Source: `{_rel(path)}`.")
+    calib = {name: r.get("recipe_detail", {}) for name, r in st.get("rotations", {}).items()}
+    if len({(c.get("tokens"), c.get("seq_len")) for c in calib.values()}) > 1:  # methods differ in calibration
+        parts.append("Calibration per method: " + "; ".join(
+            f"{name} {fmt(c.get('tokens'))} tokens in windows of {fmt(c.get('seq_len'))}" for name, c in calib.items()) + ".")
     parts.append(fidelity_table(data.get("methods", {})))
     return parts
 
