@@ -305,15 +305,14 @@ def sweep_variants(sms: int):
     ]
 
 
-# the merge choice between the timed ends (DecodeConfig.split_merge_max_batch)
-MERGE_CASES = ((2, 65536), (4, 65536), (16, 65536))
-MERGE_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head")),
-                  ("merge_grid=split", dict(merge_grid="split")))
-# stage-1 shapes that won at batch 1 (64k) and lost at batch >= 8 in round 6 (block_n=128 uncapped:
-# 31.5 vs 34.7 us at b1, 168.1 vs 158.0 at b8; 3 stages: 33.3 vs 34.7 at b1, 335.5 vs 320.4 at b64
-# 16k): where between them the crossing is, for a batch-dependent default like merge_grid "auto"
+# small batches, one pass: the merge choice between the timed ends (DecodeConfig.split_merge_max_batch)
+# and the stage-1 shapes that won at batch 1 (64k) and lost at batch >= 8 in round 6 (block_n=128
+# uncapped: 31.5 vs 34.7 us at b1, 168.1 vs 158.0 at b8; 3 stages: 33.3 vs 34.7 at b1, 335.5 vs 320.4
+# at b64 16k): where between them the crossing is, for a batch-dependent default like merge_grid "auto"
 SMALL_BATCH_CASES = ((1, 16384), (1, 131072), (2, 65536), (4, 65536), (16, 65536))
-SMALL_BATCH_VARIANTS = (("default", {}), ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
+SMALL_BATCH_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head")),
+                        ("merge_grid=split", dict(merge_grid="split")),
+                        ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
                         ("num_stages=3", dict(num_stages=3)))
 
 
@@ -398,13 +397,12 @@ def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch
 
 
 def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
-    """Every variant on the four key cases, the merge choice at batch 2 / 4 / 16, the small-
-    batch stage-1 shapes, group sizes 32 / 64 on the key cases, then every variant on the other
-    cases, until the budget (items not started are recorded as skipped)."""
+    """Every variant on the four key cases, the merge choice and stage-1 shapes at small
+    batches, group sizes 32 / 64 on the key cases, then every variant on the other cases,
+    until the budget (items not started are recorded as skipped)."""
     variants = sweep_variants(result["sms"])
     key = [c for c in KEY_CASES if c in cases]
     _sweep_pass(result, out, key, variants, GROUP, budget_s)
-    _sweep_pass(result, out, MERGE_CASES, MERGE_VARIANTS, GROUP, budget_s)
     _sweep_pass(result, out, SMALL_BATCH_CASES, SMALL_BATCH_VARIANTS, GROUP, budget_s)
     _sweep_pass(result, out, key, [("group=64,float8 scales", {})], 64, budget_s, torch.float8_e4m3fn)
     for group in (32, 64):

@@ -27,6 +27,9 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import targets  # noqa: E402  (benchmarks/targets.py: verdicts and the paired passkey gap)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -95,7 +98,6 @@ def _gpu_note(settings: dict) -> str:
 def _seconds(ms_values) -> str:
     """'1.51 / 4.63 / -': milliseconds as seconds, '-' where missing."""
     return " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ms_values)
-
 
 
 @per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
@@ -190,9 +192,7 @@ def _passkey_cell(m: dict, ref: dict, n: str, is_ref: bool) -> str:
         return fmt(a, 3)
     h, rh = m.get("passkey_hits", {}).get(n), ref.get("passkey_hits", {}).get(n)
     if h and rh and len(h) == len(rh):
-        from targets import paired_gap
-
-        gap, half = paired_gap(h, rh)
+        gap, half = targets.paired_gap(h, rh)
         return f"{a:.3f} ({gap:+.3f} ± {half:.3f})"
     return f"{a:.3f} ({a - ra:+.3f})"
 
@@ -393,16 +393,15 @@ def render_calibration_budget(path: str, data: dict) -> list[str]:
     return parts
 
 
+# every label names its read and tiles (a run shows only the columns it timed)
 EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read (the run's default tiles)"),
-                  ("oscar_int2_s1_us", "same, 1 stage"),
-                  ("oscar_int2_s2_us", "same, 2 stages"), ("oscar_int2_n16_us", "same, 16-token INT2 steps"),
-                  ("oscar_int2_rows32_us", "same, 32 rows"),
-                  ("oscar_bf16_us", "oscar, BF16 prefix read: 64 rows, 32-token steps, 1 stage"),
-                  ("oscar_bf16_rows128_us", "same, 128 rows"), ("oscar_bf16_rows128_n64_us", "same, 128 rows, 64-token steps"),
-                  ("oscar_bf16_rows128_n64_s2_us", "same, 128 rows, 64-token steps, 2 stages"),
-                  ("oscar_bf16_rows128_n64_s3_us", "same, 3 stages"),
-                  ("oscar_bf16_rows64_n64_s3_us", "same, 64 rows, 64-token steps, 3 stages"),
-                  ("oscar_bf16_rows128_n128_s2_us", "same, 128-token steps, 2 stages"),
+                  ("oscar_int2_s1_us", "INT2 read, 1 stage"), ("oscar_int2_s2_us", "INT2 read, 2 stages"),
+                  ("oscar_int2_n16_us", "INT2 read, 16-token INT2 steps"), ("oscar_int2_rows32_us", "INT2 read, 32 rows"),
+                  ("oscar_bf16_us", "BF16 prefix read: 64 rows, 32-token steps, 1 stage"),
+                  ("oscar_bf16_rows128_n64_s2_us", "BF16 read: 128 rows, 64-token steps, 2 stages"),
+                  ("oscar_bf16_rows128_n64_s3_us", "BF16 read: 128 rows, 64-token steps, 3 stages"),
+                  ("oscar_bf16_rows64_n64_s3_us", "BF16 read: 64 rows, 64-token steps, 3 stages"),
+                  ("oscar_bf16_rows128_n128_s2_us", "BF16 read: 128 rows, 128-token steps, 2 stages"),
                   ("oscar_flashinfer_us", "oscar, BF16 prefix via FlashInfer"), ("materialize_us", "of which materialise"),
                   ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
 
@@ -451,9 +450,6 @@ def render_tp(path: str, data: dict) -> list[str]:
 
 
 def render_targets(results_dir: str) -> str:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import targets
-
     rows = [list(r) for r in targets.evaluate(results_dir)]
     return table(["target", "measured", "verdict"], rows)
 

@@ -92,9 +92,9 @@ DEFAULT_READ_CONFIGS = ("oscar_int2_flashinfer_prefix", "oscar_int2")
 
 def e2e(results_dir: str) -> list[tuple[str, str, str]]:
     configs = (_load(results_dir, "e2e_qwen3-8b-shape.json") or {}).get("configs", {})
-    name = next((n for n in DEFAULT_READ_CONFIGS if configs.get(n)), "oscar_int2")
-    osc, bf, fi = configs.get(name, {}), configs.get("bf16_triton", {}), configs.get("bf16_flashinfer", {})
-    who = "" if name == "oscar_int2" else f" ({name})"
+    osc_name = next((n for n in DEFAULT_READ_CONFIGS if configs.get(n)), "oscar_int2")
+    osc, bf, fi = configs.get(osc_name, {}), configs.get("bf16_triton", {}), configs.get("bf16_flashinfer", {})
+    who = "" if osc_name == "oscar_int2" else f" ({osc_name})"
     t_conc = f"end to end: >= {E2E_CONCURRENT_100K} concurrent 100k-token requests"
     t_tp = f"end to end: output throughput >= {E2E_THROUGHPUT_RATIO:g} x bf16 at large batch"
     t_dec = f"end to end: batch-1 decode at 64k <= FlashInfer BF16 / {E2E_DECODE_VS_FLASHINFER}"

@@ -158,7 +158,8 @@ PREFIX_READS = ("int2", "bf16")
 # 157.0 ms against 7.1 / 52.3 / 272.1 with 1 stage; 16-token steps or 32 rows are slower (64-token
 # INT2 steps spill on sm_90). BF16 read: 128 rows, 64-token steps, 3 stages 3.2 / 14.7 / 46.3 ms,
 # against 3.5 / 18.0 / 60.8 with 2 stages, 3.3 / 16.3 / 55.5 with 128-token steps and 2 stages,
-# and 6.8 / 56.6 / 218.6 with the INT2 read's tiles (those spill 284 bytes in the INT2 read).
+# and 6.8 / 56.6 / 218.6 with the INT2 read's tiles. Each read keeps its own tiles: the BF16
+# read's spill 284 bytes in the INT2 read on sm_90.
 BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=3)
 INT2_READ_TILES = {k: getattr(ExtendConfig, k) for k in BF16_READ_TILES}  # ExtendConfig's defaults
 

@@ -244,7 +244,9 @@ READ_NLL_RATIO_TOLERANCE = 0.005
 def _default_prefix_read() -> str:
     import importlib.util
 
-    return "flashinfer" if importlib.util.find_spec("flashinfer") else "int2"
+    from sglang_ext.settings import DEFAULT_EXTEND_PREFIX, resolve_extend_prefix
+
+    return resolve_extend_prefix(DEFAULT_EXTEND_PREFIX, True, importlib.util.find_spec("flashinfer") is not None)
 
 
 @pytest.mark.parametrize("read", ["int2", "bf16"])

@@ -360,12 +360,12 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
         return fi
 
     sim = Sim()
+    sim.backend._fi_extend = None
     with mock.patch.object(api, "make_flashinfer_extend", make):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
                 sim.backend._make_prefix_read(pool)
             return
-        sim.backend._fi_extend = None
         assert sim.backend._make_prefix_read(pool) == want
     assert (sim.backend._fi_extend is fi) == (want == "flashinfer")
     assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
