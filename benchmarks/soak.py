@@ -1,7 +1,8 @@
 """Soak test of a server: many concurrent long requests, shared prefixes, client aborts.
 
-Per configuration (``--configs``, default ``oscar_int2,bf16``; bf16 is the control that
-shows how far batching alone moves greedy outputs), one server on tinylm-A with a KV pool
+Per configuration (``--configs``, default ``oscar_int2,bf16,fp8_e4m3``; bf16 is the control
+that shows how far batching alone moves greedy outputs, fp8_e4m3 the same for SGLang's own
+lossy cache), one server on tinylm-A with a KV pool
 smaller than the offered load (``--max-total-tokens``), so admission queues, the radix
 cache evicts and decode may retract:
 
@@ -42,7 +43,12 @@ sys.path.insert(0, HERE)
 from server_harness import (ROOT, Server, ServerDied, default_model, first_divergence, log,  # noqa: E402
                             previous_entries, run_script, save_json)
 
-CONFIGS = ("oscar_int2", "bf16")
+CONFIGS = ("oscar_int2", "bf16", "fp8_e4m3")
+# server arguments per configuration beyond the common ones; the controls use SGLang's triton
+# backend: bf16 shows how far batching alone moves greedy outputs, fp8_e4m3 how far it moves
+# them for a lossy cache whose chunked prefill also reads fresh BF16 inside a chunk
+CONTROL_ARGS = {"bf16": ["--kv-cache-dtype", "bf16", "--attention-backend", "triton"],
+                "fp8_e4m3": ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "triton"]}
 LEAK_PATTERNS = ("memory leak detected", "KV double free", "KV page use-after-free")
 ERROR_PATTERNS = ("Traceback (most recent call last)",)
 
@@ -251,8 +257,7 @@ def main(argv=None) -> int:
               "configs": {}}
     result["configs"] = previous_entries(args.out, result, "configs", configs)
     for name in configs:
-        extra = ["--kv-cache-dtype", "bf16", "--attention-backend", "triton"] if name == "bf16" else \
-            ["--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations]
+        extra = CONTROL_ARGS.get(name) or ["--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations]
         try:
             s = soak(name, common + extra, reqs, args)
         except ServerDied as e:
