@@ -285,14 +285,15 @@ def sweep_variants(sms: int):
     return [
         ("default", {}),
         ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
+        ("block_n=64,max_registers=168 (above batch 4)", dict(block_n=64, max_registers=168)),
         ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
         ("num_stages=3", dict(num_stages=3)),
         ("num_stages=1", dict(num_stages=1)),
         (f"target_programs={8 * sms} (8 x SMs)", dict(target_programs=8 * sms)),
         (f"target_programs={30 * sms} (30 x SMs, two waves)", dict(target_programs=30 * sms)),
-        ("num_warps=2,max_registers=None", dict(num_warps=2, max_registers=None)),
-        ("max_registers=None (uncapped)", dict(max_registers=None)),
-        ("max_registers=144", dict(max_registers=144)),
+        ("num_warps=2,block_n=64,max_registers=None", dict(num_warps=2, block_n=64, max_registers=None)),
+        ("block_n=64,max_registers=None (uncapped)", dict(block_n=64, max_registers=None)),
+        ("block_n=64,max_registers=144", dict(block_n=64, max_registers=144)),
         ("half_keys=False (bf16 keys)", dict(half_keys=False)),
         ("min_chunk=128", dict(min_chunk=128)),
         ("min_chunk=512", dict(min_chunk=512)),
@@ -305,14 +306,14 @@ def sweep_variants(sms: int):
     ]
 
 
-# small batches, one pass: the merge choice between the timed ends (DecodeConfig.split_merge_max_batch)
-# and the stage-1 shapes that won at batch 1 (64k) and lost at batch >= 8 in round 6 (block_n=128
-# uncapped: 31.5 vs 34.7 us at b1, 168.1 vs 158.0 at b8; 3 stages: 33.3 vs 34.7 at b1, 335.5 vs 320.4
-# at b64 16k): where between them the crossing is, for a batch-dependent default like merge_grid "auto"
-SMALL_BATCH_CASES = ((1, 16384), (1, 131072), (2, 65536), (4, 65536), (16, 65536))
+# small batches, one pass: the batch-dependent defaults around their crossings (merge_grid "auto":
+# split_merge_max_batch; stage 1's block_n: small_batch_max, both 4): each default against the other
+# side's choice, and 3 stages (won at b1/b8, lost at b64 in round 6)
+SMALL_BATCH_CASES = ((1, 16384), (1, 131072), (2, 65536), (4, 65536), (8, 65536), (16, 65536))
 SMALL_BATCH_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head")),
                         ("merge_grid=split", dict(merge_grid="split")),
                         ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
+                        ("block_n=64,max_registers=168 (above batch 4)", dict(block_n=64, max_registers=168)),
                         ("num_stages=3", dict(num_stages=3)))
 
 

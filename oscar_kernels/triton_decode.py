@@ -267,7 +267,10 @@ MERGE_GRIDS = ("auto", "kv_head", "query_head", "split")
 class DecodeConfig:
     """Launch parameters of the decode kernels (the benchmark sweeps them)."""
 
-    block_n: int = 64  # INT2 tokens per inner step
+    # INT2 tokens per inner step; 0: by batch, SMALL_BATCH_BLOCK_N up to small_batch_max
+    # requests, else BLOCK_N (timed: see max_registers)
+    block_n: int = 0
+    small_batch_max: int = 4
     block_n_bf16: int = 32  # sink/ring tokens per inner step
     # One warp: the V-side dots have 16-row tiles (D/8 byte pairs), which a second warp would
     # only duplicate; sm_90 SASS (tests/aot_sm90.py): ~13 warp instructions per token and KV
@@ -281,8 +284,12 @@ class DecodeConfig:
     # time at batch 8 (4k-128k), 0.97-0.99 x at batch 64, within +-0.7% at batch 1; 128
     # spills in the loop (1.6 x slower at b64 128k). Smaller groups keep a dot chain,
     # weights and min sums per group and run uncapped (the cap would spill in the loop).
-    # None: uncapped.
-    max_registers: int | None = 168
+    # None: uncapped; 0: by block_n, REGISTER_CAP at block_n <= 64, uncapped above (128 tokens
+    # per step need the registers). Timed (session 6 sweep, one run): block_n 128 uncapped vs 64
+    # capped = 31.4 / 33.5 us at batch 1 (64k), 50.7 / 59.7 at batch 1 (128k), 51.2 / 52.5 at
+    # batch 2 and 83.5 / 91.8 at batch 4 (64k), but 294.1 / 289.5 at batch 16 and 162.5 / 152.0
+    # at batch 8 (64k): hence the small-batch shape up to batch 4.
+    max_registers: int | None = 0
     max_splits: int = 128  # NS upper bound (static: fixes the grid and the workspace)
     # INT2 programs to aim for: NS = clamp(target // (B * H), 1, max_splits), at most one
     # wave of equally long programs (a second, partial wave would double the time).
@@ -330,22 +337,35 @@ class DecodeConfig:
             return self.merge_partials_per_step
         return 64 if merge_grid == "query_head" else 4
 
-    def resident_per_sm(self) -> int:
+    def stage1_shape_for(self, batch: int) -> tuple[int, int | None]:
+        """(block_n, max_registers) stage 1 runs for a batch of ``batch`` requests (0s resolved)."""
+        block_n = self.block_n or (SMALL_BATCH_BLOCK_N if batch <= self.small_batch_max else BLOCK_N)
+        regs = self.max_registers
+        if regs == 0:
+            regs = REGISTER_CAP if block_n <= BLOCK_N else None
+        return block_n, regs
+
+    def resident_per_sm(self, batch: int) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
         an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
-        regs = -(-(self.max_registers or 232) // 8) * 8
+        regs = -(-(self.stage1_shape_for(batch)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
     def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
-        target = self.target_programs or _default_target(device, self)
+        target = self.target_programs or _default_target(device, self, batch)
         return max(1, min(self.max_splits, target // max(1, batch * num_kv_heads)))
 
 
-def _default_target(device, cfg: DecodeConfig) -> int:
+BLOCK_N = 64  # INT2 tokens per stage-1 step above DecodeConfig.small_batch_max requests
+SMALL_BATCH_BLOCK_N = 128  # ... and up to it: fewer, longer steps where programs are few
+REGISTER_CAP = 168  # stage 1's maxnreg at block_n <= BLOCK_N (DecodeConfig.max_registers)
+
+
+def _default_target(device, cfg: DecodeConfig, batch: int) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return cfg.resident_per_sm() * _sm_count(index)
+        return cfg.resident_per_sm(batch) * _sm_count(index)
     return 16
 
 
@@ -481,6 +501,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block)
     lay = layer
     bh = _block_h(gq, cfg)
+    block_n, max_registers = cfg.stage1_shape_for(b)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     _decode_stage1[(b, h, ns + 1)](
@@ -493,11 +514,11 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
-        S=lay.sink_tokens, W=lay.recent_window, BN=cfg.block_n, BN_BF16=cfg.block_n_bf16,
+        S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=cfg.max_registers if lay.group_size >= d else None,
+        maxnreg=max_registers if lay.group_size >= d else None,
     )
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:

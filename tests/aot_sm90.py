@@ -159,8 +159,10 @@ CASES = {
     # the BF16 read with its default tiles (triton_extend.BF16_READ_TILES)
     "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {},
                          dict(prefix_read="bf16", block_rows=128, block_n_bf16=64, num_stages=3), 32),
-    # the merge "auto" runs above batch 4 (64 partials per step)
-    "g128_query_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="query_head"), {}, 32),
+    # what runs above batch 4 (the cases compile at batch 2): stage 1 at block_n 64 under the
+    # register cap, the query_head merge (64 partials per step)
+    "g128_large_batch": (dict(D=128, G=128, S=16, W=64, page=64), dict(small_batch_max=0, split_merge_max_batch=0),
+                         {}, 32),
 }
 
 

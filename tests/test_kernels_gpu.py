@@ -77,8 +77,9 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4, max_registers=None),
-    dict(block_n=128, max_registers=None), dict(max_registers=128), dict(max_splits=1), dict(half_keys=False),
+    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4, block_n=64, max_registers=None),
+    dict(block_n=64, max_registers=168), dict(small_batch_max=0), dict(block_n=64, max_registers=128),
+    dict(max_splits=1), dict(half_keys=False),
     dict(min_chunk=64, target_programs=4096), dict(merge_grid="query_head", merge_partials_per_step=16),
 ])
 def test_decode_gpu_variants(kernels, variant):

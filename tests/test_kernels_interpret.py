@@ -182,6 +182,22 @@ def test_rotate_token_blocks_match_the_full_rotation(hq, tokens):
         triton_decode_mod.rotate_queries(q, rot, torch.empty(tokens + 3, hq, 64), tokens_per_program=3)
 
 
+def test_stage1_shape_follows_the_batch():
+    """block_n 0 / max_registers 0 resolve per batch: 128 tokens per step, uncapped, up to
+    small_batch_max requests; 64 under the register cap above; explicit values win."""
+    td = triton_decode_mod
+    cfg = td.DecodeConfig()
+    assert [cfg.stage1_shape_for(b) for b in (1, 4, 5, 64)] == [(128, None), (128, None), (64, 168), (64, 168)]
+    assert [cfg.resident_per_sm(b) for b in (1, 64)] == [8, 12]  # 232 registers uncapped, 168 capped
+    assert td.DecodeConfig(block_n=32).stage1_shape_for(1) == (32, 168)
+    assert td.DecodeConfig(max_registers=None).stage1_shape_for(64) == (64, None)
+    assert td.DecodeConfig(small_batch_max=0).stage1_shape_for(1) == (64, 168)
+    sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)
+    small = dict(block_n_bf16=16, min_chunk=16, target_programs=8, max_splits=4)
+    for small_batch_max in (2, 1):  # batch 2: block_n 128, then 64
+        _check_decode(sc, 4, td.DecodeConfig(small_batch_max=small_batch_max, **small))
+
+
 def test_auto_merge_grid_splits_small_batches_only():
     cfg = triton_decode_mod.DecodeConfig(split_merge_max_batch=2, **_SMALL)
     assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "query_head", "query_head"]
