@@ -53,6 +53,13 @@ def make_decode_workspace(max_batch: int, num_q_heads: int, num_kv_heads: int, h
     return DecodeWorkspace(max_batch, num_q_heads, num_kv_heads, head_dim, device, config)
 
 
+def batch_invariant_decode_config(max_context: int, max_batch: int, num_q_heads: int, head_dim: int):
+    """triton_decode.batch_invariant_config: a DecodeConfig for make_decode_workspace under
+    which a request's decode output does not depend on the batch (deterministic inference)."""
+    from .triton_decode import batch_invariant_config
+    return batch_invariant_config(max_context, max_batch, num_q_heads, head_dim)
+
+
 def make_flashinfer_extend(device):
     """A FlashInferExtend (flashinfer_extend) for extend_attention(flashinfer=...): plan it
     per batch with host lengths, then pass it to every layer's call."""

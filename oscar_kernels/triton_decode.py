@@ -31,7 +31,7 @@ ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -354,6 +354,30 @@ class DecodeConfig:
     def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
         target = self.target_programs or _default_target(device, self, batch)
         return max(1, min(self.max_splits, target // max(1, batch * num_kv_heads)))
+
+
+# scratch a batch-invariant decode may take for its partials (1 + max_splits per request row)
+BATCH_INVARIANT_WORKSPACE_BYTES = 512 << 20
+
+
+def batch_invariant_config(max_context: int, max_batch: int, num_q_heads: int, head_dim: int,
+                           workspace_bytes: int = BATCH_INVARIANT_WORKSPACE_BYTES,
+                           base: DecodeConfig | None = None) -> DecodeConfig:
+    """A DecodeConfig whose output for a request does not depend on the rest of the batch
+    (deterministic inference): one stage-1 shape (BLOCK_N under the register cap) and one
+    merge grid at every batch, and INT2 splits that depend on the request's length only:
+        NS = max_splits at every batch, the most whose partials for ``max_batch`` rows fit
+             ``workspace_bytes`` (max_batch (1 + NS) Hq (D + 1) 4 bytes), at most base's
+        MIN_CHUNK = max(base.min_chunk, round_up(cdiv(max_context, NS), BLOCK_N))
+        ns_b = cdiv(L_b, MIN_CHUNK) <= NS
+    Fewer splits than the default at small batches: slower there, the price of invariance."""
+    base = base or DecodeConfig()
+    per_row = max(1, max_batch) * num_q_heads * (head_dim + 1) * 4
+    splits = max(1, min(base.max_splits, workspace_bytes // per_row - 1))
+    per_split = -(-max(1, max_context) // splits)
+    min_chunk = max(base.min_chunk, -(-per_split // BLOCK_N) * BLOCK_N)
+    return replace(base, block_n=BLOCK_N, max_registers=0, small_batch_max=0, merge_grid="query_head",
+                   max_splits=splits, min_chunk=min_chunk, target_programs=1 << 30)
 
 
 BLOCK_N = 64  # INT2 tokens per stage-1 step above DecodeConfig.small_batch_max requests

@@ -142,9 +142,14 @@ class OscarAttnBackend(TritonAttnBackend):
             raise RuntimeError(f"oscar plugin hook not applied: {missing[0]} (was the "
                                "'oscar' sglang.srt.plugins entry point loaded?)")
         super().__init__(model_runner)
-        self._init_oscar(model_runner.token_to_kv_pool, model_runner.model_config.v_head_dim)
+        self._init_oscar(model_runner.token_to_kv_pool, model_runner.model_config.v_head_dim,
+                         deterministic=bool(model_runner.server_args.enable_deterministic_inference),
+                         context_len=model_runner.model_config.context_len)
 
-    def _init_oscar(self, pool, v_head_dim: int) -> None:
+    def _init_oscar(self, pool, v_head_dim: int, deterministic: bool = False, context_len: int = 0) -> None:
+        """``deterministic`` (--enable-deterministic-inference): a request's outputs do not
+        depend on the batch around it: batch-invariant decode splits for ``context_len``
+        tokens (triton_decode.batch_invariant_config) and the INT2 prefix read."""
         if not isinstance(pool, OscarKVPool):
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
                              f"(the KV pool is {type(pool).__name__})")
@@ -159,23 +164,25 @@ class OscarAttnBackend(TritonAttnBackend):
         # --oscar-extend-prefix flashinfer (the "auto" default on CUDA): FlashInfer's prefill
         # over the materialised prefix (planned once per extend batch, on its first layer)
         self._fi_extend, self._fi_planned = None, None
-        self.prefix_read = self._make_prefix_read(pool)
+        self.prefix_read = self._make_prefix_read(pool, deterministic)
         if api.use_triton(pool.req_to_token):
+            rows = pool.req_to_token.shape[0]
+            config = api.batch_invariant_decode_config(context_len, rows, self.num_head, pool.head_dim) \
+                if deterministic else None
             self._decode_workspace = api.make_decode_workspace(
-                pool.req_to_token.shape[0], self.num_head, self.num_kv_head, pool.head_dim,
-                pool.req_to_token.device)
+                rows, self.num_head, self.num_kv_head, pool.head_dim, pool.req_to_token.device, config)
 
-    def _make_prefix_read(self, pool) -> str:
+    def _make_prefix_read(self, pool, deterministic: bool = False) -> str:
         """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) and build FlashInfer's
         extend where it is the read; returns "int2", "bf16" or "flashinfer"."""
         cuda = pool.req_to_token.is_cuda
         fi_error = None
-        if cuda and pool.extend_prefix in ("auto", "flashinfer"):
+        if cuda and (pool.extend_prefix == "flashinfer" or (pool.extend_prefix == "auto" and not deterministic)):
             try:
                 self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
             except ImportError as e:
                 fi_error = e
-        read = resolve_extend_prefix(pool.extend_prefix, cuda, self._fi_extend is not None)
+        read = resolve_extend_prefix(pool.extend_prefix, cuda, self._fi_extend is not None, deterministic)
         if read == "flashinfer" and cuda and self._fi_extend is None:
             raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({fi_error})")
         if fi_error is not None:

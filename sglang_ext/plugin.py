@@ -20,7 +20,9 @@ attention backend, and hooks (SGLang's HookRegistry, AROUND/AFTER):
 4. ``KVCacheConfigurator.resolve_max_num_reqs``: at most the request rows reserved;
 5. ``KVCacheConfigurator._build_token_to_kv_pool``: builds :class:`OscarKVPool`;
 6. ``models.utils.enable_fused_set_kv_buffer``: False for an OscarKVPool (the fused
-   RoPE+store kernel would write BF16 into the packed buffers).
+   RoPE+store kernel would write BF16 into the packed buffers);
+7. ``Scheduler.init_deterministic_inference_config``: with --enable-deterministic-inference,
+   prompts are chunked at multiples of --chunked-prefill-size only.
 Every hook passes through unchanged when the server is not serving ``oscar_int2``.
 """
 from __future__ import annotations
@@ -127,6 +129,22 @@ def enable_fused_set_kv_buffer_hook(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
+    """Scheduler.init_deterministic_inference_config, after: for oscar_int2, cut prompts into
+    chunks only at multiples of --chunked-prefill-size (page-aligned), as SGLang does for its
+    own backends' split sizes. Inside a chunk attention reads fresh BF16 keys, across chunks
+    the cache; with the cut points fixed per request (and the radix cache off, which SGLang
+    does for backends without deterministic radix support) no prompt is split differently
+    under load."""
+    sa = scheduler.server_args
+    if not (getattr(sa, "enable_deterministic_inference", False) and _is_oscar(sa)):
+        return result
+    page = sa.page_size or 1
+    chunk = sa.chunked_prefill_size or 0
+    scheduler.truncation_align_size = chunk // page * page if chunk > 0 else None
+    return result
+
+
 def _hooks():
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -140,6 +158,8 @@ def _hooks():
         (f"{_CONFIGURATOR}._build_token_to_kv_pool", build_token_to_kv_pool_hook, HookType.AROUND),
         ("sglang.srt.models.utils.enable_fused_set_kv_buffer", enable_fused_set_kv_buffer_hook,
          HookType.AROUND),
+        ("sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config",
+         deterministic_truncation_hook, HookType.AFTER),
     ]
 
 

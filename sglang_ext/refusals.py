@@ -18,6 +18,7 @@ import logging
 import os
 
 from .settings import (
+    BATCH_INVARIANT_EXTEND_PREFIX,
     DEFAULT_PAGE_SIZE,
     FLAGS,
     OSCAR_ATTENTION_BACKEND,
@@ -61,8 +62,6 @@ _FLAG_RULES = (
      "attention context parallelism is not supported"),
     ("enable_two_batch_overlap", bool, "--enable-two-batch-overlap", "two-batch overlap is not supported"),
     ("enable_pdmux", bool, "--enable-pdmux", "PD multiplexing is not supported"),
-    ("enable_deterministic_inference", bool, "--enable-deterministic-inference",
-     "deterministic inference needs one of SGLang's deterministic attention backends"),
     ("dllm_algorithm", lambda v: v is not None, "--dllm-algorithm", "diffusion LLM inference is not supported"),
     ("prefill_only_disable_kv_cache", bool, "--prefill-only-disable-kv-cache",
      "it replaces the KV pool with a no-op pool"),
@@ -162,6 +161,15 @@ def _check_page_size(sa, settings) -> None:
             f"(raise --page-size, e.g. {DEFAULT_PAGE_SIZE})")
 
 
+def _check_deterministic(sa, settings) -> None:
+    """--enable-deterministic-inference needs a prefix read that is batch-invariant."""
+    if getattr(sa, "enable_deterministic_inference", False) and \
+            settings.extend_prefix not in BATCH_INVARIANT_EXTEND_PREFIX:
+        raise OscarConfigError(
+            f"--oscar-extend-prefix {settings.extend_prefix} is not batch-invariant: with "
+            "--enable-deterministic-inference use int2 (what auto picks then)")
+
+
 def _model_config(sa):
     if str(getattr(sa, "model_path", "")).lower() in ("", "none", "dummy"):
         return None
@@ -240,4 +248,5 @@ def check_oscar_server_args(server_args) -> None:
     _check_attention_backends(server_args)
     _check_cuda_graphs(server_args)
     _check_page_size(server_args, settings)
+    _check_deterministic(server_args, settings)
     _check_model(server_args, settings)

@@ -108,13 +108,20 @@ def _wrap(cls, name: str, hook) -> None:
 
 def install() -> None:
     """Idempotent: wrap ServerArgs.add_cli_args / from_cli_args / __post_init__ /
-    check_server_args (see the module docstring)."""
-    from sglang.srt.server_args import ServerArgs
+    check_server_args (see the module docstring); oscar among the deterministic backends."""
+    from sglang.srt.server_args import (DETERMINISTIC_ATTENTION_BACKEND_CHOICES, ServerArgs,
+                                        add_deterministic_attention_backend_choices)
+
+    from .settings import OSCAR_ATTENTION_BACKEND
 
     _wrap(ServerArgs, "add_cli_args", _add_cli_args)
     _wrap(ServerArgs, "from_cli_args", _from_cli_args)
     _wrap(ServerArgs, "__post_init__", _post_init)
     _wrap(ServerArgs, "check_server_args", _check_server_args)
+    if OSCAR_ATTENTION_BACKEND not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        # batch-invariant decode and prefill (backend._init_oscar); not among SGLang's radix
+        # deterministic backends, so --enable-deterministic-inference turns the radix cache off
+        add_deterministic_attention_backend_choices([OSCAR_ATTENTION_BACKEND])
 
 
 def installed() -> bool:

@@ -38,12 +38,19 @@ EXTEND_PREFIX_READS = ("auto", "int2", "bf16", "flashinfer")
 DEFAULT_EXTEND_PREFIX = "auto"
 
 
-def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool) -> str:
-    """The prefix read a server runs: ``choice`` unless "auto", which is "flashinfer" on CUDA
-    where flashinfer imports, else "int2" (the Triton read, no scratch buffer)."""
+# the prefix reads whose result for a request does not depend on the rest of the batch: the
+# BF16 read falls back to INT2 when the batch's prefixes exceed its scratch, FlashInfer plans
+# its KV splits per batch
+BATCH_INVARIANT_EXTEND_PREFIX = ("auto", "int2")
+
+
+def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool, deterministic: bool = False) -> str:
+    """The prefix read a server runs: ``choice`` unless "auto", which is "int2" under
+    --enable-deterministic-inference, else "flashinfer" on CUDA where flashinfer imports, else
+    "int2" (the Triton read, no scratch buffer)."""
     if choice != "auto":
         return choice
-    return "flashinfer" if cuda and flashinfer_imports else "int2"
+    return "flashinfer" if cuda and flashinfer_imports and not deterministic else "int2"
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ FLAGS = (
               "bf16 (dequantised once per layer into a scratch buffer of 4 x prefix tokens x "
               "KV heads x head_dim bytes, then our BF16 attention), flashinfer (the same "
               "buffer, FlashInfer's BF16 prefill; CUDA) or auto (default: flashinfer where it "
-              "imports on CUDA, else int2)."),
+              "imports on CUDA, else int2; int2 under --enable-deterministic-inference)."),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 

@@ -198,6 +198,27 @@ def test_stage1_shape_follows_the_batch():
         _check_decode(sc, 4, td.DecodeConfig(small_batch_max=small_batch_max, **small))
 
 
+def test_batch_invariant_decode_is_bitwise_the_same_alone_and_batched():
+    """batch_invariant_config (deterministic inference): a request's output does not depend
+    on the batch around it; the default config changes its split count with the batch."""
+    td = triton_decode_mod
+    assert td.DecodeConfig().splits_for(1, 2, "cpu") != td.DecodeConfig().splits_for(3, 2, "cpu")
+    per_row = 3 * 4 * (64 + 1) * 4
+    cfg = td.batch_invariant_config(512, 3, 4, 64, workspace_bytes=per_row * 5,
+                                    base=td.DecodeConfig(min_chunk=16, block_n_bf16=16))
+    assert [cfg.splits_for(b, 2, "cpu") for b in (1, 3)] == [4, 4] and cfg.min_chunk == 128
+    assert cfg.stage1_shape_for(1) == cfg.stage1_shape_for(3) and cfg.merge_grid_for(1) == cfg.merge_grid_for(3)
+    sc = kc.build([5, 300, 77], H=2, D=64, G=64, S=4, W=8, page=8, seed=31)
+    kc.check_decode(sc, 4, td.triton_decode, cfg)
+    q = kc.random_q(sc, 4)
+    lens = torch.tensor(sc.lens, dtype=torch.int32)
+    args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
+    batched = td.triton_decode(q, *args, sc.rows, lens, sc.sm_scale, config=cfg)
+    for i in range(3):
+        alone = td.triton_decode(q[i:i + 1], *args, sc.rows[i:i + 1], lens[i:i + 1], sc.sm_scale, config=cfg)
+        assert torch.equal(alone[0], batched[i]), f"request {i} changed with the batch"
+
+
 def test_auto_merge_grid_splits_small_batches_only():
     cfg = triton_decode_mod.DecodeConfig(split_merge_max_batch=2, **_SMALL)
     assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "query_head", "query_head"]

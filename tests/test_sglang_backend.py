@@ -369,3 +369,23 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
         assert sim.backend._make_prefix_read(pool) == want
     assert (sim.backend._fi_extend is fi) == (want == "flashinfer")
     assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
+
+
+def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypatch):
+    """--enable-deterministic-inference: the decode workspace carries a batch-invariant config
+    (one split count, stage-1 shape and merge at every batch) and "auto" reads INT2."""
+    from oscar_kernels import api
+
+    sim = Sim()
+    sim.pool.extend_prefix = "auto"
+    sim.backend.num_head, sim.backend.num_kv_head = HQ, H  # TritonAttnBackend.__init__'s, skipped by Sim
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the workspace is built for the Triton path only
+    sim.backend._init_oscar(sim.pool, D, deterministic=True, context_len=CTX)
+    cfg = sim.backend._decode_workspace.config
+    assert sim.backend.prefix_read == "int2"
+    assert len({cfg.splits_for(b, H, "cpu") for b in (1, 2, ROWS)}) == 1
+    assert len({(cfg.stage1_shape_for(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
+    assert cfg.min_chunk * cfg.max_splits >= CTX
+    sim.backend._init_oscar(sim.pool, D)
+    default = sim.backend._decode_workspace.config
+    assert default == api.make_decode_workspace(1, HQ, H, D, "cpu").config

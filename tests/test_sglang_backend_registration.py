@@ -110,3 +110,20 @@ def test_fused_rope_store_is_off_for_the_oscar_pool(activated):
         assert plugin.enable_fused_set_kv_buffer_hook(fused_on, fb) is True
     patched = sys.modules["sglang.srt.models.utils"].enable_fused_set_kv_buffer
     assert patched.__wrapped__ is not patched
+
+
+def test_deterministic_truncation_hook_aligns_chunks_for_oscar_only(activated):
+    """With --enable-deterministic-inference SGLang's scheduler cuts prompts at multiples of
+    truncation_align_size; for oscar_int2 that is --chunked-prefill-size (page-aligned)."""
+    def run(**kw):
+        sa = SimpleNamespace(**{**dict(enable_deterministic_inference=True, kv_cache_dtype=OSCAR_KV_DTYPE,
+                                       page_size=64, chunked_prefill_size=1000), **kw})
+        sched = SimpleNamespace(server_args=sa, truncation_align_size="theirs")
+        plugin.deterministic_truncation_hook(None, sched)
+        return sched.truncation_align_size
+
+    assert run() == 960
+    assert run(chunked_prefill_size=-1) is None
+    assert run(kv_cache_dtype="bf16") == "theirs"
+    assert run(enable_deterministic_inference=False) == "theirs"
+    assert "sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config" in HookRegistry._patched

@@ -194,7 +194,6 @@ REFUSED = [
     ({"attn_cp_size": 2}, "--attn-cp-size"),
     ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
     ({"enable_pdmux": True}, "--enable-pdmux"),
-    ({"enable_deterministic_inference": True}, "--enable-deterministic-inference"),
     ({"dllm_algorithm": "LowConfidence"}, "--dllm-algorithm"),
     ({"prefill_only_disable_kv_cache": True}, "--prefill-only-disable-kv-cache"),
     ({"kv_canary": "log"}, "--kv-canary"),
@@ -324,6 +323,15 @@ def test_plugin_path_end_to_end(tinylm_dir, tiny_rot):
     sa.check_server_args()  # the backstop hook passes on an accepted configuration
 
 
+def test_deterministic_inference_keeps_oscar_and_drops_the_radix_cache(tinylm_dir, tiny_rot):
+    """oscar is one of SGLang's deterministic backends (batch-invariant decode, INT2 prefix
+    read) but not of its deterministic radix-cache backends: SGLang turns the radix cache off."""
+    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+                  "--enable-deterministic-inference")
+    assert sa.attention_backend == "oscar" and sa.disable_radix_cache
+    sa.check_server_args()
+
+
 def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\nkv-cache-dtype: {OSCAR_KV_DTYPE}\n"
@@ -336,7 +344,8 @@ def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
 @pytest.mark.parametrize("extra,match", [
     (["--enable-hierarchical-cache"], "--enable-hierarchical-cache is not supported"),
     (["--attention-backend", "triton"], "--attention-backend triton is not supported"),
-    (["--enable-deterministic-inference"], "--enable-deterministic-inference is not supported"),
+    (["--enable-deterministic-inference", "--oscar-extend-prefix", "flashinfer"],
+     "--oscar-extend-prefix flashinfer is not batch-invariant"),
     (["--cuda-graph-backend-prefill", "tc_piecewise"], "--cuda-graph-backend-prefill tc_piecewise"),
     (["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'], "--cuda-graph-backend-prefill breakable"),
     (["--page-size", str(DEFAULT_SINK_TOKENS // 2)], f"exceeds --page-size {DEFAULT_SINK_TOKENS // 2}"),
