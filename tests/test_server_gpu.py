@@ -287,3 +287,29 @@ def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, 
           f"max {max(diffs):.3f}, NLL ratio {ratio:.4f}")
     assert mean_diff <= READ_NLL_MEAN_ABS_DIFF and abs(ratio - 1) <= READ_NLL_RATIO_TOLERANCE, \
         (mean_diff, max(diffs), ratio)
+
+
+def test_deterministic_inference_outputs_do_not_depend_on_the_load(oscar, model_dir, rotations, tmp_path):
+    """--enable-deterministic-inference: four prompts of 1,200-3,000 tokens (prefilled in
+    1,024-token chunks, INT2 history) give the same 48 greedy tokens alone and sent at once
+    with four other requests (other batch sizes, other chunk packings, decode in padded
+    CUDA-graph batches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    h = _harness()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok((ROOT / "sglang_ext" / "pool.py").read_text() * 4)["input_ids"]
+    probes = [ids[s:s + n] for s, n in ((0, 3000), (500, 1200), (900, 2100), (1700, 2600))]
+    noise = [ids[s:s + n] for s, n in ((100, 700), (250, 1900), (40, 300), (1300, 1500))]
+    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+            "--enable-deterministic-inference", *COMMON]
+    args[args.index("--mem-fraction-static") + 1] = "0.3"  # next to the module's oscar server
+    with h.Server("oscar-deterministic", args, str(tmp_path)) as server:
+        client = _client(server)
+        run = lambda p: _complete(client, p, max_tokens=48, ignore_eos=True)[0]  # noqa: E731
+        alone = [run(p) for p in probes]
+        with ThreadPoolExecutor(len(probes) + len(noise)) as pool:
+            loaded = list(pool.map(run, probes + noise))[:len(probes)]
+    assert all(alone) and loaded == alone
