@@ -114,14 +114,23 @@ def e2e(results_dir: str) -> list[tuple[str, str, str]]:
 
 
 def soak(results_dir: str) -> list[tuple[str, str, str]]:
-    c = ((_load(results_dir, "soak_tinylm-A.json") or {}).get("configs", {})).get("oscar_int2")
-    t_up = "soak: server up, no KV leak, no failed request (200 concurrent, aborts, shared prefixes)"
-    t_eq = "soak: greedy outputs equal a sequential run"
-    if not c:
-        return [(t_up, "-", _verdict(None)), (t_eq, "-", _verdict(None))]
-    return [(t_up, "pass" if c.get("pass") else "fail", _verdict(bool(c.get("pass")))),
-            (t_eq, f"{c.get('exact_equal')} / {c.get('compared')}",
-             _verdict(bool(c.get("compared")) and c.get("exact_equal") == c.get("compared")))]
+    """The default server's soak, and (when run: soak_deterministic_tinylm-A.json) the soak of
+    a server with --enable-deterministic-inference, the configuration built for equality."""
+    rows = []
+    for name, how in (("soak_tinylm-A.json", ""),
+                      ("soak_deterministic_tinylm-A.json", " (--enable-deterministic-inference)")):
+        c = ((_load(results_dir, name) or {}).get("configs", {})).get("oscar_int2")
+        if not c and how:
+            continue
+        t_up = f"soak{how}: server up, no KV leak, no failed request (200 concurrent, aborts, shared prefixes)"
+        t_eq = f"soak{how}: greedy outputs equal a sequential run"
+        if not c:
+            rows += [(t_up, "-", _verdict(None)), (t_eq, "-", _verdict(None))]
+            continue
+        rows += [(t_up, "pass" if c.get("pass") else "fail", _verdict(bool(c.get("pass")))),
+                 (t_eq, f"{c.get('exact_equal')} / {c.get('compared')}",
+                  _verdict(bool(c.get("compared")) and c.get("exact_equal") == c.get("compared")))]
+    return rows
 
 
 def paired_gap(hits: list[int], ref_hits: list[int]) -> tuple[float, float]:

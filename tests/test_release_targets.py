@@ -48,6 +48,11 @@ def test_kernel_and_soak_verdicts(tmp_path):
     kern = {k: x for k, x in v.items() if k.startswith("decode kernel")}
     assert list(kern.values()) == ["met", "met", "missed"]  # 0.775 x copy; 4.1 x; 1.75 x at b1
     assert [x for k, x in v.items() if k.startswith("soak")] == ["met", "met"]
+    _write(tmp_path, "soak_deterministic_tinylm-A.json", {"configs": {"oscar_int2": {
+        "pass": True, "exact_equal": 179, "compared": 180}}})
+    v = _verdicts(tmp_path)
+    det = {k: x for k, x in v.items() if k.startswith("soak (--enable-deterministic-inference)")}
+    assert list(det.values()) == ["met", "missed"]
 
 
 def test_e2e_throughput_is_judged_against_the_faster_bf16(tmp_path):
