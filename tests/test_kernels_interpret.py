@@ -368,6 +368,32 @@ def test_extend_config_gives_each_read_its_tiles_and_the_fallback_the_int2_tiles
                                      -(-40 // (ext.INT2_READ_TILES["block_rows"] // gqp))]
 
 
+def test_int2_read_extend_is_bitwise_the_same_alone_and_batched():
+    """The INT2 prefix read (what deterministic inference runs): a request's prefill output
+    does not depend on the other requests of its batch."""
+    ext = triton_extend_mod
+    sc = kc.build([40, 0, 77], H=2, D=64, G=64, S=4, W=8, page=8, seed=41)
+    new_lens, hq, d = [9, 20, 5], 4, 64
+    g = torch.Generator().manual_seed(5)
+    t = sum(new_lens)
+    q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16()
+    k_rot, v_rot = torch.randn(2, t, 2, d, generator=g).bfloat16()
+    starts = [0, 9, 29, 34]
+    pre = torch.tensor(sc.lens, dtype=torch.int32)
+    cfg = ext.ExtendConfig(**_SMALL_EXT)
+    args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
+
+    def extend(i, j):  # requests i..j-1
+        lo, hi = starts[i], starts[j]
+        qo = torch.tensor([x - lo for x in starts[i:j + 1]], dtype=torch.int32)
+        return ext.triton_extend(q[lo:hi], k_rot[lo:hi].contiguous(), v_rot[lo:hi].contiguous(), *args,
+                                 sc.rows[i:j], pre[i:j], qo, max(new_lens[i:j]), sc.sm_scale, config=cfg)
+
+    batched = extend(0, 3)
+    for i in range(3):
+        assert torch.equal(extend(i, i + 1), batched[starts[i]:starts[i + 1]]), f"request {i} changed with the batch"
+
+
 def test_extend_unknown_prefix_read_is_refused():
     sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
     with pytest.raises(ValueError, match="prefix_read"):
