@@ -141,7 +141,8 @@ def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
         return result
     page = sa.page_size or 1
     chunk = sa.chunked_prefill_size or 0
-    scheduler.truncation_align_size = chunk // page * page if chunk > 0 else None
+    aligned = chunk // page * page if chunk > 0 else 0
+    scheduler.truncation_align_size = aligned or None  # None: no chunking (or chunks under a page)
     return result
 
 

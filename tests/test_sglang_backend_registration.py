@@ -123,7 +123,7 @@ def test_deterministic_truncation_hook_aligns_chunks_for_oscar_only(activated):
         return sched.truncation_align_size
 
     assert run() == 960
-    assert run(chunked_prefill_size=-1) is None
+    assert run(chunked_prefill_size=-1) is None and run(chunked_prefill_size=32) is None
     assert run(kv_cache_dtype="bf16") == "theirs"
     assert run(enable_deterministic_inference=False) == "theirs"
     assert "sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config" in HookRegistry._patched
