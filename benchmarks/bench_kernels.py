@@ -107,8 +107,9 @@ def triton_skip_reason(sc) -> str | None:
     return None
 
 
-def sglang_triton_decode(sc, q, pool: Bf16Pool):
-    """SGLang's Triton decode kernel (decode_attention_fwd), default max_kv_splits=8."""
+def sglang_triton_decode(sc, q, pool: Bf16Pool, offset: int = 0):
+    """SGLang's Triton decode kernel (decode_attention_fwd), default max_kv_splits=8, over the
+    case's slots shifted by ``offset`` pool rows (a copy of the case elsewhere in the pool)."""
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
     b = q.shape[0]
@@ -116,7 +117,7 @@ def sglang_triton_decode(sc, q, pool: Bf16Pool):
     max_splits = 8
     num_slots = sc.layer.k_packed.shape[0]
     kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * n
-    kv_indices = sc.req_to_token[sc.rows.long(), :n].reshape(-1).contiguous()
+    kv_indices = (sc.req_to_token[sc.rows.long(), :n].reshape(-1) + offset).contiguous()
     seq_lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
     num_kv_splits = torch.empty(b, device="cuda", dtype=torch.int32)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -125,7 +126,7 @@ def sglang_triton_decode(sc, q, pool: Bf16Pool):
     logits = torch.empty(b, HQ, max_splits, D, device="cuda", dtype=torch.float32)
     lse = torch.empty(b, HQ, max_splits, device="cuda", dtype=torch.float32)
     o = torch.empty_like(q)
-    kb, vb = pool.k[:num_slots], pool.v[:num_slots]
+    kb, vb = pool.k[:offset + num_slots], pool.v[:offset + num_slots]
 
     def run():
         decode_attention_fwd(q, kb, vb, o, kv_indptr, kv_indices, logits, lse, num_kv_splits, max_splits,
@@ -133,20 +134,21 @@ def sglang_triton_decode(sc, q, pool: Bf16Pool):
     return run
 
 
-def flashinfer_decode(sc, q, pool: Bf16Pool, page_size: int = 16):
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper over the same slots (pages of 16)."""
+def flashinfer_decode(sc, q, pool: Bf16Pool, offset: int = 0, page_size: int = 16):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper over the same slots (pages of 16), shifted
+    by ``offset`` pool rows (a multiple of the page)."""
     import flashinfer
     b = q.shape[0]
     n = sc.lens[0]
     num_slots = sc.layer.k_packed.shape[0]
-    pages = (sc.req_to_token[sc.rows.long(), :n:page_size] // page_size).reshape(-1).to(torch.int32)
+    pages = ((sc.req_to_token[sc.rows.long(), :n:page_size] + offset) // page_size).reshape(-1).to(torch.int32)
     indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * (n // page_size)
     last = torch.full((b,), page_size, device="cuda", dtype=torch.int32)
-    ws = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # one per copy (few: BF16 cases are large)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=HQ // H >= 4)
     wrapper.plan(indptr, pages, last, HQ, H, D, page_size, q_data_type=torch.bfloat16,
                  kv_data_type=torch.bfloat16, sm_scale=sc.sm_scale)
-    kv = (pool.k[:num_slots].view(-1, page_size, H, D), pool.v[:num_slots].view(-1, page_size, H, D))
+    kv = (pool.k[:offset + num_slots].view(-1, page_size, H, D), pool.v[:offset + num_slots].view(-1, page_size, H, D))
     o = torch.empty_like(q)
     return lambda: wrapper.run(q, kv, out=o)
 
@@ -188,15 +190,60 @@ def oscar_store(sc, **launch):
                                 ends, **launch)
 
 
-def try_time(name: str, make, rep: int = 40):
+def try_time(name: str, make, rep: int = 40, calls: int = 1):
+    """(us per call, how, error) of make()'s function, which makes ``calls`` calls."""
     try:
         us, how = time_us(make(), rep)
-        return round(us, 2), how, None
+        return round(us / calls, 2), how, None
     except Exception as e:
         log(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
         if _is_cuda_error(e):
             raise CudaContextLost(f"{name}: {type(e).__name__}: {str(e)[:300]}") from e
         return None, None, f"{type(e).__name__}: {str(e)[:500]}"
+
+
+# Cold L2: a decode step reads every layer's cache in turn, so in a server one layer's data is
+# never L2-resident from one step to the next. A case whose working set is below COLD_L2_FACTOR
+# x the L2 size is therefore timed over rotating copies of its data (each timed call runs every
+# copy once, in turn, and the time is divided by the copies): between two reads of a copy the
+# others have evicted it. At most MAX_COPIES copies.
+COLD_L2_FACTOR = 4
+MAX_COPIES = 96
+
+
+def copies_for(nbytes: int, l2_bytes: int) -> int:
+    """Copies of a working set of ``nbytes`` that together exceed COLD_L2_FACTOR x L2."""
+    return max(1, min(MAX_COPIES, -(-COLD_L2_FACTOR * l2_bytes // max(1, nbytes))))
+
+
+def round_robin(makes: list):
+    """One ``make`` for try_time(..., calls=len(makes)): the timed function runs every copy's
+    function once, in order."""
+    def make():
+        fns = [m() for m in makes]
+
+        def run():
+            for f in fns:
+                f()
+        return run
+    return make
+
+
+def l2_bytes() -> int:
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+
+
+def scenario_copies(b: int, n: int, copies: int, group: int = GROUP, scale_dtype=torch.float16):
+    """``copies`` independently allocated caches of one case (random data, one seed each)."""
+    return [kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n + 7919 * j,
+                            scale_dtype=scale_dtype) for j in range(copies)]
+
+
+def oscar_bytes_of(b: int, n: int, group: int = GROUP, scale_bytes: int = 2) -> int:
+    """int2_bytes_read of a case without building it (to size the copies first)."""
+    per_int2 = 2 * (D // 4 + 2 * (D // group) * scale_bytes)
+    bf = min(n, S + W)
+    return b * (H * ((n - bf) * per_int2 + bf * 2 * D * 2) + 4 * n) + b * HQ * D * 2
 
 
 def save(result: dict, out: Path) -> None:
@@ -317,9 +364,15 @@ SMALL_BATCH_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid=
                         ("num_stages=3", dict(num_stages=3)))
 
 
-def sweep_record(name, kwargs, group, sc, q, b, n):
+def oscar_timed(name, scs, q, cfg, rep=20):
+    """try_time of the decode over the copies ``scs`` of a case (cold L2), one config."""
+    return try_time(name, round_robin([lambda s=s: oscar_decode(s, q, cfg) for s in scs]), rep=rep, calls=len(scs))
+
+
+def sweep_record(name, kwargs, group, scs, q, b, n):
     cfg = DecodeConfig(**kwargs)
-    us, _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
+    sc = scs[0]
+    us, _, err = oscar_timed(name, scs, q, cfg)
     byts = int2_bytes_read(sc.layer, sc.lens, HQ)
     rec = {"variant": name, "config": kwargs, "group": group, "batch": b, "context": n, "oscar_decode_us": us,
            "oscar_GBps": round(byts / (us * 1e-6) / 1e9, 1) if us else None}
@@ -339,20 +392,20 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def breakdown_record(name, kwargs, sc, q, b, n):
+def breakdown_record(name, kwargs, scs, q, b, n):
     """Where decode time goes, timed by leaving one kernel out: full decode, then the decode
     with each launched kernel replaced by no launch; time(kernel) ~ full - without(kernel)."""
     import oscar_kernels.triton_decode as td
     cfg = DecodeConfig(**kwargs)
     rec = {"variant": name, "config": kwargs, "batch": b, "context": n}
-    rec["full_us"], _, err = try_time(name, lambda: oscar_decode(sc, q, cfg), rep=20)
+    rec["full_us"], _, err = oscar_timed(name, scs, q, cfg)
     merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}.get(cfg.merge_grid_for(b),
                                                                                   "_decode_merge")
     for kernel in ("_rotate_q_kernel", "_decode_stage1", merge):
         saved = getattr(td, kernel)
         setattr(td, kernel, _NoLaunch())
         try:
-            us, _, _ = try_time(f"{name} without {kernel}", lambda: oscar_decode(sc, q, cfg), rep=20)
+            us, _, _ = oscar_timed(f"{name} without {kernel}", scs, q, cfg)
         finally:
             setattr(td, kernel, saved)
         rec[f"without{kernel}_us"] = us
@@ -368,12 +421,12 @@ def run_breakdown(result: dict, out: Path, cases) -> None:
     """Leave-one-kernel-out timings of the default decode and the kv_head merge on the
     key cases (assert nothing about them: they are for reading)."""
     for b, n in [c for c in KEY_CASES if c in cases]:
-        sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
-        q = kc.random_q(sc, HQ)
+        scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n), l2_bytes()))
+        q = kc.random_q(scs[0], HQ)
         for name, kwargs in (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head"))):
-            result["breakdown"].append(breakdown_record(name, kwargs, sc, q, b, n))
+            result["breakdown"].append(breakdown_record(name, kwargs, scs, q, b, n))
             save(result, out)
-        del sc, q
+        del scs, q
         torch.cuda.empty_cache()
 
 
@@ -381,17 +434,19 @@ def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch
     """Variants x cases, variant-major (a variant compiles once per batch size), with the
     cases' caches built once and kept for the pass."""
     scen = {}
+    l2 = l2_bytes()
+    scale_bytes = torch.empty(0, dtype=scale_dtype).element_size()
     for b, n in cases:
-        sc = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n, scale_dtype=scale_dtype)
-        scen[(b, n)] = (sc, kc.random_q(sc, HQ))
+        scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n, group, scale_bytes), l2), group, scale_dtype)
+        scen[(b, n)] = (scs, kc.random_q(scs[0], HQ))
     for name, kwargs in variants:
         for b, n in cases:
             if time.time() - T0 > budget_s:
                 result["sweep"].append({"variant": name, "group": group, "batch": b, "context": n,
                                         "skipped": "time budget"})
                 continue
-            sc, q = scen[(b, n)]
-            result["sweep"].append(sweep_record(name, kwargs, group, sc, q, b, n))
+            scs, q = scen[(b, n)]
+            result["sweep"].append(sweep_record(name, kwargs, group, scs, q, b, n))
         save(result, out)
     scen.clear()
     torch.cuda.empty_cache()
@@ -428,14 +483,17 @@ def main(argv=None):
               "triton": triton.__version__, "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D,
                                                       "group_size": GROUP, "sink_tokens": S,
                                                       "recent_window": W, "page_size": PAGE},
-              "timing": "CUDA-graph replay mean (triton.testing.do_bench_cudagraph); random data",
+              "timing": "CUDA-graph replay mean (triton.testing.do_bench_cudagraph); random data; cold L2: "
+                        f"a case under {COLD_L2_FACTOR} x L2 is timed over *_copies rotating copies",
               "bytes_note": "oscar_GBps = (INT2 codes+scales of history, BF16 sink+ring, req_to_token "
-                            "entries, q) / time; cases below ~50 MB may be partly L2-resident",
+                            "entries, q) / time",
               "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
                                   "max_kv_splits=8 (SGLang default), splits from get_num_kv_splits_triton",
               "flashinfer_note": "BatchDecodeWithPagedKVCacheWrapper, NHD, page 16, tensor cores for GQA>=4",
               "copy_GBps": None, "cases": [], "skipped": [], "breakdown": [], "sweep": []}
-    log(f"device {dev.name}, {dev.multi_processor_count} SMs")
+    l2 = l2_bytes()
+    result["l2_bytes"] = l2
+    log(f"device {dev.name}, {dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB")
     result["copy_GBps"] = round(copy_bandwidth(), 1)
     log(f"copy bandwidth {result['copy_GBps']} GB/s")
     save(result, out)
@@ -458,11 +516,13 @@ def main(argv=None):
     try:
         for b, n in cases:
             log(f"case batch={b} context={n}")
-            sc = kc.build_random([n] * b, H=H, D=D, G=GROUP, S=S, W=W, page=PAGE, seed=b + n)
+            scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n), l2))
+            sc = scs[0]
             q = kc.random_q(sc, HQ)
-            rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D}
+            rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D, "oscar_copies": len(scs)}
             result["cases"].append(rec)
-            rec["oscar_decode_us"], rec["timing"], err = try_time("oscar", lambda: oscar_decode(sc, q))
+            rec["oscar_decode_us"], rec["timing"], err = try_time(
+                "oscar", round_robin([lambda s=s: oscar_decode(s, q) for s in scs]), calls=len(scs))
             if err:
                 rec["oscar_error"] = err
             rec["oscar_bytes"] = int2_bytes_read(sc.layer, sc.lens, HQ)
@@ -475,6 +535,10 @@ def main(argv=None):
                 rec["store_variants_us"] = {name: try_time(f"store {name}", lambda: oscar_store(sc, **kw))[0]
                                             for name, kw in STORE_VARIANTS}
             rec["bf16_bytes"] = bf16_bytes(b, n)
+            # copies of the BF16 case side by side in the pool (cold L2, as for oscar)
+            slots = sc.layer.k_packed.shape[0]
+            bf16_copies = max(1, min(copies_for(rec["bf16_bytes"], l2), (pool.k.shape[0] if pool else 0) // slots))
+            rec["bf16_copies"] = bf16_copies
             # FlashInfer first: SGLang's Triton kernel is the one that can fault
             for key, fn in (("flashinfer_bf16_us", flashinfer_decode), ("triton_bf16_us", sglang_triton_decode)):
                 if pool is None:
@@ -485,7 +549,8 @@ def main(argv=None):
                     rec[key], rec[key + "_error"] = None, skip
                     log(f"  {key}: {skip}")
                     continue
-                rec[key], _, err = try_time(key, lambda: fn(sc, q, pool))
+                rec[key], _, err = try_time(key, round_robin([lambda j=j: fn(sc, q, pool, j * slots)
+                                                              for j in range(bf16_copies)]), calls=bf16_copies)
                 if err:
                     rec[key + "_error"] = err
             if rec["oscar_decode_us"] and rec.get("flashinfer_bf16_us"):
@@ -495,7 +560,7 @@ def main(argv=None):
             log("  " + ", ".join(f"{k}={rec.get(k)}" for k in ("oscar_decode_us", "oscar_GBps", "triton_bf16_us",
                                                                 "flashinfer_bf16_us", "store_us")))
             save(result, out)
-            del sc, q
+            del sc, scs, q
             torch.cuda.empty_cache()
         plot(result, out.with_suffix(".png"))
         if args.breakdown or args.sweep:
