@@ -230,20 +230,18 @@ def round_robin(makes: list):
 
 
 def l2_bytes() -> int:
-    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+    return int(torch.cuda.get_device_properties(0).L2_cache_size)
 
 
-def scenario_copies(b: int, n: int, copies: int, group: int = GROUP, scale_dtype=torch.float16):
-    """``copies`` independently allocated caches of one case (random data, one seed each)."""
-    return [kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n + 7919 * j,
-                            scale_dtype=scale_dtype) for j in range(copies)]
-
-
-def oscar_bytes_of(b: int, n: int, group: int = GROUP, scale_bytes: int = 2) -> int:
-    """int2_bytes_read of a case without building it (to size the copies first)."""
-    per_int2 = 2 * (D // 4 + 2 * (D // group) * scale_bytes)
-    bf = min(n, S + W)
-    return b * (H * ((n - bf) * per_int2 + bf * 2 * D * 2) + 4 * n) + b * HQ * D * 2
+def cold_copies(b: int, n: int, l2: int, group: int = GROUP, scale_dtype=torch.float16, device="cuda"):
+    """Independently allocated caches of one case (random data, one seed each), as many as
+    copies_for the bytes decode reads from one of them (int2_bytes_read)."""
+    def build(j):
+        return kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n + 7919 * j,
+                               scale_dtype=scale_dtype, device=device)
+    first = build(0)
+    copies = copies_for(int2_bytes_read(first.layer, first.lens, HQ), l2)
+    return [first] + [build(j) for j in range(1, copies)]
 
 
 def save(result: dict, out: Path) -> None:
@@ -421,7 +419,7 @@ def run_breakdown(result: dict, out: Path, cases) -> None:
     """Leave-one-kernel-out timings of the default decode and the kv_head merge on the
     key cases (assert nothing about them: they are for reading)."""
     for b, n in [c for c in KEY_CASES if c in cases]:
-        scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n), l2_bytes()))
+        scs = cold_copies(b, n, l2_bytes())
         q = kc.random_q(scs[0], HQ)
         for name, kwargs in (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head"))):
             result["breakdown"].append(breakdown_record(name, kwargs, scs, q, b, n))
@@ -435,9 +433,8 @@ def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch
     cases' caches built once and kept for the pass."""
     scen = {}
     l2 = l2_bytes()
-    scale_bytes = torch.empty(0, dtype=scale_dtype).element_size()
     for b, n in cases:
-        scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n, group, scale_bytes), l2), group, scale_dtype)
+        scs = cold_copies(b, n, l2, group, scale_dtype)
         scen[(b, n)] = (scs, kc.random_q(scs[0], HQ))
     for name, kwargs in variants:
         for b, n in cases:
@@ -516,13 +513,12 @@ def main(argv=None):
     try:
         for b, n in cases:
             log(f"case batch={b} context={n}")
-            scs = scenario_copies(b, n, copies_for(oscar_bytes_of(b, n), l2))
+            scs = cold_copies(b, n, l2)
             sc = scs[0]
             q = kc.random_q(sc, HQ)
             rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D, "oscar_copies": len(scs)}
             result["cases"].append(rec)
-            rec["oscar_decode_us"], rec["timing"], err = try_time(
-                "oscar", round_robin([lambda s=s: oscar_decode(s, q) for s in scs]), calls=len(scs))
+            rec["oscar_decode_us"], rec["timing"], err = oscar_timed("oscar", scs, q, None, rep=40)
             if err:
                 rec["oscar_error"] = err
             rec["oscar_bytes"] = int2_bytes_read(sc.layer, sc.lens, HQ)

@@ -285,7 +285,7 @@ class DecodeConfig:
     # spills in the loop (1.6 x slower at b64 128k). Smaller groups keep a dot chain,
     # weights and min sums per group and run uncapped (the cap would spill in the loop).
     # None: uncapped; 0: by block_n, REGISTER_CAP at block_n <= 64, uncapped above (128 tokens
-    # per step need the registers). Timed (session 6 sweep, one run): block_n 128 uncapped vs 64
+    # per step need the registers). Timed (session 6 sweep, one run, warm L2): block_n 128 uncapped vs 64
     # capped = 31.4 / 33.5 us at batch 1 (64k), 50.7 / 59.7 at batch 1 (128k), 51.2 / 52.5 at
     # batch 2 and 83.5 / 91.8 at batch 4 (64k), but 294.1 / 289.5 at batch 16 and 162.5 / 152.0
     # at batch 8 (64k): hence the small-batch shape up to batch 4.

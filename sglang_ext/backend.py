@@ -177,7 +177,8 @@ class OscarAttnBackend(TritonAttnBackend):
         extend where it is the read; returns "int2", "bf16" or "flashinfer"."""
         cuda = pool.req_to_token.is_cuda
         fi_error = None
-        if cuda and (pool.extend_prefix == "flashinfer" or (pool.extend_prefix == "auto" and not deterministic)):
+        # build FlashInfer's extend where the read would be FlashInfer if it imports
+        if resolve_extend_prefix(pool.extend_prefix, cuda, True, deterministic) == "flashinfer" and cuda:
             try:
                 self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
             except ImportError as e:

@@ -1,12 +1,10 @@
 """benchmarks/bench_kernels.py's cold-L2 bookkeeping on CPU: the copies that push a case's
-working set past 4 x L2, the round-robin timed function, and the byte count it sizes them by."""
+working set past 4 x L2 (sized by the bytes decode reads) and the round-robin timed function."""
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-import kernel_cases as kc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 bk = pytest.importorskip("bench_kernels")
@@ -30,9 +28,10 @@ def test_round_robin_runs_every_copy_once_per_call():
 
 
 @pytest.mark.parametrize("group, scale_dtype", [(128, torch.float16), (64, torch.float8_e4m3fn)])
-def test_oscar_bytes_of_matches_what_decode_reads(group, scale_dtype):
-    """The copies are sized before any cache is built: the same count as int2_bytes_read."""
-    sc = kc.build([300, 300], H=bk.H, D=bk.D, G=group, S=bk.S, W=bk.W, page=bk.PAGE, fill=False,
-                  scale_dtype=scale_dtype)
-    scale_bytes = torch.empty(0, dtype=scale_dtype).element_size()
-    assert bk.oscar_bytes_of(2, 300, group, scale_bytes) == bk.int2_bytes_read(sc.layer, sc.lens, bk.HQ)
+def test_cold_copies_are_sized_by_what_decode_reads(group, scale_dtype):
+    """A working set of int2_bytes_read bytes under 4 x L2: that many separate caches."""
+    one, = bk.cold_copies(2, 300, 1, group, scale_dtype, device="cpu")  # a 1-byte L2: one copy
+    nbytes = bk.int2_bytes_read(one.layer, one.lens, bk.HQ)
+    scs = bk.cold_copies(2, 300, nbytes, group, scale_dtype, device="cpu")  # L2 = the working set
+    assert len(scs) == 4 and len({s.layer.k_packed.data_ptr() for s in scs}) == 4
+    assert not torch.equal(scs[0].layer.k_packed, scs[1].layer.k_packed)  # one seed each

@@ -1,5 +1,6 @@
 """Triton kernels vs their PyTorch reference under TRITON_INTERPRET=1 (CPU, small shapes)."""
 import functools
+import itertools
 from dataclasses import replace
 import importlib
 import os
@@ -217,6 +218,10 @@ def test_batch_invariant_decode_is_bitwise_the_same_alone_and_batched():
     for i in range(3):
         alone = td.triton_decode(q[i:i + 1], *args, sc.rows[i:i + 1], lens[i:i + 1], sc.sm_scale, config=cfg)
         assert torch.equal(alone[0], batched[i]), f"request {i} changed with the batch"
+    # the check has teeth: with the default splits (8 alone, 2 in this batch) request 1 moves
+    default = td.DecodeConfig(min_chunk=16, block_n_bf16=16)
+    alone = td.triton_decode(q[1:2], *args, sc.rows[1:2], lens[1:2], sc.sm_scale, config=default)
+    assert not torch.equal(alone[0], td.triton_decode(q, *args, sc.rows, lens, sc.sm_scale, config=default)[1])
 
 
 def test_auto_merge_grid_splits_small_batches_only():
@@ -378,7 +383,7 @@ def test_int2_read_extend_is_bitwise_the_same_alone_and_batched():
     t = sum(new_lens)
     q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16()
     k_rot, v_rot = torch.randn(2, t, 2, d, generator=g).bfloat16()
-    starts = [0, 9, 29, 34]
+    starts = [0, *itertools.accumulate(new_lens)]
     pre = torch.tensor(sc.lens, dtype=torch.int32)
     cfg = ext.ExtendConfig(**_SMALL_EXT)
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)

@@ -340,12 +340,15 @@ def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
     assert seen == [(want, [0], None)] * LAYERS + [(want, [20, 0], None)] * LAYERS
 
 
-@pytest.mark.parametrize("choice, imports, want", [
-    ("auto", True, "flashinfer"), ("auto", False, "int2"), ("flashinfer", True, "flashinfer"),
-    ("flashinfer", False, RuntimeError), ("int2", True, "int2"), ("bf16", True, "bf16")])
-def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_when_auto(choice, imports, want, caplog):
+@pytest.mark.parametrize("choice, imports, want, deterministic", [
+    ("auto", True, "flashinfer", False), ("auto", False, "int2", False), ("flashinfer", True, "flashinfer", False),
+    ("flashinfer", False, RuntimeError, False), ("int2", True, "int2", False), ("bf16", True, "bf16", False),
+    ("auto", True, "int2", True)])
+def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_when_auto(choice, imports, want,
+                                                                                       deterministic, caplog):
     """On a CUDA pool "auto" builds FlashInfer's extend; where flashinfer does not import it
-    reads INT2 with one warning, while an explicit "flashinfer" refuses to start."""
+    reads INT2 with one warning, while an explicit "flashinfer" refuses to start. Under
+    --enable-deterministic-inference "auto" reads INT2 and builds no FlashInfer extend."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -364,9 +367,9 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
     with mock.patch.object(api, "make_flashinfer_extend", make):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
-                sim.backend._make_prefix_read(pool)
+                sim.backend._make_prefix_read(pool, deterministic)
             return
-        assert sim.backend._make_prefix_read(pool) == want
+        assert sim.backend._make_prefix_read(pool, deterministic) == want
     assert (sim.backend._fi_extend is fi) == (want == "flashinfer")
     assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
 
