@@ -22,7 +22,9 @@ attention backend, and hooks (SGLang's HookRegistry, AROUND/AFTER):
 6. ``models.utils.enable_fused_set_kv_buffer``: False for an OscarKVPool (the fused
    RoPE+store kernel would write BF16 into the packed buffers);
 7. ``Scheduler.init_deterministic_inference_config``: with --enable-deterministic-inference,
-   prompts are chunked at multiples of --chunked-prefill-size only.
+   prompts are chunked at multiples of --chunked-prefill-size only;
+8. ``PrefillAdder.add_one_req_ignore_eos`` / ``add_chunked_req``: the same alignment on the
+   two chunking paths SGLang leaves unaligned (:mod:`sglang_ext.chunk_alignment`).
 Every hook passes through unchanged when the server is not serving ``oscar_int2``.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 OSCAR_BACKEND = "oscar"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _registered = False
 
 
@@ -136,18 +139,24 @@ def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
     the cache; with the cut points fixed per request (and the radix cache off, which SGLang
     does for backends without deterministic radix support) no prompt is split differently
     under load."""
+    from . import chunk_alignment
+
     sa = scheduler.server_args
     if not (getattr(sa, "enable_deterministic_inference", False) and _is_oscar(sa)):
+        chunk_alignment.set_alignment(None)
         return result
     page = sa.page_size or 1
     chunk = sa.chunked_prefill_size or 0
     aligned = chunk // page * page if chunk > 0 else 0
     scheduler.truncation_align_size = aligned or None  # None: no chunking (or chunks under a page)
+    chunk_alignment.set_alignment(scheduler.truncation_align_size)
     return result
 
 
 def _hooks():
     from sglang.srt.plugins.hook_registry import HookType
+
+    from .chunk_alignment import chunked_req_hook, ignore_eos_hook
 
     return [
         ("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
@@ -161,6 +170,8 @@ def _hooks():
          HookType.AROUND),
         ("sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config",
          deterministic_truncation_hook, HookType.AFTER),
+        (f"{_ADDER}.add_one_req_ignore_eos", ignore_eos_hook, HookType.AROUND),
+        (f"{_ADDER}.add_chunked_req", chunked_req_hook, HookType.AROUND),
     ]
 
 

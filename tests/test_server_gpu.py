@@ -289,7 +289,7 @@ def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, 
         (mean_diff, max(diffs), ratio)
 
 
-def test_deterministic_inference_outputs_do_not_depend_on_the_load(oscar, model_dir, rotations, tmp_path):
+def test_deterministic_inference_outputs_do_not_depend_on_the_load(model_dir, rotations, tmp_path):
     """--enable-deterministic-inference: four prompts of 1,200-3,000 tokens (prefilled in
     1,024-token chunks, INT2 history) give the same 48 greedy tokens alone and sent at once
     with four other requests (other batch sizes, other chunk packings, decode in padded
