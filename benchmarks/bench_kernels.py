@@ -107,9 +107,10 @@ def triton_skip_reason(sc) -> str | None:
     return None
 
 
-def sglang_triton_decode(sc, q, pool: Bf16Pool, offset: int = 0):
+def sglang_triton_decode(sc, q, pool: Bf16Pool, offsets=(0,)):
     """SGLang's Triton decode kernel (decode_attention_fwd), default max_kv_splits=8, over the
-    case's slots shifted by ``offset`` pool rows (a copy of the case elsewhere in the pool)."""
+    case's slots: one function per layer, whose K/V buffers start ``offset`` pool rows in
+    (the layers share the indices and split counts, as in a server)."""
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
     b = q.shape[0]
@@ -117,7 +118,7 @@ def sglang_triton_decode(sc, q, pool: Bf16Pool, offset: int = 0):
     max_splits = 8
     num_slots = sc.layer.k_packed.shape[0]
     kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * n
-    kv_indices = (sc.req_to_token[sc.rows.long(), :n].reshape(-1) + offset).contiguous()
+    kv_indices = sc.req_to_token[sc.rows.long(), :n].reshape(-1).contiguous()
     seq_lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
     num_kv_splits = torch.empty(b, device="cuda", dtype=torch.int32)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -126,37 +127,41 @@ def sglang_triton_decode(sc, q, pool: Bf16Pool, offset: int = 0):
     logits = torch.empty(b, HQ, max_splits, D, device="cuda", dtype=torch.float32)
     lse = torch.empty(b, HQ, max_splits, device="cuda", dtype=torch.float32)
     o = torch.empty_like(q)
-    kb, vb = pool.k[:offset + num_slots], pool.v[:offset + num_slots]
 
-    def run():
-        decode_attention_fwd(q, kb, vb, o, kv_indptr, kv_indices, logits, lse, num_kv_splits, max_splits,
-                             sc.sm_scale, 1.0, 1.0)
-    return run
+    def layer(offset):
+        kb, vb = pool.k[offset:offset + num_slots], pool.v[offset:offset + num_slots]
+        return lambda: decode_attention_fwd(q, kb, vb, o, kv_indptr, kv_indices, logits, lse, num_kv_splits,
+                                            max_splits, sc.sm_scale, 1.0, 1.0)
+    return [layer(offset) for offset in offsets]
 
 
-def flashinfer_decode(sc, q, pool: Bf16Pool, offset: int = 0, page_size: int = 16):
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper over the same slots (pages of 16), shifted
-    by ``offset`` pool rows (a multiple of the page)."""
+def flashinfer_decode(sc, q, pool: Bf16Pool, offsets=(0,), page_size: int = 16):
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper over the same slots (pages of 16): one
+    plan, and one function per layer whose K/V start ``offset`` pool rows in (a multiple of
+    the page)."""
     import flashinfer
     b = q.shape[0]
     n = sc.lens[0]
     num_slots = sc.layer.k_packed.shape[0]
-    pages = ((sc.req_to_token[sc.rows.long(), :n:page_size] + offset) // page_size).reshape(-1).to(torch.int32)
+    pages = (sc.req_to_token[sc.rows.long(), :n:page_size] // page_size).reshape(-1).to(torch.int32)
     indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * (n // page_size)
     last = torch.full((b,), page_size, device="cuda", dtype=torch.int32)
-    ws = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # one per copy (few: BF16 cases are large)
+    ws = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=HQ // H >= 4)
     wrapper.plan(indptr, pages, last, HQ, H, D, page_size, q_data_type=torch.bfloat16,
                  kv_data_type=torch.bfloat16, sm_scale=sc.sm_scale)
-    kv = (pool.k[:offset + num_slots].view(-1, page_size, H, D), pool.v[:offset + num_slots].view(-1, page_size, H, D))
     o = torch.empty_like(q)
-    return lambda: wrapper.run(q, kv, out=o)
+
+    def layer(offset):
+        kv = tuple(t[offset:offset + num_slots].view(-1, page_size, H, D) for t in (pool.k, pool.v))
+        return lambda: wrapper.run(q, kv, out=o)
+    return [layer(offset) for offset in offsets]
 
 
-def oscar_decode(sc, q, config: DecodeConfig | None = None):
+def oscar_decode(sc, q, config: DecodeConfig | None = None, workspace: DecodeWorkspace | None = None):
     b = q.shape[0]
     cfg = config or DecodeConfig()
-    ws = DecodeWorkspace(b, HQ, H, D, "cuda", cfg)
+    ws = workspace or DecodeWorkspace(b, HQ, H, D, "cuda", cfg)
     lens = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     return lambda: triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
@@ -204,9 +209,11 @@ def try_time(name: str, make, rep: int = 40, calls: int = 1):
 
 # Cold L2: a decode step reads every layer's cache in turn, so in a server one layer's data is
 # never L2-resident from one step to the next. A case whose working set is below COLD_L2_FACTOR
-# x the L2 size is therefore timed over rotating copies of its data (each timed call runs every
-# copy once, in turn, and the time is divided by the copies): between two reads of a copy the
-# others have evicted it. At most MAX_COPIES copies.
+# x the L2 size is therefore timed as that many layers (each timed call runs every layer once,
+# in turn, and the time is divided by the layers): between two reads of a layer's cache and
+# rotation the others have evicted them. What a server shares across layers stays shared: the
+# request table and sink index (OSCAR), the page table and plan (FlashInfer, SGLang's Triton
+# kernel), the decode workspace. At most MAX_COPIES layers.
 COLD_L2_FACTOR = 4
 MAX_COPIES = 96
 
@@ -216,17 +223,13 @@ def copies_for(nbytes: int, l2_bytes: int) -> int:
     return max(1, min(MAX_COPIES, -(-COLD_L2_FACTOR * l2_bytes // max(1, nbytes))))
 
 
-def round_robin(makes: list):
-    """One ``make`` for try_time(..., calls=len(makes)): the timed function runs every copy's
-    function once, in order."""
-    def make():
-        fns = [m() for m in makes]
+def in_turn(fns: list):
+    """One function that runs every function of ``fns`` once, in order."""
+    def run():
+        for f in fns:
+            f()
+    return run
 
-        def run():
-            for f in fns:
-                f()
-        return run
-    return make
 
 
 def l2_bytes() -> int:
@@ -234,14 +237,13 @@ def l2_bytes() -> int:
 
 
 def cold_copies(b: int, n: int, l2: int, group: int = GROUP, scale_dtype=torch.float16, device="cuda"):
-    """Independently allocated caches of one case (random data, one seed each), as many as
+    """One case as the layers of a model: separately allocated caches and rotations (random
+    data, one seed each) over one shared request table and sink index, as many layers as
     copies_for the bytes decode reads from one of them (int2_bytes_read)."""
-    def build(j):
-        return kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n + 7919 * j,
-                               scale_dtype=scale_dtype, device=device)
-    first = build(0)
+    first = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n,
+                            scale_dtype=scale_dtype, device=device)
     copies = copies_for(int2_bytes_read(first.layer, first.lens, HQ), l2)
-    return [first] + [build(j) for j in range(1, copies)]
+    return [first] + [kc.another_layer(first, b + n + 7919 * j) for j in range(1, copies)]
 
 
 def save(result: dict, out: Path) -> None:
@@ -363,8 +365,12 @@ SMALL_BATCH_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid=
 
 
 def oscar_timed(name, scs, q, cfg, rep=20):
-    """try_time of the decode over the copies ``scs`` of a case (cold L2), one config."""
-    return try_time(name, round_robin([lambda s=s: oscar_decode(s, q, cfg) for s in scs]), rep=rep, calls=len(scs))
+    """try_time of the decode over the copies ``scs`` of a case (cold L2), one config, one
+    decode workspace for all (a server allocates one for every layer)."""
+    def make():
+        ws = DecodeWorkspace(q.shape[0], HQ, H, D, "cuda", cfg or DecodeConfig())
+        return in_turn([oscar_decode(s, q, cfg, ws) for s in scs])
+    return try_time(name, make, rep=rep, calls=len(scs))
 
 
 def sweep_record(name, kwargs, group, scs, q, b, n):
@@ -531,7 +537,7 @@ def main(argv=None):
                 rec["store_variants_us"] = {name: try_time(f"store {name}", lambda: oscar_store(sc, **kw))[0]
                                             for name, kw in STORE_VARIANTS}
             rec["bf16_bytes"] = bf16_bytes(b, n)
-            # copies of the BF16 case side by side in the pool (cold L2, as for oscar)
+            # the BF16 case's layers side by side in the pool (cold L2, as for oscar)
             slots = sc.layer.k_packed.shape[0]
             bf16_copies = max(1, min(copies_for(rec["bf16_bytes"], l2), (pool.k.shape[0] if pool else 0) // slots))
             rec["bf16_copies"] = bf16_copies
@@ -545,8 +551,8 @@ def main(argv=None):
                     rec[key], rec[key + "_error"] = None, skip
                     log(f"  {key}: {skip}")
                     continue
-                rec[key], _, err = try_time(key, round_robin([lambda j=j: fn(sc, q, pool, j * slots)
-                                                              for j in range(bf16_copies)]), calls=bf16_copies)
+                offsets = [j * slots for j in range(bf16_copies)]
+                rec[key], _, err = try_time(key, lambda fn=fn: in_turn(fn(sc, q, pool, offsets)), calls=bf16_copies)
                 if err:
                     rec[key + "_error"] = err
             if rec["oscar_decode_us"] and rec.get("flashinfer_bf16_us"):
@@ -556,7 +562,7 @@ def main(argv=None):
             log("  " + ", ".join(f"{k}={rec.get(k)}" for k in ("oscar_decode_us", "oscar_GBps", "triton_bf16_us",
                                                                 "flashinfer_bf16_us", "store_us")))
             save(result, out)
-            del sc, scs, q
+            sc = scs = q = None  # free the caches before the next case
             torch.cuda.empty_cache()
         plot(result, out.with_suffix(".png"))
         if args.breakdown or args.sweep:

@@ -155,13 +155,7 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
     sink_slots = sink_slots or max(b, 1)
     layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, scale_dtype, device=device)
     index = allocate_index(num_slots, page, sink_slots, b + 1, device=device)
-    for t in (layer.k_packed, layer.v_packed):
-        t.copy_(torch.randint(0, 256, t.shape, generator=g, device=device, dtype=torch.uint8))
-    for sc in (layer.k_scales, layer.v_scales):
-        sc[..., 0] = (0.2 + 0.4 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
-        sc[..., 1] = (-0.3 - 0.2 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
-    for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
-        t.copy_(torch.randn(t.shape, generator=g, device=device).to(t.dtype))
+    fill_random(layer, g)
     perm = torch.randperm(num_pages - 1, generator=g, device=device) + 1
     max_ctx = max(max(lens), 1)
     req_to_token = torch.zeros(b + 1, max_ctx, dtype=torch.int32, device=device)
@@ -178,6 +172,30 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
         index.ring_valid_from[rows.long()] = torch.tensor(valid_from, dtype=torch.int32, device=device)
     rotation = random_rotation(H, D, torch.Generator().manual_seed(seed)).to(device)
     return Scenario(layer, index, rotation, req_to_token, rows, list(lens), D ** -0.5)
+
+
+def fill_random(layer: HybridLayerCache, g: torch.Generator) -> None:
+    """Random INT2 codes, (scale, min) pairs and BF16 sinks/rings, in place on the layer's device."""
+    device = layer.k_packed.device
+    for t in (layer.k_packed, layer.v_packed):
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, device=device, dtype=torch.uint8))
+    for sc in (layer.k_scales, layer.v_scales):
+        sc[..., 0] = (0.2 + 0.4 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
+        sc[..., 1] = (-0.3 - 0.2 * torch.rand(sc.shape[:-1], generator=g, device=device)).to(sc.dtype)
+    for t in (layer.k_sink, layer.v_sink, layer.k_ring, layer.v_ring):
+        t.copy_(torch.randn(t.shape, generator=g, device=device).to(t.dtype))
+
+
+def another_layer(sc: Scenario, seed: int) -> Scenario:
+    """The same requests in another layer of the model: its own random cache and rotation,
+    the request table and sink index shared (one per server, read by every layer)."""
+    lay = sc.layer
+    layer = allocate_layer(lay.k_packed.shape[0], lay.num_kv_heads, lay.head_dim, lay.group_size,
+                           lay.sink_tokens, lay.recent_window, lay.k_sink.shape[0], lay.k_ring.shape[0],
+                           lay.k_scales.dtype, device=sc.device)
+    fill_random(layer, torch.Generator(device=sc.device).manual_seed(seed))
+    rotation = random_rotation(lay.num_kv_heads, lay.head_dim, torch.Generator().manual_seed(seed)).to(sc.device)
+    return Scenario(layer, sc.index, rotation, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)
 
 
 def head_subset(sc: Scenario, heads: list[int]) -> Scenario:

@@ -18,10 +18,9 @@ def test_copies_exceed_four_l2_and_stop_at_one():
     assert all(n * bk.copies_for(n, l2) >= 4 * l2 for n in (2_890_752, 10_017_792, 23_126_016))
 
 
-def test_round_robin_runs_every_copy_once_per_call():
+def test_in_turn_runs_every_layer_once_per_call():
     calls = []
-    make = bk.round_robin([lambda j=j: (lambda: calls.append(j)) for j in range(3)])
-    fn = make()
+    fn = bk.in_turn([lambda j=j: calls.append(j) for j in range(3)])
     fn()
     fn()
     assert calls == [0, 1, 2, 0, 1, 2]
@@ -29,9 +28,17 @@ def test_round_robin_runs_every_copy_once_per_call():
 
 @pytest.mark.parametrize("group, scale_dtype", [(128, torch.float16), (64, torch.float8_e4m3fn)])
 def test_cold_copies_are_sized_by_what_decode_reads(group, scale_dtype):
-    """A working set of int2_bytes_read bytes under 4 x L2: that many separate caches."""
+    """A working set of int2_bytes_read bytes under 4 x L2: that many layers, each with its
+    own cache and rotation, sharing the request table and sink index like a server's layers."""
     one, = bk.cold_copies(2, 300, 1, group, scale_dtype, device="cpu")  # a 1-byte L2: one copy
     nbytes = bk.int2_bytes_read(one.layer, one.lens, bk.HQ)
     scs = bk.cold_copies(2, 300, nbytes, group, scale_dtype, device="cpu")  # L2 = the working set
     assert len(scs) == 4 and len({s.layer.k_packed.data_ptr() for s in scs}) == 4
+    assert len({s.rotation.k_rot.data_ptr() for s in scs}) == 4
     assert not torch.equal(scs[0].layer.k_packed, scs[1].layer.k_packed)  # one seed each
+    assert not torch.equal(scs[0].rotation.v_rot, scs[1].rotation.v_rot)
+    assert all(s.req_to_token is scs[0].req_to_token and s.index is scs[0].index for s in scs)
+    for s in scs[1:]:
+        for f in s.layer.__dataclass_fields__:
+            a, b = getattr(s.layer, f), getattr(scs[0].layer, f)
+            assert a.shape == b.shape and a.dtype == b.dtype, f
