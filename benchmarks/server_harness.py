@@ -278,8 +278,11 @@ def run_script(main) -> None:
 
 
 def _on_signal(signum, _frame):
+    """SIGINT / SIGTERM: stop every server, then stop the run: KeyboardInterrupt, which a
+    script ends on and pytest ends its session on (a SystemExit would only fail the
+    current test and let pytest start the next one's servers)."""
     stop_all()
-    sys.exit(128 + signum)
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 atexit.register(stop_all)
