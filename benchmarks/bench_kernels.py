@@ -471,6 +471,21 @@ def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
         _sweep_pass(result, out, [c for c in rest if c[0] == batch], variants[1:], GROUP, budget_s)
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'8x65536,1x4096' -> [(8, 65536), (1, 4096)], each one of the table's cases."""
+    cases = []
+    for item in text.split(","):
+        try:
+            b, n = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"case {item!r} is not BATCHxCONTEXT (e.g. 8x65536)") from None
+        if b not in BATCHES or n not in CONTEXTS:
+            raise argparse.ArgumentTypeError(f"case {item!r}: batch must be one of {BATCHES}, context one of "
+                                             f"{CONTEXTS}")
+        cases.append((b, n))
+    return cases
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_h200.json"))
@@ -479,6 +494,8 @@ def main(argv=None):
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the decode with each kernel left out, on the key cases")
+    ap.add_argument("--cases", type=parse_cases, default=None, metavar="BxN,...",
+                    help="only these batch x context cases of the table (e.g. 8x65536; default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     dev = torch.cuda.get_device_properties(0)
@@ -487,7 +504,9 @@ def main(argv=None):
                                                       "group_size": GROUP, "sink_tokens": S,
                                                       "recent_window": W, "page_size": PAGE},
               "timing": "CUDA-graph replay mean (triton.testing.do_bench_cudagraph); random data; cold L2: "
-                        f"a case under {COLD_L2_FACTOR} x L2 is timed over *_copies rotating copies",
+                        f"a case under {COLD_L2_FACTOR} x L2 is timed as *_copies layers in turn (each its "
+                        "own cache and rotation; request table, sink index, workspace, BF16 page table "
+                        "and plan shared, as in a server)",
               "bytes_note": "oscar_GBps = (INT2 codes+scales of history, BF16 sink+ring, req_to_token "
                             "entries, q) / time",
               "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
@@ -504,6 +523,8 @@ def main(argv=None):
     cases = []
     for b in BATCHES:
         for n in CONTEXTS:
+            if args.cases is not None and (b, n) not in args.cases:
+                continue
             need = (bf16_bytes(b, n) + b * n * H * 80) / 1e9
             if need > MEM_LIMIT_GB:
                 result["skipped"].append({"batch": b, "context": n, "reason": f"needs {need:.0f} GB"})

@@ -42,3 +42,10 @@ def test_cold_copies_are_sized_by_what_decode_reads(group, scale_dtype):
         for f in s.layer.__dataclass_fields__:
             a, b = getattr(s.layer, f), getattr(scs[0].layer, f)
             assert a.shape == b.shape and a.dtype == b.dtype, f
+
+
+def test_cases_option_names_table_cases():
+    assert bk.parse_cases("8x65536,1X4096") == [(8, 65536), (1, 4096)]
+    for bad in ("8x1000", "3x65536", "8-65536"):
+        with pytest.raises(Exception, match="case"):
+            bk.parse_cases(bad)
