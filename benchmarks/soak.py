@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -118,12 +119,15 @@ def flush_cache(server: Server, timeout: float = 120.0) -> bool:
 
 
 def scan_log(text: str) -> dict:
+    """Leak messages, tracebacks, and the requests SGLang retracted when the pool ran out in
+    decode (a retracted request is prefilled again: with oscar_int2 its outputs may move)."""
     lines = text.splitlines()
     leaks = [ln.strip()[:300] for ln in lines if any(p in ln for p in LEAK_PATTERNS)]
     errors = [i for i, ln in enumerate(lines) if any(p in ln for p in ERROR_PATTERNS)]
     return {"leak_messages": leaks[:20],
             "tracebacks": ["\n".join(lines[i:i + 12])[-1500:] for i in errors[:3]],
-            "traceback_count": len(errors)}
+            "traceback_count": len(errors),
+            "retracted_requests": sum(int(n) for n in re.findall(r"#retracted_reqs: (\d+)", text))}
 
 
 def soak(name: str, server_args: list[str], reqs: list[dict], args) -> dict:
@@ -267,7 +271,7 @@ def main(argv=None) -> int:
         result["wall_s"] = round(time.time() - t_all, 1)
         save_json(args.out, result)
         log(f"{name}: pass={s['pass']} alive={s.get('alive_at_end')} leaks={len(s['leak_messages'])} "
-            f"tracebacks={s['traceback_count']} errors={s['error_count']} "
+            f"tracebacks={s['traceback_count']} errors={s['error_count']} retracted={s.get('retracted_requests')} "
             f"greedy equal {s['exact_equal']}/{s['compared']} -> {args.out}")
     log(f"total wall time {time.time() - t_all:.0f} s")
     return 0 if all(s["pass"] for s in result["configs"].values()) else 1
