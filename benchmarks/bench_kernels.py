@@ -231,7 +231,6 @@ def in_turn(fns: list):
     return run
 
 
-
 def l2_bytes() -> int:
     return int(torch.cuda.get_device_properties(0).L2_cache_size)
 
