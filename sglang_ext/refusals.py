@@ -162,12 +162,21 @@ def _check_page_size(sa, settings) -> None:
 
 
 def _check_deterministic(sa, settings) -> None:
-    """--enable-deterministic-inference needs a prefix read that is batch-invariant."""
-    if getattr(sa, "enable_deterministic_inference", False) and \
-            settings.extend_prefix not in BATCH_INVARIANT_EXTEND_PREFIX:
+    """--enable-deterministic-inference needs a prefix read that is batch-invariant, and no
+    mixed batches: a request decoded inside a prefill batch goes through the extend kernel
+    (its last token read fresh, a window one token longer), whose numbers differ from the
+    decode step it takes when no prompt is being prefilled."""
+    if not getattr(sa, "enable_deterministic_inference", False):
+        return
+    if settings.extend_prefix not in BATCH_INVARIANT_EXTEND_PREFIX:
         raise OscarConfigError(
             f"--oscar-extend-prefix {settings.extend_prefix} is not batch-invariant: with "
             "--enable-deterministic-inference use int2 (what auto picks then)")
+    if getattr(sa, "enable_mixed_chunk", False):
+        raise OscarConfigError(
+            f"--enable-mixed-chunk with --enable-deterministic-inference is not supported with "
+            f"--kv-cache-dtype {OSCAR_KV_DTYPE}: a request decoded inside a prefill batch would "
+            "give other numbers than its own decode step (drop --enable-mixed-chunk)")
 
 
 def _model_config(sa):

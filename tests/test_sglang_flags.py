@@ -346,6 +346,8 @@ def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
     (["--attention-backend", "triton"], "--attention-backend triton is not supported"),
     (["--enable-deterministic-inference", "--oscar-extend-prefix", "flashinfer"],
      "--oscar-extend-prefix flashinfer is not batch-invariant"),
+    (["--enable-deterministic-inference", "--enable-mixed-chunk"],
+     "--enable-mixed-chunk with --enable-deterministic-inference is not supported"),
     (["--cuda-graph-backend-prefill", "tc_piecewise"], "--cuda-graph-backend-prefill tc_piecewise"),
     (["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'], "--cuda-graph-backend-prefill breakable"),
     (["--page-size", str(DEFAULT_SINK_TOKENS // 2)], f"exceeds --page-size {DEFAULT_SINK_TOKENS // 2}"),
