@@ -9,8 +9,10 @@ caches:
   ``sink_slot_of_page[page] = c`` and ``page_of_sink_slot[c] = page``; slot ``c`` of
   ``k_sink/v_sink [C, S, H, D]`` is valid for ``page`` only while both agree. Slots are
   handed out round-robin when a sequence starts at position 0 (:func:`assign_sink_slots`),
-  so an evicted sink silently falls back to INT2 and a page shared by a prefix hit keeps
-  the sinks of whoever computed it (a shared first page means identical tokens < S).
+  skipping those a live sequence reads when the caller says which (:func:`sink_slots_in_use`),
+  so only sinks of finished or radix-cached sequences are evicted (and fall back to INT2),
+  and a page shared by a prefix hit keeps the sinks of whoever computed it (a shared first
+  page means identical tokens < S).
 - **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``,
   valid for positions ``p >= ring_valid_from[row]`` (where the request began computing).
 
@@ -122,8 +124,11 @@ def allocate_index(num_slots: int, page_size: int, num_sink_slots: int, num_rows
     )
 
 
-def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_sink_slots: int) -> None:
-    """Give each sequence that starts at position 0 a sink slot (round-robin).
+def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_sink_slots: int,
+                      in_use: torch.Tensor | None = None) -> None:
+    """Give each sequence that starts at position 0 a sink slot: the next ones round-robin
+    from the host cursor, skipping the slots marked in ``in_use`` (int [C], nonzero: read by a
+    live sequence, see :func:`sink_slots_in_use`) while enough others are left.
 
     first_slots: slot of position 0 of each such sequence (any int tensor, on device).
     Pure tensor ops + a host counter: no host synchronisation, CUDA-graph friendly.
@@ -135,10 +140,25 @@ def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_si
         first_slots = first_slots[-num_sink_slots:]
         k = num_sink_slots
     pages = (first_slots.long() // index.page_size)
-    slots = (index.sink_cursor + torch.arange(k, device=pages.device)) % num_sink_slots
+    if in_use is None:
+        slots = (index.sink_cursor + torch.arange(k, device=pages.device)) % num_sink_slots
+    else:  # the k free slots nearest after the cursor (slots in use rank after every free one)
+        ahead = (torch.arange(num_sink_slots, device=pages.device) - index.sink_cursor) % num_sink_slots
+        slots = torch.topk(ahead + num_sink_slots * (in_use[:num_sink_slots] != 0).long(), k,
+                           largest=False).indices
     index.sink_slot_of_page[pages] = slots.to(torch.int32)
     index.page_of_sink_slot[slots] = pages.to(torch.int32)
     index.sink_cursor = (index.sink_cursor + k) % num_sink_slots
+
+
+def sink_slots_in_use(index: HybridCacheIndex, req_to_token: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int32 [C]: 1 at the sink slots that the sequences in ``rows`` (req_to_token rows of
+    live requests) read, i.e. their first page's slot while it is registered to that page."""
+    used = torch.zeros(index.page_of_sink_slot.shape[0], dtype=torch.int32, device=index.page_of_sink_slot.device)
+    if rows.numel() == 0:
+        return used
+    c = sink_slot_for(index, req_to_token[rows.long(), 0])
+    return used.scatter_reduce_(0, c.clamp(min=0), (c >= 0).to(torch.int32), reduce="amax")
 
 
 def sink_slot_for(index: HybridCacheIndex, first_slot: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ Per layer, all kernels go through :mod:`oscar_kernels.api`:
 Per forward batch (never per layer), in ``init_forward_metadata``:
 
 - sequences that start at position 0 get a sink slot for their first page
-  (:func:`oscar_kernels.hybrid_cache.assign_sink_slots`, host counter, no sync);
+  (:func:`oscar_kernels.hybrid_cache.assign_sink_slots`, host counter, no sync), never one
+  that a live request reads (the rows SGLang's req_to_token pool has handed out: its free
+  list, a host list), so a long request keeps its BF16 sinks however many start after it;
 - each request row's ring validity: ``valid_from`` is reset to the request's prefix
   length when the row's ring belongs to someone else (``ring_owner`` differs from the
   hash of the request id) or does not end where this batch starts (``ring_end`` differs
@@ -30,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
@@ -38,7 +40,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from oscar_kernels import api
-from oscar_kernels.hybrid_cache import assign_sink_slots
+from oscar_kernels.hybrid_cache import assign_sink_slots, sink_slots_in_use
 
 from .pool import OscarKVPool, OscarWriteMeta
 from .settings import resolve_extend_prefix
@@ -81,10 +83,22 @@ def update_ring_validity(pool: OscarKVPool, rows: torch.Tensor, prefix_lens: tor
     pool.ring_end[rows] = seq_ends
 
 
-def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
+def rows_in_use(req_to_token_pool) -> Optional[list[int]]:
+    """The req_to_token rows SGLang's pool has handed out (row 0 is its padding row), from
+    its host free list; None for a pool without one."""
+    free = getattr(req_to_token_pool, "free_slots", None)
+    if free is None:
+        return None
+    free = set(free)
+    return [r for r in range(1, req_to_token_pool.req_to_token.shape[0]) if r not in free]
+
+
+def plan_extend(pool: OscarKVPool, fb, live_rows: Optional[Callable[[], Optional[list[int]]]] = None) -> ExtendPlan:
     """Build an extend batch's plan and apply its per-batch state updates (sinks, ring
     validity). Reads ``batch_size, req_pool_indices, extend_prefix_lens,
-    extend_seq_lens, extend_*_lens_cpu, out_cache_loc, positions, rids`` of ``fb``."""
+    extend_seq_lens, extend_*_lens_cpu, out_cache_loc, positions, rids`` of ``fb``;
+    ``live_rows()``: the rows of live requests, whose sink slots new sequences must not take
+    (None: plain round-robin)."""
     bs = fb.batch_size
     prefix_cpu = fb.extend_prefix_lens_cpu
     ext_cpu = fb.extend_seq_lens_cpu
@@ -116,7 +130,10 @@ def plan_extend(pool: OscarKVPool, fb) -> ExtendPlan:
         starts += e
     if first_tokens:
         first = torch.tensor(first_tokens, dtype=torch.int64).to(device, non_blocking=True)
-        assign_sink_slots(pool.index, slots[first], pool.plan.num_sink_slots)
+        rows_live = live_rows() if live_rows is not None else None
+        in_use = None if rows_live is None else sink_slots_in_use(
+            pool.index, pool.req_to_token, torch.tensor(rows_live, dtype=torch.int64).to(device, non_blocking=True))
+        assign_sink_slots(pool.index, slots[first], pool.plan.num_sink_slots, in_use)
         pool.index.sink_slot_of_page[0] = -1  # page 0 is SGLang's padding page: never a sink
 
     rids: Sequence[Optional[str]] = fb.rids if fb.rids is not None else [None] * bs
@@ -142,18 +159,23 @@ class OscarAttnBackend(TritonAttnBackend):
             raise RuntimeError(f"oscar plugin hook not applied: {missing[0]} (was the "
                                "'oscar' sglang.srt.plugins entry point loaded?)")
         super().__init__(model_runner)
+        req_pool = model_runner.req_to_token_pool
         self._init_oscar(model_runner.token_to_kv_pool, model_runner.model_config.v_head_dim,
                          deterministic=bool(model_runner.server_args.enable_deterministic_inference),
-                         context_len=model_runner.model_config.context_len)
+                         context_len=model_runner.model_config.context_len,
+                         live_rows=lambda: rows_in_use(req_pool))
 
-    def _init_oscar(self, pool, v_head_dim: int, deterministic: bool = False, context_len: int = 0) -> None:
+    def _init_oscar(self, pool, v_head_dim: int, deterministic: bool = False, context_len: int = 0,
+                    live_rows: Optional[Callable[[], Optional[list[int]]]] = None) -> None:
         """``deterministic`` (--enable-deterministic-inference): a request's outputs do not
         depend on the batch around it: batch-invariant decode splits for ``context_len``
-        tokens (triton_decode.batch_invariant_config) and the INT2 prefix read."""
+        tokens (triton_decode.batch_invariant_config) and the INT2 prefix read.
+        ``live_rows``: see plan_extend (rows_in_use of SGLang's req_to_token pool)."""
         if not isinstance(pool, OscarKVPool):
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
                              f"(the KV pool is {type(pool).__name__})")
         self.pool = pool
+        self._live_rows = live_rows
         # TritonAttnBackend read v_head_dim from the packed uint8 buffer (D/4): fix it.
         self.v_head_dim = v_head_dim
         self._extend_plan: Optional[ExtendPlan] = None
@@ -200,7 +222,7 @@ class OscarAttnBackend(TritonAttnBackend):
             self.init_forward_metadata_in_graph(forward_batch)
             return
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-            self._extend_plan = plan_extend(self.pool, forward_batch)
+            self._extend_plan = plan_extend(self.pool, forward_batch, self._live_rows)
             return
         raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
                                   "(speculative decoding is not supported with oscar_int2)")

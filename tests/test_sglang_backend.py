@@ -34,14 +34,16 @@ def _gen(*key) -> torch.Generator:
 class Sim:
     """A minimal stand-in for SGLang's scheduler: req_to_token rows, pages, batches."""
 
-    def __init__(self):
+    def __init__(self, sink_slots=None, live_rows=None):
+        """``sink_slots``: the pool's sink slots (default: per row); ``live_rows``: what the
+        backend asks for the rows of live requests (SGLang: rows_in_use of its pool)."""
         g = torch.Generator().manual_seed(0)
         rots = [random_rotation(H, D, g) for _ in range(LAYERS)]
         self.pool = OscarKVPool(SIZE, P, H, D, LAYERS, "cpu", rotations=rots,
                                 req_to_token=torch.zeros(ROWS, CTX, dtype=torch.int32),
-                                sink_tokens=S, recent_window=W, group_size=G)
+                                sink_tokens=S, recent_window=W, group_size=G, num_sink_slots=sink_slots)
         self.backend = OscarAttnBackend.__new__(OscarAttnBackend)
-        self.backend._init_oscar(self.pool, D)
+        self.backend._init_oscar(self.pool, D, live_rows=live_rows)
         self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in range(LAYERS)]
         self.free_pages = list(range(1, SIZE // P + 1))  # page 0 is the padding page
         self.source = {}  # (row, position) -> content id that computed the token's K/V
@@ -262,6 +264,34 @@ def test_mixed_batch_of_new_hit_and_continuing_requests():
     pages = [int(sim.pool.req_to_token[r, 0]) // P for r in (3, 1)]
     assert all(int(sim.pool.index.sink_slot_of_page[p]) >= 0 for p in pages)
     assert int(sim.pool.index.sink_slot_of_page[0]) == -1
+
+
+@pytest.mark.parametrize("protect", [True, False])
+def test_a_live_request_keeps_its_sinks_while_others_come_and_go(protect):
+    """Two sink slots, round-robin: A starts, then B, C and E start and finish in turn.
+    Knowing the live rows (SGLang's req_to_token free list, rows_in_use), C and E take B's
+    slot, never A's: A decodes with BF16 sinks. Without it C takes A's slot and A reads its
+    sinks as INT2."""
+    live = {3}
+    sim = Sim(sink_slots=2, live_rows=(lambda: sorted(live)) if protect else None)
+    run_a(sim, prompt=20, decodes=0)
+    for rid, row in (("B", 4), ("C", 5), ("E", 1)):
+        live.add(row)
+        sim.extend([dict(rid=rid, row=row, content=rid, prefix=0, new=10)])
+        live.discard(row)  # finished: SGLang frees the row
+    outs = sim.decode([dict(rid="A", row=3, content="A", n=21)])
+    for l, o in enumerate(outs):
+        close(o, sim.expected_decode(3, "A", l, 21, "A", 0, sinks=protect))
+    with_sinks = sim.expected_decode(3, "A", 0, 21, "A", 0, sinks=True)
+    assert (with_sinks - sim.expected_decode(3, "A", 0, 21, "A", 0, sinks=False)).abs().max() > 0.05
+
+
+def test_rows_in_use_reads_the_free_list():
+    from sglang_ext.backend import rows_in_use
+
+    pool = SimpleNamespace(free_slots=[2, 5], req_to_token=torch.zeros(6, 4))
+    assert rows_in_use(pool) == [1, 3, 4]
+    assert rows_in_use(SimpleNamespace(req_to_token=torch.zeros(6, 4))) is None
 
 
 def test_padded_graph_decode_batch():

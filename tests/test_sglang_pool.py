@@ -225,3 +225,22 @@ def test_plan_and_pool_from_configurator(tmp_path):
     pool = build_pool_for_configurator(kvc, 128, req_to_token_pool)
     assert pool.plan == plan and sum(pool.get_kv_size_bytes()) == plan.pool_bytes(128)
     assert plan_for_configurator(fake_configurator(path)).num_rows == DEFAULT_MAX_RUNNING_REQUESTS + 1
+
+
+def test_sink_slots_skip_those_in_use_until_none_is_left():
+    """assign_sink_slots with in_use: the free slots nearest after the cursor; slots in use
+    only when the free ones run out. sink_slots_in_use: the live rows' registered slots."""
+    from oscar_kernels.hybrid_cache import sink_slot_for, sink_slots_in_use
+
+    index = allocate_index(16 * 8, 16, 4, 4)
+    r2t = torch.zeros(4, 8, dtype=torch.int32)
+    r2t[1:, 0] = torch.tensor([16, 32, 48], dtype=torch.int32)  # rows 1-3 start on pages 1-3
+    assign_sink_slots(index, r2t[1:, 0], 4)  # slots 0, 1, 2
+    used = sink_slots_in_use(index, r2t, torch.tensor([1, 3]))
+    assert used.tolist() == [1, 0, 1, 0]
+    assign_sink_slots(index, torch.tensor([64, 80]), 4, used)  # pages 4, 5: slots 3 then 1 (wrapping)
+    assert sink_slot_for(index, torch.tensor([64, 80, 16, 32, 48])).tolist() == [3, 1, 0, -1, 2]
+    everything = torch.ones(4, dtype=torch.int32)
+    assign_sink_slots(index, torch.tensor([96]), 4, everything)  # none free: round-robin from the cursor
+    assert sink_slot_for(index, torch.tensor([96])).tolist() == [1]
+    assert sink_slots_in_use(index, r2t, torch.tensor([], dtype=torch.int64)).tolist() == [0, 0, 0, 0]
