@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--idle-s", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--server-args", default="", help="extra server arguments, one string (write --server-args=--flag ... when it starts with --)")
+    ap.add_argument("--server-args", default="",
+                    help="extra server arguments, one string (write --server-args=--flag ... when it starts with --)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "soak_tinylm-A.json"))
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "benchmarks", "results", "soak_logs"))
     args = ap.parse_args(argv)

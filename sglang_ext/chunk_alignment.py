@@ -45,44 +45,50 @@ def _remaining(req) -> int:
     return len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
 
 
-def _with_chunk_budget(adder, budget: int, call):
-    """Run ``call`` with ``adder.rem_chunk_tokens`` lowered to ``budget``; the withheld
-    tokens are handed back afterwards (other prompts that fit whole may still use them)."""
+def _aligned_call(original, adder, req, args, kwargs, available: int, under_one_step):
+    """``original`` with the chunk budget ``available`` rounded down to the alignment when
+    the prompt does not fit it whole; ``under_one_step()`` answers when that leaves nothing.
+    The withheld tokens are handed back afterwards (prompts that fit whole may use them)."""
+    budget = aligned_budget(available, _remaining(req), _alignment)
+    if budget == available:
+        return original(adder, req, *args, **kwargs)
+    if budget <= 0:
+        return under_one_step()
     withheld = adder.rem_chunk_tokens - budget
     adder.rem_chunk_tokens = budget
     try:
-        return call()
+        return original(adder, req, *args, **kwargs)
     finally:
         adder.rem_chunk_tokens += withheld
+
+
+def _inactive(adder) -> bool:
+    return _alignment is None or adder.rem_chunk_tokens is None or adder.dllm_config is not None
 
 
 def ignore_eos_hook(original, adder, req, *args, **kwargs):
     """PrefillAdder.add_one_req_ignore_eos, around: a new prompt that does not fit the
     batch's chunk budget is cut at a multiple of the alignment, or waits."""
-    if _alignment is None or adder.rem_chunk_tokens is None or adder.dllm_config is not None:
+    if _inactive(adder):
         return original(adder, req, *args, **kwargs)
-    budget = aligned_budget(adder.rem_chunk_tokens, _remaining(req), _alignment)
-    if budget == adder.rem_chunk_tokens:
-        return original(adder, req, *args, **kwargs)
-    if budget <= 0:
+
+    def wait():
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.OTHER
-    return _with_chunk_budget(adder, budget, lambda: original(adder, req, *args, **kwargs))
+    return _aligned_call(original, adder, req, args, kwargs, adder.rem_chunk_tokens, wait)
 
 
 def chunked_req_hook(original, adder, req, *args, **kwargs):
     """PrefillAdder.add_chunked_req, around: a prompt's next chunk ends at a multiple of
     the alignment also when the free pool tokens (or mixed decode tokens) shorten it."""
-    if _alignment is None or adder.rem_chunk_tokens is None or adder.dllm_config is not None:
+    if _inactive(adder):
         return original(adder, req, *args, **kwargs)
     available = min(adder.rem_chunk_tokens, int(adder.rem_total_tokens))
-    budget = aligned_budget(available, _remaining(req), _alignment)
-    if budget == available:
-        return original(adder, req, *args, **kwargs)
-    if budget <= 0:
+
+    def unaligned():
         logger.warning("oscar: %d free tokens, under one %d-token step: request %s continues "
                        "with an unaligned chunk (deterministic outputs not guaranteed for it)",
                        available, _alignment, req.rid)
         return original(adder, req, *args, **kwargs)
-    return _with_chunk_budget(adder, budget, lambda: original(adder, req, *args, **kwargs))
+    return _aligned_call(original, adder, req, args, kwargs, available, unaligned)

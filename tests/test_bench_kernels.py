@@ -1,5 +1,5 @@
 """benchmarks/bench_kernels.py's cold-L2 bookkeeping on CPU: the copies that push a case's
-working set past 4 x L2 (sized by the bytes decode reads) and the round-robin timed function."""
+working set past 4 x L2 (sized by the bytes decode reads) and the function that runs every layer in turn."""
 import sys
 from pathlib import Path
 

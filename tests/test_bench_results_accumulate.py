@@ -78,4 +78,3 @@ def test_tp_check_classifies_divergences():
     assert res["first_divergent_token"] == [
         {"prompt_len": 10, "token": 1, "near_tie": True, "ref_top2_gap": 0.05},
         {"prompt_len": 20, "token": 0, "near_tie": False, "ref_top2_gap": 2.9}]
-
