@@ -185,3 +185,54 @@ def test_sweep_memory_costs():
     assert m["int2_bytes_per_token"] == 8 * 2 * 2 * (32 + 4 * 2 * 2)
     assert m["ring_bytes_per_request"] == 128 * m["bf16_bytes_per_token"]
     assert m["sink_in_int2_tokens"] == round(16 * 8192 / 1536, 1)
+
+
+def test_fake_int2_ablation_attributes_the_error(tiny, stream):
+    """FakeInt2KVSim with K and V quantised tracks the kernels' HybridKVSim (same read rule,
+    PyTorch numerics); quantising only K or only V moves the logits less than both."""
+    from calibration.fidelity.sim_cache import FakeInt2KVSim
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    rot = baseline_rotations(shape, "tinylm-A", "hadamard", group_size=32)
+
+    def run(sim):
+        pre = _chunked(sim_model, sim, ids[:, :L - 4], CHUNK)
+        dec = torch.cat([forward_step(sim_model, sim, ids[:, j:j + 1]) for j in range(L - 4, L)], 1)
+        return torch.cat([pre, dec], 1)
+
+    bf = run(Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L))
+    hyb = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L))
+    fake = {p: run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, parts=p)) for p in ("kv", "k", "v")}
+    # the first chunk reads no history: every simulator agrees there
+    for out in (hyb, *fake.values()):
+        assert (out[:, :CHUNK] - bf[:, :CHUNK]).abs().max() < 0.05
+    err = {p: (o[:, CHUNK:] - bf[:, CHUNK:]).abs().mean().item() for p, o in fake.items()}
+    err_hyb = (hyb[:, CHUNK:] - bf[:, CHUNK:]).abs().mean().item()
+    assert err["kv"] > 0.05 and abs(err["kv"] - err_hyb) < 0.25 * err_hyb
+    assert (fake["kv"][:, CHUNK:] - hyb[:, CHUNK:]).abs().mean().item() < 0.5 * err_hyb
+    assert 0 < err["k"] < err["kv"] and 0 < err["v"] < err["kv"]
+    with pytest.raises(ValueError, match="parts"):
+        FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, parts="q")
+
+
+def test_int2_parts_ablation_script(tinylm_dir, tmp_path):
+    """benchmarks/fidelity_int2_parts.py: three oscar-eval runs on the same prompts, one JSON."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fidelity_int2_parts
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    rot_path = tmp_path / "hadamard.safetensors"
+    save_rotations(str(rot_path), baseline_rotations(shape, "tinylm-A", "hadamard", 32))
+    out = tmp_path / "parts.json"
+    assert fidelity_int2_parts.main(["--model", str(tinylm_dir), "--method", f"had={rot_path}", "--out", str(out),
+                                     "--", "--ppl-len", "256", "--ppl-windows", "1", "--chunk", "64",
+                                     "--passkey-trials", "0", "--corpus-mb", "0.3", "--sink", "4",
+                                     "--recent", "16", "--device", "cpu"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["methods"]) == {"bf16", "had [INT2 kv-fake]", "had [INT2 k]", "had [INT2 v]"}
+    assert res["settings"]["int2_parts"] == ["kv-fake", "k", "v"]
+    assert [a[a.index("--int2-parts") + 1] for a in res["settings"]["argv"].values()] == ["kv-fake", "k", "v"]
+    # each run read its own cache (one 256-token window: too short to order them by quality)
+    ppl = [v["ppl_256"] for v in res["methods"].values()]
+    assert all(1.0 < x < 100.0 for x in ppl) and len({round(x, 6) for x in ppl}) == 4

@@ -10,6 +10,8 @@ stores them through oscar_kernels.api with that rotations file (BF16 sink of S t
 BF16 ring of the last W, INT2 history in between), prefilling in chunks of ``--chunk``
 tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--ppl-len`` tokens and tinylm's passkey retrieval (see calibration.fidelity.tasks).
+``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
+``kv-fake`` both) to attribute the INT2 error.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from calibration.rotations_file import load_rotations
 
 from . import runner, tasks
 from .attention import use_simulated_attention
-from .sim_cache import Bf16KVSim, HybridKVSim
+from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim
 
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_RECENT_WINDOW = 128
@@ -38,6 +40,7 @@ DEFAULT_DECODE_TAIL = 0
 DEFAULT_PASSKEY_TRIALS = 4  # CPU budget; use 20+ on a GPU (see README of the results)
 DEFAULT_LENGTHS = "2048,4096,8192"
 DEFAULT_OUT = "benchmarks/results/fidelity_tinylm-A.json"
+INT2_PARTS = ("kv", "k", "v", "kv-fake")
 
 
 def _int_list(s: str) -> list[int]:
@@ -89,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model dtype (the KV cache is BF16/INT2 either way)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch (1 is fastest on a shared, oversubscribed machine)")
+    ap.add_argument("--int2-parts", choices=INT2_PARTS, default="kv",
+                    help="kv: K and V through the server's kernels (default); ablations in PyTorch fake "
+                         "quantisation (FakeInt2KVSim): k = INT2 keys only, v = INT2 values only, "
+                         "kv-fake = both (the ablations' own baseline)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -166,6 +173,7 @@ def main(argv=None) -> int:
                             f"{a.decode_tail} tokens of each window decoded one per step",
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
+            "int2_parts": a.int2_parts,
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
             "decode_tail": a.decode_tail,
             "passkey_trials": a.passkey_trials, "passkey_lengths": a.lengths, "passkey_depths": a.depths,
@@ -186,9 +194,12 @@ def main(argv=None) -> int:
         t0 = time.time()
         if rot is None:
             sim = Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
-        else:
+        elif a.int2_parts == "kv":
             sim = HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                               a.device, rot.meta.scale_dtype, a.page_size)
+        else:
+            sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
+                                a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"))
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,

@@ -14,6 +14,9 @@ function registered in transformers' AttentionInterface):
   (positions S .. n - W), the BF16 sink (< S) and the BF16 ring (last W).
 - :class:`Bf16KVSim` is the BF16 reference with the same numerics otherwise: K/V kept in
   BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
+- :class:`FakeInt2KVSim` (ablation): Bf16KVSim whose history positions read fake-quantised
+  keys, values or both (rotate, clip, INT2, dequantise, rotate back, in PyTorch), so the
+  INT2 error can be attributed to K or V; with both it approximates HybridKVSim.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
                                         assign_sink_slots)
-from oscar_kernels.int2 import SCALE_DTYPES
+from oscar_kernels.int2 import SCALE_DTYPES, fake_quantise
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -75,16 +78,76 @@ class Bf16KVSim(_KVSim):
         """q [B, Hq, T, D], k/v [B, H, T, D] (post-RoPE) -> o [B, T, Hq, D]."""
         b, _, t, _ = q.shape
         n0, n = self.length, self.length + t
-        self.k[layer_idx][:b, n0:n] = k.transpose(1, 2).to(CACHE_DTYPE)
-        self.v[layer_idx][:b, n0:n] = v.transpose(1, 2).to(CACHE_DTYPE)
-        kk = self.k[layer_idx][:b, :n].transpose(1, 2).float()
-        vv = self.v[layer_idx][:b, :n].transpose(1, 2).float()
+        self._store(layer_idx, b, n0, n, k.transpose(1, 2), v.transpose(1, 2))
+        kk, vv = self._read(layer_idx, b, n0, n, t)
+        kk, vv = kk.transpose(1, 2).float(), vv.transpose(1, 2).float()
         qi = torch.arange(t, device=q.device).unsqueeze(1)
         kj = torch.arange(n, device=q.device).unsqueeze(0)
         mask = kj <= qi + n0
         o = F.scaled_dot_product_attention(q.to(CACHE_DTYPE).float(), kk, vv, attn_mask=mask,
                                            scale=scaling, enable_gqa=True)
         return o.transpose(1, 2).to(CACHE_DTYPE).to(q.dtype)
+
+    def _store(self, layer_idx, b, n0, n, k, v):
+        """k/v [B, T, H, D] of positions n0..n."""
+        self.k[layer_idx][:b, n0:n] = k.to(CACHE_DTYPE)
+        self.v[layer_idx][:b, n0:n] = v.to(CACHE_DTYPE)
+
+    def _read(self, layer_idx, b, n0, n, t):
+        """K/V [B, n, H, D] the step's queries attend to."""
+        return self.k[layer_idx][:b, :n], self.v[layer_idx][:b, :n]
+
+
+class FakeInt2KVSim(Bf16KVSim):
+    """Ablation: Bf16KVSim whose INT2 positions take fake-quantised keys (``parts`` "k"),
+    values ("v") or both ("kv"): x_hat = dequant(quant(clip(x R))) R^T per KV head, with the
+    server's read rule -- sink [0, S) and ring exact; history [S, ring_lo) quantised, where
+    ring_lo = max(n - W, S) when decoding (the new token is in the ring) and max(n0 - W, S)
+    for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend)."""
+
+    name = "fake-int2"
+
+    def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
+                 recent_window: int, max_batch: int, max_len: int, device="cpu",
+                 scale_dtype: str = "float16", parts: str = "kv"):
+        if parts not in ("k", "v", "kv"):
+            raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
+        if sink_tokens < 0 or recent_window < 0:
+            raise ValueError("sink tokens and recent window must be >= 0")
+        h, d = rotations[0].k_rot.shape[0], rotations[0].k_rot.shape[-1]
+        super().__init__(len(rotations), h, d, max_batch, max_len, device)
+        self.rotations = [r.to(self.device) for r in rotations]
+        self.group_size, self.scale_dtype = group_size, SCALE_DTYPES[scale_dtype]
+        self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
+        self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
+        self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
+
+    def _fake(self, x, rot, clip_min, clip_max):
+        x_rot = torch.einsum("bthd,hde->bthe", x.float(), rot)
+        x_hat = fake_quantise(x_rot, self.group_size, clip_min, clip_max, self.scale_dtype)
+        return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
+
+    def _store(self, layer_idx, b, n0, n, k, v):
+        super()._store(layer_idx, b, n0, n, k, v)
+        r = self.rotations[layer_idx]
+        if self.kq is not None:
+            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max)
+        if self.vq is not None:
+            self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max)
+
+    def _read(self, layer_idx, b, n0, n, t):
+        kk, vv = super()._read(layer_idx, b, n0, n, t)
+        s = min(self.sink_tokens, n)
+        decode = t == 1 and n0 > 0
+        hi = max(n - self.recent_window, s) if decode else min(max(n0 - self.recent_window, s), n0)
+        if hi > s:
+            if self.kq is not None:
+                kk = kk.clone()
+                kk[:, s:hi] = self.kq[layer_idx][:b, s:hi]
+            if self.vq is not None:
+                vv = vv.clone()
+                vv[:, s:hi] = self.vq[layer_idx][:b, s:hi]
+        return kk, vv
 
 
 class HybridKVSim(_KVSim):
