@@ -250,6 +250,10 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     if len({(c.get("tokens"), c.get("seq_len")) for c in calib.values()}) > 1:  # methods differ in calibration
         parts.append("Calibration per method: " + "; ".join(
             f"{name} {fmt(c.get('tokens'))} tokens in windows of {fmt(c.get('seq_len'))}" for name, c in calib.items()) + ".")
+    only = {"k": "keys", "v": "values", "kv-fake": "keys and values"}.get(st.get("int2_parts"))
+    if only:  # oscar-eval --int2-parts k | v | kv-fake
+        parts.append(f"Ablation (`oscar-eval --int2-parts {st['int2_parts']}`): INT2 for the {only} of the history only, "
+                     "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back).")
     if isinstance(st.get("int2_parts"), list):  # benchmarks/fidelity_int2_parts.py
         parts.append("Ablation (`benchmarks/fidelity_int2_parts.py`): `[INT2 k]` / `[INT2 v]` quantise only the "
                      "keys / only the values of the INT2 history, `[INT2 kv-fake]` both, in PyTorch fake "
