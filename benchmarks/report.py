@@ -250,7 +250,8 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     if len({(c.get("tokens"), c.get("seq_len")) for c in calib.values()}) > 1:  # methods differ in calibration
         parts.append("Calibration per method: " + "; ".join(
             f"{name} {fmt(c.get('tokens'))} tokens in windows of {fmt(c.get('seq_len'))}" for name, c in calib.items()) + ".")
-    only = {"k": "keys", "v": "values", "kv-fake": "keys and values"}.get(st.get("int2_parts"))
+    parts_run = st.get("int2_parts")
+    only = {"k": "keys", "v": "values", "kv-fake": "keys and values"}.get(parts_run) if isinstance(parts_run, str) else None
     if only:  # oscar-eval --int2-parts k | v | kv-fake
         parts.append(f"Ablation (`oscar-eval --int2-parts {st['int2_parts']}`): INT2 for the {only} of the history only, "
                      "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back).")
