@@ -160,6 +160,14 @@ def test_oscar_eval_smoke(tinylm_dir, tmp_path):
         assert sum(lps) / 3 == pytest.approx(m["passkey_first_token_logprob"]["256"], abs=1e-3)
 
 
+def test_oscar_eval_value_groups_need_a_fake_value_run(tinylm_dir):
+    from calibration.fidelity import cli
+    with pytest.raises(SystemExit, match="int2-parts"):
+        cli.main(["--model", str(tinylm_dir), "--int2-parts", "k", "--value-groups", "128:float16"])
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(tinylm_dir), "--int2-parts", "v", "--value-groups", "128:float13"])
+
+
 def test_oscar_eval_rejects_bad_method(tinylm_dir):
     from calibration.fidelity import cli
     with pytest.raises(SystemExit):
@@ -213,6 +221,13 @@ def test_fake_int2_ablation_attributes_the_error(tiny, stream):
     assert 0 < err["k"] < err["kv"] and 0 < err["v"] < err["kv"]
     with pytest.raises(ValueError, match="parts"):
         FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, parts="q")
+    # values with their own groups: coarser value groups move the output, bad ones are refused
+    coarse_v = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, parts="v", value_group_size=128,
+                                 value_scale_dtype="float8_e4m3fn"))
+    err_coarse = (coarse_v[:, CHUNK:] - bf[:, CHUNK:]).abs().mean().item()
+    assert err_coarse > 0 and abs(err_coarse - err["v"]) > 0.01 * err["v"]
+    with pytest.raises(ValueError, match="group size"):
+        FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, value_group_size=48)
 
 
 def test_int2_parts_ablation_script(tinylm_dir, tmp_path):

@@ -25,6 +25,7 @@ import torch
 
 from calibration.model_shape import ModelShape
 from calibration.rotations_file import load_rotations
+from oscar_kernels.int2 import SCALE_DTYPES
 
 from . import runner, tasks
 from .attention import use_simulated_attention
@@ -55,6 +56,13 @@ def _float_list(s: str) -> list[float]:
         return [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _value_groups(s: str) -> tuple[int, str]:
+    g, _, dtype = s.partition(":")
+    if not g.isdigit() or dtype not in SCALE_DTYPES:
+        raise argparse.ArgumentTypeError(f"--value-groups wants G:DTYPE with DTYPE in {sorted(SCALE_DTYPES)}, got {s!r}")
+    return int(g), dtype
 
 
 def _method(s: str) -> tuple[str, str]:
@@ -96,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kv: K and V through the server's kernels (default); ablations in PyTorch fake "
                          "quantisation (FakeInt2KVSim): k = INT2 keys only, v = INT2 values only, "
                          "kv-fake = both (the ablations' own baseline)")
+    ap.add_argument("--value-groups", type=_value_groups, default=None, metavar="G:DTYPE",
+                    help="with --int2-parts kv-fake or v: the values' INT2 group size and scale dtype "
+                         "(e.g. 128:float8_e4m3fn; default: the rotations file's, as for the keys)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -139,6 +150,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"oscar-eval: method names must be unique, got {names}")
     if a.no_bf16 and not a.method:
         raise SystemExit("oscar-eval: nothing to evaluate (--no-bf16 and no --method)")
+    if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
+        raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take one group size)")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -174,6 +187,8 @@ def main(argv=None) -> int:
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "int2_parts": a.int2_parts,
+            **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
+               if a.value_groups else {}),
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
             "decode_tail": a.decode_tail,
             "passkey_trials": a.passkey_trials, "passkey_lengths": a.lengths, "passkey_depths": a.depths,
@@ -199,7 +214,9 @@ def main(argv=None) -> int:
                               a.device, rot.meta.scale_dtype, a.page_size)
         else:
             sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                                a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"))
+                                a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
+                                value_group_size=a.value_groups[0] if a.value_groups else None,
+                                value_scale_dtype=a.value_groups[1] if a.value_groups else None)
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
                                         assign_sink_slots)
-from oscar_kernels.int2 import SCALE_DTYPES, fake_quantise
+from oscar_kernels.int2 import SCALE_DTYPES, check_group_size, fake_quantise
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -103,13 +103,16 @@ class FakeInt2KVSim(Bf16KVSim):
     values ("v") or both ("kv"): x_hat = dequant(quant(clip(x R))) R^T per KV head, with the
     server's read rule -- sink [0, S) and ring exact; history [S, ring_lo) quantised, where
     ring_lo = max(n - W, S) when decoding (the new token is in the ring) and max(n0 - W, S)
-    for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend)."""
+    for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend).
+    ``value_group_size`` / ``value_scale_dtype``: the values' own INT2 groups (default: the
+    keys'), to try layouts with a group size per tensor."""
 
     name = "fake-int2"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
-                 scale_dtype: str = "float16", parts: str = "kv"):
+                 scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
+                 value_scale_dtype: str | None = None):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
@@ -118,22 +121,29 @@ class FakeInt2KVSim(Bf16KVSim):
         super().__init__(len(rotations), h, d, max_batch, max_len, device)
         self.rotations = [r.to(self.device) for r in rotations]
         self.group_size, self.scale_dtype = group_size, SCALE_DTYPES[scale_dtype]
+        self.value_group_size = value_group_size or group_size
+        self.value_scale_dtype = SCALE_DTYPES[value_scale_dtype or scale_dtype]
+        for g in (self.group_size, self.value_group_size):
+            check_group_size(d, g)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
-    def _fake(self, x, rot, clip_min, clip_max):
+    @staticmethod
+    def _fake(x, rot, clip_min, clip_max, group_size, scale_dtype):
         x_rot = torch.einsum("bthd,hde->bthe", x.float(), rot)
-        x_hat = fake_quantise(x_rot, self.group_size, clip_min, clip_max, self.scale_dtype)
+        x_hat = fake_quantise(x_rot, group_size, clip_min, clip_max, scale_dtype)
         return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
 
     def _store(self, layer_idx, b, n0, n, k, v):
         super()._store(layer_idx, b, n0, n, k, v)
         r = self.rotations[layer_idx]
         if self.kq is not None:
-            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max)
+            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
+                                                      self.group_size, self.scale_dtype)
         if self.vq is not None:
-            self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max)
+            self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
+                                                      self.value_group_size, self.value_scale_dtype)
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
