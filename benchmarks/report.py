@@ -253,8 +253,11 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     parts_run = st.get("int2_parts")
     only = {"k": "keys", "v": "values", "kv-fake": "keys and values"}.get(parts_run) if isinstance(parts_run, str) else None
     if only:  # oscar-eval --int2-parts k | v | kv-fake
+        vg = st.get("value_groups")
         parts.append(f"Ablation (`oscar-eval --int2-parts {st['int2_parts']}`): INT2 for the {only} of the history only, "
-                     "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back).")
+                     "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
+                     + (f"; values in groups of {vg['group_size']} with {vg['scale_dtype']} scales, keys as G" if vg else "")
+                     + ".")
     if isinstance(st.get("int2_parts"), list):  # benchmarks/fidelity_int2_parts.py
         parts.append("Ablation (`benchmarks/fidelity_int2_parts.py`): `[INT2 k]` / `[INT2 v]` quantise only the "
                      "keys / only the values of the INT2 history, `[INT2 kv-fake]` both, in PyTorch fake "
