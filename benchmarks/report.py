@@ -238,6 +238,25 @@ def render_server_fidelity(path: str, data: dict) -> list[str]:
     return parts
 
 
+FAKE_INT2 = "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
+INT2_PART_NAMES = {"k": "keys", "v": "values", "kv-fake": "keys and values"}
+
+
+def _int2_parts_caption(st: dict) -> str:
+    """The ablation a fidelity file holds: one ``oscar-eval --int2-parts`` run (a string;
+    "kv", the kernels, is none) or benchmarks/fidelity_int2_parts.py's merge (a list)."""
+    run = st.get("int2_parts")
+    if isinstance(run, list):
+        return ("Ablation (`benchmarks/fidelity_int2_parts.py`): `[INT2 k]` / `[INT2 v]` quantise only the keys / "
+                f"only the values of the INT2 history, `[INT2 kv-fake]` both, {FAKE_INT2}, same prompts.")
+    if run not in INT2_PART_NAMES:
+        return ""
+    vg = st.get("value_groups")
+    values = f"; values in groups of {vg['group_size']} with {vg['scale_dtype']} scales, keys in the file's" if vg else ""
+    return (f"Ablation (`oscar-eval --int2-parts {run}`): INT2 for the {INT2_PART_NAMES[run]} of the history only, "
+            f"{FAKE_INT2}{values}.")
+
+
 @per_results_file("fidelity_*.json", "oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU",
                   keep=lambda f: "sweep" not in f and "ablation" not in f)
 def render_fidelity(path: str, data: dict) -> list[str]:
@@ -250,18 +269,9 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     if len({(c.get("tokens"), c.get("seq_len")) for c in calib.values()}) > 1:  # methods differ in calibration
         parts.append("Calibration per method: " + "; ".join(
             f"{name} {fmt(c.get('tokens'))} tokens in windows of {fmt(c.get('seq_len'))}" for name, c in calib.items()) + ".")
-    parts_run = st.get("int2_parts")
-    only = {"k": "keys", "v": "values", "kv-fake": "keys and values"}.get(parts_run) if isinstance(parts_run, str) else None
-    if only:  # oscar-eval --int2-parts k | v | kv-fake
-        vg = st.get("value_groups")
-        parts.append(f"Ablation (`oscar-eval --int2-parts {st['int2_parts']}`): INT2 for the {only} of the history only, "
-                     "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
-                     + (f"; values in groups of {vg['group_size']} with {vg['scale_dtype']} scales, keys as G" if vg else "")
-                     + ".")
-    if isinstance(st.get("int2_parts"), list):  # benchmarks/fidelity_int2_parts.py
-        parts.append("Ablation (`benchmarks/fidelity_int2_parts.py`): `[INT2 k]` / `[INT2 v]` quantise only the "
-                     "keys / only the values of the INT2 history, `[INT2 kv-fake]` both, in PyTorch fake "
-                     "quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back), same prompts.")
+    ablation = _int2_parts_caption(st)
+    if ablation:
+        parts.append(ablation)
     parts.append(fidelity_table(data.get("methods", {})))
     return parts
 
