@@ -53,8 +53,8 @@ class HybridLayerCache:
 
     k_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
     v_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
-    k_scales: torch.Tensor  # scale dtype [num_slots, H, D/G, 2]  (scale, min)
-    v_scales: torch.Tensor
+    k_scales: torch.Tensor  # scale dtype [num_slots, H, D/G_K, 2]  (scale, min)
+    v_scales: torch.Tensor  # scale dtype [num_slots, H, D/G_V, 2]; same strides as k_scales
     k_sink: torch.Tensor  # bf16 [num_sink_slots, S, H, D]
     v_sink: torch.Tensor
     k_ring: torch.Tensor  # bf16 [num_rows, W, H, D]
@@ -69,8 +69,12 @@ class HybridLayerCache:
         return self.k_packed.shape[1]
 
     @property
-    def group_size(self) -> int:
+    def key_group_size(self) -> int:
         return self.head_dim // self.k_scales.shape[2]
+
+    @property
+    def value_group_size(self) -> int:
+        return self.head_dim // self.v_scales.shape[2]
 
     @property
     def sink_tokens(self) -> int:
@@ -94,18 +98,27 @@ class HybridCacheIndex:
 
 def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size: int,
                    sink_tokens: int, recent_window: int, num_sink_slots: int, num_rows: int,
-                   scale_dtype: torch.dtype = torch.float16, device="cpu") -> HybridLayerCache:
+                   scale_dtype: torch.dtype = torch.float16, device="cpu", *,
+                   value_group_size: int | None = None) -> HybridLayerCache:
+    """Zeroed buffers of one layer. ``group_size`` is the keys' INT2 group size and, unless
+    ``value_group_size`` says otherwise, the values'. The scales of a token's K and V groups
+    are one [num_slots, H, D/G_K + D/G_V, 2] tensor (k_scales and v_scales are views of it),
+    so both read with one set of strides and sit in the same cache line."""
+    gv = group_size if value_group_size is None else value_group_size
     check_group_size(head_dim, group_size)
+    check_group_size(head_dim, gv)
     h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
+    ngk = d // group_size
 
     def z(*shape, dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
+    scales = z(num_slots, h, ngk + d // gv, 2, dtype=scale_dtype)
     return HybridLayerCache(
         k_packed=z(num_slots, h, q, dtype=torch.uint8),
         v_packed=z(num_slots, h, q, dtype=torch.uint8),
-        k_scales=z(num_slots, h, d // group_size, 2, dtype=scale_dtype),
-        v_scales=z(num_slots, h, d // group_size, 2, dtype=scale_dtype),
+        k_scales=scales[:, :, :ngk],
+        v_scales=scales[:, :, ngk:],
         k_sink=z(num_sink_slots, sink_tokens, h, d, dtype=torch.bfloat16),
         v_sink=z(num_sink_slots, sink_tokens, h, d, dtype=torch.bfloat16),
         k_ring=z(num_rows, recent_window, h, d, dtype=torch.bfloat16),

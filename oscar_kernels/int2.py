@@ -42,11 +42,15 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         raise ValueError(f"group size {group_size} must be a power of two dividing head_dim {head_dim}")
 
 
-def bytes_per_token_per_head(head_dim: int, group_size: int, scale_dtype: torch.dtype) -> int:
-    """INT2 bytes one token costs per KV head for K and V together (codes + scale + min)."""
+def bytes_per_token_per_head(head_dim: int, group_size: int, scale_dtype: torch.dtype,
+                             value_group_size: int | None = None) -> int:
+    """INT2 bytes one token costs per KV head for K and V together (codes + scale + min);
+    keys in groups of ``group_size``, values in ``value_group_size`` (default: the same)."""
+    gv = group_size if value_group_size is None else value_group_size
     check_group_size(head_dim, group_size)
+    check_group_size(head_dim, gv)
     elem = torch.empty((), dtype=scale_dtype).element_size()
-    return 2 * (packed_dim(head_dim) + (head_dim // group_size) * 2 * elem)
+    return 2 * packed_dim(head_dim) + (head_dim // group_size + head_dim // gv) * 2 * elem
 
 
 def clip(x: torch.Tensor, clip_min: torch.Tensor | None, clip_max: torch.Tensor | None) -> torch.Tensor:

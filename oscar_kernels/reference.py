@@ -36,11 +36,11 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
     slots/positions/rows/seq_ends: [T] integer tensors (rows = request row per token).
     Returns the rotated (unclipped) k', v' as float32 [T, H, D].
     """
-    group = layer.group_size
+    gk, gv = layer.key_group_size, layer.value_group_size
     sdt = layer.k_scales.dtype
     r = rotation
-    k_rot, k_packed, k_scales = quantise_rotated(k, r.k_rot, r.k_clip_min, r.k_clip_max, group, sdt)
-    v_rot, v_packed, v_scales = quantise_rotated(v, r.v_rot, r.v_clip_min, r.v_clip_max, group, sdt)
+    k_rot, k_packed, k_scales = quantise_rotated(k, r.k_rot, r.k_clip_min, r.k_clip_max, gk, sdt)
+    v_rot, v_packed, v_scales = quantise_rotated(v, r.v_rot, r.v_clip_min, r.v_clip_max, gv, sdt)
     slots, positions, rows = slots.long(), positions.long(), rows.long()
     s, w = layer.sink_tokens, layer.recent_window
     if write_int2:

@@ -129,7 +129,7 @@ def pair_views(layer):
 def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
     """Whether K codes unpack as float16 (HALF): asked for, magic unpacking, and one group
     per plane or wider (G >= D/4)."""
-    return enabled and magic_unpack and layer.group_size >= layer.head_dim // 4
+    return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
 
 
 def needs_int64_slots(layer) -> bool:

@@ -537,12 +537,12 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
-        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.group_size,
+        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.key_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=max_registers if lay.group_size >= d else None,
+        maxnreg=max_registers if lay.key_group_size >= d else None,
     )
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:

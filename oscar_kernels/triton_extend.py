@@ -244,7 +244,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
-        GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.group_size, S=lay.sink_tokens, W=lay.recent_window,
+        GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.key_group_size, S=lay.sink_tokens, W=lay.recent_window,
         BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
         USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
         HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), BF16_PREFIX=bf16_prefix, num_warps=cfg.num_warps,

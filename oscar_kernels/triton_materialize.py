@@ -142,7 +142,7 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
         layer.k_sink, layer.v_sink, layer.k_sink.stride(0), layer.k_sink.stride(1), layer.k_sink.stride(2),
         layer.k_ring, layer.v_ring, layer.k_ring.stride(0), layer.k_ring.stride(1), layer.k_ring.stride(2),
         k_out, v_out, k_out.stride(0), k_out.stride(1),
-        D=d, G=layer.group_size, S=layer.sink_tokens, W=layer.recent_window, BT=block_tokens, FP8=fp8,
+        D=d, G=layer.key_group_size, S=layer.sink_tokens, W=layer.recent_window, BT=block_tokens, FP8=fp8,
         SLOT64=needs_int64_slots(layer), num_warps=4,
     )
     return k_out[:total], v_out[:total]

@@ -159,7 +159,7 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
             raise ValueError(f"{name} must have shape ({t},), got {tuple(x.shape)}")
     if t == 0:
         return
-    g = layer.group_size
+    g = layer.key_group_size
     check_group_size(d, g)
     if d % 16 or d < 32:
         raise ValueError(f"head_dim {d} must be a multiple of 16 and >= 32 for the Triton kernels")

@@ -190,7 +190,7 @@ def another_layer(sc: Scenario, seed: int) -> Scenario:
     """The same requests in another layer of the model: its own random cache and rotation,
     the request table and sink index shared (one per server, read by every layer)."""
     lay = sc.layer
-    layer = allocate_layer(lay.k_packed.shape[0], lay.num_kv_heads, lay.head_dim, lay.group_size,
+    layer = allocate_layer(lay.k_packed.shape[0], lay.num_kv_heads, lay.head_dim, lay.key_group_size,
                            lay.sink_tokens, lay.recent_window, lay.k_sink.shape[0], lay.k_ring.shape[0],
                            lay.k_scales.dtype, device=sc.device)
     fill_random(layer, torch.Generator(device=sc.device).manual_seed(seed))
