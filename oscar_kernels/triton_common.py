@@ -128,11 +128,12 @@ def pair_views(layer):
 
 def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
     """Whether K codes unpack as float16 (HALF): asked for, magic unpacking, and one group
-    per plane or wider (G >= D/4)."""
+    per plane or wider (keys' G >= D/4)."""
     return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
 
 
 def needs_int64_slots(layer) -> bool:
     """True when a slot offset into the INT2 buffers may not fit in int32 (the kernels then
     compute slot offsets in int64)."""
-    return max(layer.k_packed.numel(), layer.k_scales.numel()) >= 2 ** 31
+    ks = layer.k_scales  # k/v_scales may be views of one tensor: bound by the slot stride
+    return max(layer.k_packed.numel(), ks.shape[0] * ks.stride(0)) >= 2 ** 31

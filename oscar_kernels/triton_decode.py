@@ -96,7 +96,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                    mid_o_ptr, mid_lse_ptr, qk_scale,
                    NS, MIN_CHUNK: tl.constexpr,
-                   GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr):
@@ -138,12 +138,12 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
-        qops, qsums = int2_query(q_vec, hmask, D, G, MAGIC, HALF)
-        st = int2_range(qops, qsums, int2_state(BH, D, G), lo, hi, r2t_ptr + row * r2t_stride,
+        qops, qsums = int2_query(q_vec, hmask, D, GK, MAGIC, HALF)
+        st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT,
+                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
                         INTERP, SLOT64, HALF)
-        outs, m_i, l_i = int2_finish(st, D, G, MAGIC)
+        outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
     store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
@@ -537,12 +537,12 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
-        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, G=lay.key_group_size,
+        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=max_registers if lay.key_group_size >= d else None,
+        maxnreg=max_registers if min(lay.key_group_size, lay.value_group_size) >= d else None,
     )
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
@@ -573,7 +573,8 @@ def int2_bytes_read(layer: HybridLayerCache, seq_lens: list[int], num_q_heads: i
     bf16 K/V of the sink and ring windows, req_to_token entries and q (for GBps figures)."""
     h, d = layer.num_kv_heads, layer.head_dim
     s, w = layer.sink_tokens, layer.recent_window
-    per_int2 = 2 * (layer.k_packed.shape[-1] + layer.k_scales[0, 0].numel() * layer.k_scales.element_size())
+    per_int2 = 2 * layer.k_packed.shape[-1] + (layer.k_scales[0, 0].numel() + layer.v_scales[0, 0].numel()) \
+        * layer.k_scales.element_size()
     total = 0
     for n in seq_lens:
         bf = min(n, s + w)

@@ -41,7 +41,7 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                    kpre_ptr, vpre_ptr, spre_t, spre_h, pre_off_ptr,
                    o_ptr, so_t, so_h, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
+                   GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
                    USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
                    HALF: tl.constexpr, BF16_PREFIX: tl.constexpr):
@@ -83,12 +83,12 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                                      pos_of_ptr, page_size, vf_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
-            qops, qsums = int2_query(q_vec, rmask, D, G, MAGIC, HALF)
-            st = int2_range(qops, qsums, int2_state(R, D, G), s_b, ring_lo, r2t_ptr + row * r2t_stride,
+            qops, qsums = int2_query(q_vec, rmask, D, GK, MAGIC, HALF)
+            st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo, r2t_ptr + row * r2t_stride,
                             kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                            kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP,
+                            kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
                             SLOT64, HALF)
-            outs, m2, l2 = int2_finish(st, D, G, MAGIC)
+            outs, m2, l2 = int2_finish(st, D, GV, MAGIC)
             store_pairs(o_vec, rmask, outs, D)
             # ---- phase 2: BF16 sinks, ring, then the new tokens causally
             q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
@@ -244,7 +244,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
-        GQ=gq, GQP=gqp, BM=bm, D=d, G=lay.key_group_size, S=lay.sink_tokens, W=lay.recent_window,
+        GQ=gq, GQP=gqp, BM=bm, D=d, GK=lay.key_group_size, GV=lay.value_group_size, S=lay.sink_tokens, W=lay.recent_window,
         BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
         USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
         HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), BF16_PREFIX=bf16_prefix, num_warps=cfg.num_warps,

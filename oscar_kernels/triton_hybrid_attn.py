@@ -4,7 +4,7 @@ All attention runs in the rotated space with base-2 online softmax: scores are
 ``s = (q' . k') * sm_scale * log2(e)`` and a running (max m, sum l) per query row.
 
 INT2 algebra (plane i = channels [i D/4, (i+1) D/4), packed in bits 2i..2i+1 of byte j):
-with one quantisation group per plane (G >= D/4) and k^_c = min + code_c * scale,
+with one quantisation group per plane (G >= D/4; keys and values each have their own G) and k^_c = min + code_c * scale,
     q'.k^_t            = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
     sum_t p_t v^_t |_i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
 so raw codes (exact in bf16) go straight into tensor-core dots; the planes of one group
@@ -233,7 +233,7 @@ def load_q_pair(q_vec, rmask, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr,
 @triton.jit
 def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
     """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e) and, per plane, the
-    float32 [R] column sums of its two operands (what the dots see)."""
+    float32 [R] column sums of its two operands (what the dots see). G: the keys' group size."""
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
     q00 = load_q_pair(q_vec, rmask, 0, 0, D, KP, G, MAGIC, HALF)
     q01 = load_q_pair(q_vec, rmask, 0, 1, D, KP, G, MAGIC, HALF)
@@ -251,10 +251,11 @@ def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constex
 
 
 @triton.jit
-def int2_state(R: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
-    """Zero state of int2_range: (m [R], l (16 x R), pm (per group 16 x R), wsum (per group
-    16 x R), acc (8 x [D/8, R])); the [16, R] tiles are summed over their rows at the end."""
-    NG: tl.constexpr = D // G if G >= D // 4 else 1
+def int2_state(R: tl.constexpr, D: tl.constexpr, GV: tl.constexpr):
+    """Zero state of int2_range: (m [R], l (16 x R), pm (per value group 16 x R), wsum (per
+    value group 16 x R), acc (8 x [D/8, R])); the [16, R] tiles are summed over their rows
+    at the end. GV: the values' group size."""
+    NG: tl.constexpr = D // GV if GV >= D // 4 else 1
     DH: tl.constexpr = D // 8
     zt = tl.zeros([16, R], tl.float32)
     za = tl.zeros([DH, R], tl.float32)
@@ -285,18 +286,21 @@ def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_D
 @triton.jit
 def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
-                MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                 SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 (positions >= hi masked when MASKED). Slot
     offsets in int32 unless SLOT64 (a buffer with 2^31 or more elements); K codes as
-    float16 when HALF (G >= D/4 with MAGIC only)."""
+    float16 when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    GRP: tl.constexpr = G >= DQ
-    NG: tl.constexpr = D // G if G >= D // 4 else 1
-    PG: tl.constexpr = 4 // NG  # planes per group
+    GRP_K: tl.constexpr = GK >= DQ
+    NG_K: tl.constexpr = D // GK if GK >= D // 4 else 1
+    PG_K: tl.constexpr = 4 // NG_K  # planes per key group
+    GRP_V: tl.constexpr = GV >= DQ
+    NG_V: tl.constexpr = D // GV if GV >= D // 4 else 1
+    PG_V: tl.constexpr = 4 // NG_V  # planes per value group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
     R: tl.constexpr = m_i.shape[0]
@@ -318,13 +322,13 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
     vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
     # ---- scores s^T [BN, R]
-    if GRP:
-        for g in tl.static_range(NG):
+    if GRP_K:
+        for g in tl.static_range(NG_K):
             d = c0[g]
-            for j in tl.static_range(PG):
-                ce, co = unpack_pair(kt, g * PG + j, MAGIC, INTERP, HALF)
-                d = mm(ce, qops[2 * (g * PG + j)], d, USE_DOT, INTERP)
-                d = mm(co, qops[2 * (g * PG + j) + 1], d, USE_DOT, INTERP)
+            for j in tl.static_range(PG_K):
+                ce, co = unpack_pair(kt, g * PG_K + j, MAGIC, INTERP, HALF)
+                d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
+                d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
             sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
             if g == 0:
                 s = d * (sc * qk_scale)[:, None] + (mn * qk_scale)[:, None] * qg[g][None, :]
@@ -337,9 +341,9 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
             chan = i * DQ + 2 * kp[None, :]
             km = (kp < DH)[None, :] if kmask is None else kmask
             ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[:, None], km, ksc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, G, OFF)
+                                 ssc_g, ssc_s, GK, OFF)
             co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[:, None], km, ksc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, G, OFF)
+                                 ssc_g, ssc_s, GK, OFF)
             s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
             s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
         s = s * qk_scale
@@ -353,15 +357,15 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     l_t = l_t * alpha[None, :] + fold16(p)
     # ---- values: fresh dots per block, added to the running accumulators
     zero = qk_scale * 0.0
-    if GRP:
+    if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
-        for g in tl.static_range(NG):
+        for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
             w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], zero, USE_DOT, INTERP))
-            for j in tl.static_range(PG):
-                acc = _v_pair(acc, vt, w, alpha, zero, g * PG + j, MAGIC, USE_DOT, INTERP)
+            for j in tl.static_range(PG_V):
+                acc = _v_pair(acc, vt, w, alpha, zero, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -369,9 +373,9 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
             ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
             chan = i * DQ + 2 * dh[:, None]
             ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[None, :], vm, vsc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, G, OFF)
+                                 ssc_g, ssc_s, GV, OFF)
             co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, G, OFF)
+                                 ssc_g, ssc_s, GV, OFF)
             acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
             acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
     return m_new, l_t, pm, wsum, acc
@@ -380,7 +384,7 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
 @triton.jit
 def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
-               BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAIR: tl.constexpr,
+               BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
                HALF: tl.constexpr):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
@@ -389,14 +393,15 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     qops / qsums: int2_query. State st (int2_state): running max m [R]; l (sum of p) and
     per group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)) as [16, R] tiles
     summed over rows at the end; acc: 8 tiles [D/8, R], (plane i, parity e) at 2 i + e,
-    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when G < D/4). kpk/vpk: the packed
+    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). kpk/vpk: the packed
     codes as int16 (strides spk_s, hoff_pk in int16 units); ksc/vsc (element strides
     ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
-    hoff_gs) per group as in group_scales."""
-    NG: tl.constexpr = D // G if G >= D // 4 else 1
-    PG: tl.constexpr = 4 // NG  # planes per group
+    hoff_gs) per group as in group_scales. GK / GV: the keys' / values' group size (K and
+    V scales share strides: allocate_layer keeps them in one tensor)."""
+    NG: tl.constexpr = D // GK if GK >= D // 4 else 1
+    PG: tl.constexpr = 4 // NG  # planes per key group
     R: tl.constexpr = st[0].shape[0]
-    # per group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
+    # per key group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
     c0 = ()
     qg = ()
     for g in tl.static_range(NG):
@@ -411,19 +416,20 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     for p0 in range(lo, hi_full, BN):
         st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, G, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
-    i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l."""
-    NG: tl.constexpr = D // G if G >= D // 4 else 1
+    i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
+    GV: the values' group size."""
+    NG: tl.constexpr = D // GV if GV >= D // 4 else 1
     PG: tl.constexpr = 4 // NG
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
@@ -433,7 +439,7 @@ def int2_finish(st, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr):
     for i in tl.static_range(4):
         for e in tl.static_range(2):
             a = acc[2 * i + e]
-            if G >= D // 4:
+            if GV >= D // 4:
                 a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
                      + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)

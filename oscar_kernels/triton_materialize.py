@@ -11,7 +11,7 @@ t < n, KV head h:
                          = min_g + code_t,c * scale_g  (bf16)      S_b <= t < ring_lo
                          = ring[row_b, t mod W, h, :]              ring_lo <= t < n
 
-with off_b = sum_{b' < b} L_b', code and (scale, min) of group g = c // G of the slot
+with off_b = sum_{b' < b} L_b', code and (scale, min) of group g = c // G of the slot (G = G_K for keys, G_V for values)
 req_to_token[row_b, t] (int2 module doc: plane i of byte j holds channel i*D/4 + j).
 The PyTorch twin is reference.reference_materialize_prefix (reference.hybrid_kv per request).
 """
@@ -62,8 +62,8 @@ def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr
                         ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                         kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                         kout_ptr, vout_ptr, so_t, so_h,
-                        D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                        BT: tl.constexpr, FP8: tl.constexpr, SLOT64: tl.constexpr):
+                        D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
+                        W: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr, SLOT64: tl.constexpr):
     """Grid (cdiv(max prefix, BT), B, H): positions [BT * pid0, BT * (pid0 + 1)) of request
     b's prefix, KV head h (module doc)."""
     b = tl.program_id(1).to(tl.int64)
@@ -81,9 +81,9 @@ def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr
         if SLOT64:
             slot = slot.to(tl.int64)
         _dequant_rows(kpk_ptr, ksc_ptr, slot, h * s_pk_h, h * s_sc_h, s_pk, s_sc, s_grp, in_int2,
-                      kout_ptr, dst, D, G, FP8)
+                      kout_ptr, dst, D, GK, FP8)
         _dequant_rows(vpk_ptr, vsc_ptr, slot, h * s_pk_h, h * s_sc_h, s_pk, s_sc, s_grp, in_int2,
-                      vout_ptr, dst, D, G, FP8)
+                      vout_ptr, dst, D, GV, FP8)
         if S > 0:  # BF16 sinks
             in_sink = valid & (t < s_b)
             src = tl.maximum(c, 0) * ssk_c + t.to(tl.int64) * ssk_p + h * ssk_h
@@ -142,7 +142,7 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
         layer.k_sink, layer.v_sink, layer.k_sink.stride(0), layer.k_sink.stride(1), layer.k_sink.stride(2),
         layer.k_ring, layer.v_ring, layer.k_ring.stride(0), layer.k_ring.stride(1), layer.k_ring.stride(2),
         k_out, v_out, k_out.stride(0), k_out.stride(1),
-        D=d, G=layer.key_group_size, S=layer.sink_tokens, W=layer.recent_window, BT=block_tokens, FP8=fp8,
+        D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window, BT=block_tokens, FP8=fp8,
         SLOT64=needs_int64_slots(layer), num_warps=4,
     )
     return k_out[:total], v_out[:total]

@@ -4,7 +4,7 @@ cache, and write their BF16 sink / ring copies, in one launch (no host sync).
 For each new token t (position p, request row r, slot s) and KV head h, for X in {K, V}:
     x'   = x_t @ R_X[h]                       (float32; rotated, unclipped)
     x_c  = clamp(x', clip_min_X[h], clip_max_X[h])
-    per group g of G channels: lo = min x_c, scale = (max x_c - lo) / 3, both cast to the
+    per group g of G channels (G = G_K for K, G_V for V): lo = min x_c, scale = (max x_c - lo) / 3, both cast to the
     scale dtype, code = clamp(floor((x_c - lo) / scale + 1/2), 0, 3)  (0 when scale == 0)
     packed[s, h, j] = sum_i code[i*D/4 + j] << 2i          (plane-major, see int2.py)
     scales[s, h, g] = (scale, lo)
@@ -99,7 +99,7 @@ def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                   ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                   kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
                   kout_ptr, vout_ptr, so_t, so_h,
-                  D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                  D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
                   WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
                   PRECISION: tl.constexpr, KV_PROGRAMS: tl.constexpr):
@@ -123,13 +123,13 @@ def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                    ksc_ptr, ssc_s, ssc_h, ssc_g, ksink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, srg_r, srg_c, srg_h, kout_ptr, so_t, so_h,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
+                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
     if kv == KV_PROGRAMS - 1:
         _store_one(v_ptr, sv_t, sv_h, vrot_ptr, vcmin_ptr, vcmax_ptr, vpk_ptr, spk_s, spk_h,
                    vsc_ptr, ssc_s, ssc_h, ssc_g, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    vring_ptr, srg_r, srg_c, srg_h, vout_ptr, so_t, so_h,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, G, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
+                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
 
 
 def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
@@ -159,8 +159,9 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
             raise ValueError(f"{name} must have shape ({t},), got {tuple(x.shape)}")
     if t == 0:
         return
-    g = layer.key_group_size
-    check_group_size(d, g)
+    gk, gv = layer.key_group_size, layer.value_group_size
+    check_group_size(d, gk)
+    check_group_size(d, gv)
     if d % 16 or d < 32:
         raise ValueError(f"head_dim {d} must be a multiple of 16 and >= 32 for the Triton kernels")
     for name, x in (("k", k), ("v", v), ("req_to_token", req_to_token)):
@@ -188,7 +189,7 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         ko, vo, ko.stride(0), ko.stride(1),
-        D=d, G=g, S=lay.sink_tokens, W=lay.recent_window, BLOCK_T=block_t, KB=min(k_block, d),
+        D=d, GK=gk, GV=gv, S=lay.sink_tokens, W=lay.recent_window, BLOCK_T=block_t, KB=min(k_block, d),
         SCALE_DTYPE=SCALE_TL_DTYPES[lay.k_scales.dtype],
         WRITE_INT2=bool(write_int2), WRITE_RING=bool(write_ring), WRITE_ROT=rotated_out is not None,
         PRECISION=precision or "tf32x3", KV_PROGRAMS=kv_programs, num_warps=num_warps,

@@ -52,8 +52,8 @@ def random_rotation(h: int, d: int, generator: torch.Generator, clip: bool = Tru
 
 def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, seed=0,
           device="cpu", valid_from=None, evict_sink_of=(), no_sink=(), fill=True,
-          scale_dtype=torch.float16, extra_rows=2) -> Scenario:
-    """lens: cached length per request. valid_from: per-request ring_valid_from (default 0).
+          scale_dtype=torch.float16, extra_rows=2, GV=None) -> Scenario:
+    """lens: cached length per request. G: the keys' group size, GV the values' (default G). valid_from: per-request ring_valid_from (default 0).
     evict_sink_of: requests whose sink slot is re-assigned to another page (read as INT2).
     no_sink: requests that never get a sink slot. fill: write random K/V for every cached
     position through the reference store (seq_end = len)."""
@@ -64,7 +64,7 @@ def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, see
     num_pages = sum(pages_per_req) + 2
     num_slots = num_pages * page
     num_rows = b + extra_rows
-    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, num_rows, scale_dtype)
+    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, num_rows, scale_dtype, value_group_size=GV)
     index = allocate_index(num_slots, page, sink_slots, num_rows)
     rotation = random_rotation(H, D, g)
     perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # page 0 unused
@@ -143,7 +143,7 @@ def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache, max_frac
 
 
 def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=None, device="cuda",
-                 seed=0, valid_from=None, scale_dtype=torch.float16) -> Scenario:
+                 seed=0, valid_from=None, scale_dtype=torch.float16, GV=None) -> Scenario:
     """Large scenario filled with random INT2 codes/scales and BF16 sinks/rings directly on
     ``device`` (no store pass: for long-context GPU tests and benchmarks). Every request
     owns whole pages (permuted) and a sink slot."""
@@ -153,7 +153,8 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
     num_pages = sum(pages_per_req) + 1
     num_slots = num_pages * page
     sink_slots = sink_slots or max(b, 1)
-    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, scale_dtype, device=device)
+    layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, scale_dtype, device=device,
+                           value_group_size=GV)
     index = allocate_index(num_slots, page, sink_slots, b + 1, device=device)
     fill_random(layer, g)
     perm = torch.randperm(num_pages - 1, generator=g, device=device) + 1
@@ -192,7 +193,7 @@ def another_layer(sc: Scenario, seed: int) -> Scenario:
     lay = sc.layer
     layer = allocate_layer(lay.k_packed.shape[0], lay.num_kv_heads, lay.head_dim, lay.key_group_size,
                            lay.sink_tokens, lay.recent_window, lay.k_sink.shape[0], lay.k_ring.shape[0],
-                           lay.k_scales.dtype, device=sc.device)
+                           lay.k_scales.dtype, device=sc.device, value_group_size=lay.value_group_size)
     fill_random(layer, torch.Generator(device=sc.device).manual_seed(seed))
     rotation = random_rotation(lay.num_kv_heads, lay.head_dim, torch.Generator().manual_seed(seed)).to(sc.device)
     return Scenario(layer, sc.index, rotation, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)

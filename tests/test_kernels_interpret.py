@@ -119,6 +119,31 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
                     triton_extend_mod.ExtendConfig(**_SMALL_EXT))
 
 
+@pytest.mark.parametrize("gk,gv,dt", [
+    (16, 64, torch.float8_e4m3fn),  # keys a group per plane, values one group (the split layout)
+    (64, 16, torch.float16),  # the other way round
+    (8, 64, torch.float16),  # keys dequantised per channel (G < D/4), values grouped
+])
+def test_split_group_sizes_store_decode_extend_materialize_match_reference(gk, gv, dt):
+    """Keys and values at their own group sizes (one scales tensor, two views)."""
+    kw = dict(H=2, D=64, G=gk, GV=gv, S=4, W=8, page=8, scale_dtype=dt)
+    sc = kc.build([21, 9, 5], fill=False, seed=4, **kw)
+    assert (sc.layer.key_group_size, sc.layer.value_group_size) == (gk, gv)
+    kc.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
+    sc = kc.build([1, 13, 77], seed=5, **kw)
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
+    sc = kc.build([0, 13, 40], seed=6, **kw)
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend,
+                    triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+    lens = [0, 13, 40]
+    pre = torch.tensor(lens, dtype=torch.int32)
+    want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
+    got = triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
+                                                           lens, block_tokens=16)
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g.float(), w_.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_kernels_refuse_other_scale_dtypes():
     sc = kc.build([9, 20], H=2, D=64, G=16, S=4, W=8, page=8, seed=3, scale_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="scales, not torch.float8_e5m2"):
