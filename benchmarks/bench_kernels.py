@@ -16,6 +16,8 @@ variants (register cap, block sizes, stages, split policy, key precision, warps)
 group sizes 32 / 64 on four key cases, then the variants on the other eight, until
 ``--budget-s`` (seconds since start; later items are recorded as skipped). ``--breakdown``
 times the decode with each of its kernels left out on the key cases (where the time goes).
+``--group-size / --value-group-size / --scale-dtype`` set the table's and breakdown's INT2
+layout (default: group 128 for both, float16 scales; the sweep keeps its own groups).
 
     python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
@@ -26,6 +28,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ import triton.testing  # noqa: E402
 
 import kernel_cases as kc  # noqa: E402
 from oscar_kernels import api  # noqa: E402
+from oscar_kernels.int2 import SCALE_DTYPES  # noqa: E402
 from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode  # noqa: E402
 
 HQ, H, D = 32, 8, 128
@@ -235,12 +239,26 @@ def l2_bytes() -> int:
     return int(torch.cuda.get_device_properties(0).L2_cache_size)
 
 
-def cold_copies(b: int, n: int, l2: int, group: int = GROUP, scale_dtype=torch.float16, device="cuda"):
+@dataclass(frozen=True)
+class Layout:
+    """The INT2 layout of a table run: keys' and values' group sizes, one scale dtype."""
+
+    key_group: int = GROUP
+    value_group: int = GROUP
+    scale_dtype: str = "float16"
+
+    def describe(self) -> dict:
+        return {"group_size": self.key_group, "value_group_size": self.value_group, "scale_dtype": self.scale_dtype}
+
+
+def cold_copies(b: int, n: int, l2: int, group: int = GROUP, scale_dtype=torch.float16, device="cuda",
+                value_group: int | None = None):
     """One case as the layers of a model: separately allocated caches and rotations (random
     data, one seed each) over one shared request table and sink index, as many layers as
-    copies_for the bytes decode reads from one of them (int2_bytes_read)."""
+    copies_for the bytes decode reads from one of them (int2_bytes_read). ``group`` is the
+    keys' group size, ``value_group`` the values' (default: the same)."""
     first = kc.build_random([n] * b, H=H, D=D, G=group, S=S, W=W, page=PAGE, seed=b + n,
-                            scale_dtype=scale_dtype, device=device)
+                            scale_dtype=scale_dtype, device=device, GV=value_group)
     copies = copies_for(int2_bytes_read(first.layer, first.lens, HQ), l2)
     return [first] + [kc.another_layer(first, b + n + 7919 * j) for j in range(1, copies)]
 
@@ -420,11 +438,15 @@ def breakdown_record(name, kwargs, scs, q, b, n):
     return rec
 
 
-def run_breakdown(result: dict, out: Path, cases) -> None:
+def layout_copies(b: int, n: int, l2: int, layout: Layout):
+    return cold_copies(b, n, l2, layout.key_group, SCALE_DTYPES[layout.scale_dtype], value_group=layout.value_group)
+
+
+def run_breakdown(result: dict, out: Path, cases, layout: Layout) -> None:
     """Leave-one-kernel-out timings of the default decode and the kv_head merge on the
     key cases (assert nothing about them: they are for reading)."""
     for b, n in [c for c in KEY_CASES if c in cases]:
-        scs = cold_copies(b, n, l2_bytes())
+        scs = layout_copies(b, n, l2_bytes(), layout)
         q = kc.random_q(scs[0], HQ)
         for name, kwargs in (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head"))):
             result["breakdown"].append(breakdown_record(name, kwargs, scs, q, b, n))
@@ -495,12 +517,17 @@ def main(argv=None):
                     help="also time the decode with each kernel left out, on the key cases")
     ap.add_argument("--cases", type=parse_cases, default=None, metavar="BxN,...",
                     help="only these batch x context cases of the table (e.g. 8x65536; default: all)")
+    ap.add_argument("--group-size", type=int, default=GROUP, help="keys' INT2 group size of the table")
+    ap.add_argument("--value-group-size", type=int, default=None,
+                    help="values' INT2 group size of the table (default: --group-size)")
+    ap.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), default="float16")
     args = ap.parse_args(argv)
+    layout = Layout(args.group_size, args.value_group_size or args.group_size, args.scale_dtype)
     out = Path(args.out)
     dev = torch.cuda.get_device_properties(0)
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
               "triton": triton.__version__, "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D,
-                                                      "group_size": GROUP, "sink_tokens": S,
+                                                      **layout.describe(), "sink_tokens": S,
                                                       "recent_window": W, "page_size": PAGE},
               "timing": "CUDA-graph replay mean (triton.testing.do_bench_cudagraph); random data; cold L2: "
                         f"a case under {COLD_L2_FACTOR} x L2 is timed as *_copies layers in turn (each its "
@@ -539,7 +566,7 @@ def main(argv=None):
     try:
         for b, n in cases:
             log(f"case batch={b} context={n}")
-            scs = cold_copies(b, n, l2)
+            scs = layout_copies(b, n, l2, layout)
             sc = scs[0]
             q = kc.random_q(sc, HQ)
             rec = {"batch": b, "context": n, "q_heads": HQ, "kv_heads": H, "head_dim": D, "oscar_copies": len(scs)}
@@ -589,7 +616,7 @@ def main(argv=None):
             del pool
             torch.cuda.empty_cache()
         if args.breakdown:
-            run_breakdown(result, out, cases)
+            run_breakdown(result, out, cases, layout)
         if args.sweep:
             run_sweep(result, out, cases, args.budget_s)
             plot_sweep(result, out.with_name(out.stem + "_sweep.png"))

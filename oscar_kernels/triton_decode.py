@@ -283,9 +283,11 @@ class DecodeConfig:
     # (kernels_h200.json, round 4, same run): 168 vs the previous 136 is 0.77-0.85 x the
     # time at batch 8 (4k-128k), 0.97-0.99 x at batch 64, within +-0.7% at batch 1; 128
     # spills in the loop (1.6 x slower at b64 128k). Smaller groups keep a dot chain,
-    # weights and min sums per group and run uncapped (the cap would spill in the loop).
-    # None: uncapped; 0: by block_n, REGISTER_CAP at block_n <= 64, uncapped above (128 tokens
-    # per step need the registers). Timed (session 6 sweep, one run, warm L2): block_n 128 uncapped vs 64
+    # weights and min sums per group: the automatic cap is lifted for them (the cap would
+    # spill in the loop), and the split count follows the programs that then fit.
+    # None: uncapped; 0: by block_n and groups, REGISTER_CAP at block_n <= 64 when K and V
+    # groups span the head, uncapped otherwise (128 tokens per step need the registers);
+    # an explicit number applies to every layout. Timed (session 6 sweep, one run, warm L2): block_n 128 uncapped vs 64
     # capped = 31.4 / 33.5 us at batch 1 (64k), 50.7 / 59.7 at batch 1 (128k), 51.2 / 52.5 at
     # batch 2 and 83.5 / 91.8 at batch 4 (64k), but 294.1 / 289.5 at batch 16 and 162.5 / 152.0
     # at batch 8 (64k): hence the small-batch shape up to batch 4.
@@ -337,22 +339,24 @@ class DecodeConfig:
             return self.merge_partials_per_step
         return 64 if merge_grid == "query_head" else 4
 
-    def stage1_shape_for(self, batch: int) -> tuple[int, int | None]:
-        """(block_n, max_registers) stage 1 runs for a batch of ``batch`` requests (0s resolved)."""
+    def stage1_shape_for(self, batch: int, groups_span_head: bool = True) -> tuple[int, int | None]:
+        """(block_n, max_registers) stage 1 runs for a batch of ``batch`` requests (0s resolved).
+        ``groups_span_head``: both K and V have one INT2 group per head (G = D); smaller groups
+        keep per-group dot chains and sums, so the automatic cap (0) is lifted for them."""
         block_n = self.block_n or (SMALL_BATCH_BLOCK_N if batch <= self.small_batch_max else BLOCK_N)
         regs = self.max_registers
         if regs == 0:
-            regs = REGISTER_CAP if block_n <= BLOCK_N else None
+            regs = REGISTER_CAP if block_n <= BLOCK_N and groups_span_head else None
         return block_n, regs
 
-    def resident_per_sm(self, batch: int) -> int:
+    def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
         an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
-        regs = -(-(self.stage1_shape_for(batch)[1] or 232) // 8) * 8
+        regs = -(-(self.stage1_shape_for(batch, groups_span_head)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
-    def splits_for(self, batch: int, num_kv_heads: int, device) -> int:
-        target = self.target_programs or _default_target(device, self, batch)
+    def splits_for(self, batch: int, num_kv_heads: int, device, groups_span_head: bool = True) -> int:
+        target = self.target_programs or _default_target(device, self, batch, groups_span_head)
         return max(1, min(self.max_splits, target // max(1, batch * num_kv_heads)))
 
 
@@ -385,11 +389,11 @@ SMALL_BATCH_BLOCK_N = 128  # ... and up to it: fewer, longer steps where program
 REGISTER_CAP = 168  # stage 1's maxnreg at block_n <= BLOCK_N (DecodeConfig.max_registers)
 
 
-def _default_target(device, cfg: DecodeConfig, batch: int) -> int:
+def _default_target(device, cfg: DecodeConfig, batch: int, groups_span_head: bool = True) -> int:
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return cfg.resident_per_sm(batch) * _sm_count(index)
+        return cfg.resident_per_sm(batch, groups_span_head) * _sm_count(index)
     return 16
 
 
@@ -419,14 +423,15 @@ class DecodeWorkspace:
         split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
         self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
-    def views(self, batch: int, config: DecodeConfig | None = None):
+    def views(self, batch: int, config: DecodeConfig | None = None, groups_span_head: bool = True):
         """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
-        another ``config`` may only lower NS below what the workspace was sized for."""
+        another ``config`` may only lower NS below what the workspace was sized for (as may
+        groups smaller than the head: fewer resident programs, DecodeConfig.stage1_shape_for)."""
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
-        ns = self.config.splits_for(batch, self.num_kv_heads, self.device)
+        ns = self.config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
         if config is not None:
-            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device))
+            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head))
         hq, d = self.num_q_heads, self.head_dim
         q_rot = self.q_rot[:batch * hq * d].view(batch, hq, d)
         mid_o = self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d)
@@ -521,11 +526,12 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         return out
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
-    ns, q_rot, mid_o, mid_lse = workspace.views(b, config)
+    spans = min(layer.key_group_size, layer.value_group_size) >= d
+    ns, q_rot, mid_o, mid_lse = workspace.views(b, config, spans)
     rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block)
     lay = layer
     bh = _block_h(gq, cfg)
-    block_n, max_registers = cfg.stage1_shape_for(b)
+    block_n, max_registers = cfg.stage1_shape_for(b, spans)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     _decode_stage1[(b, h, ns + 1)](
@@ -542,7 +548,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=max_registers if min(lay.key_group_size, lay.value_group_size) >= d else None,
+        maxnreg=max_registers,
     )
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:

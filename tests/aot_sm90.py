@@ -153,6 +153,8 @@ CASES = {
                       dict(magic_unpack=False), 32),
     "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
+    "k32_v128_float8_scales": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
+                               {}, {}, 32),
     "g128_whole_row_rotation": (dict(D=128, G=128, S=16, W=64, page=64),
                                 dict(rotate_out_block=0, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
     "g128_kv_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="kv_head"), {}, 32),

@@ -218,6 +218,10 @@ def test_stage1_shape_follows_the_batch():
     assert td.DecodeConfig(block_n=32).stage1_shape_for(1) == (32, 168)
     assert td.DecodeConfig(max_registers=None).stage1_shape_for(64) == (64, None)
     assert td.DecodeConfig(small_batch_max=0).stage1_shape_for(1) == (64, 168)
+    # groups smaller than the head (e.g. keys at 32): no automatic cap, fewer programs per SM
+    assert cfg.stage1_shape_for(64, groups_span_head=False) == (64, None)
+    assert cfg.resident_per_sm(64, groups_span_head=False) == 8
+    assert td.DecodeConfig(max_registers=168).stage1_shape_for(64, groups_span_head=False) == (64, 168)
     sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)
     small = dict(block_n_bf16=16, min_chunk=16, target_programs=8, max_splits=4)
     for small_batch_max in (2, 1):  # batch 2: block_n 128, then 64
