@@ -5,10 +5,12 @@ One server per KV dtype, identical arguments except ``--kv-cache-dtype``
 (``--mem-fraction-static 0.88 --page-size 64 --load-format dummy``); the figure is the one
 the server reports in ``/server_info`` (else the scheduler's ``max_total_num_tokens=`` log
 line). The oscar server needs a rotations file for the shape: a data-free ``hadamard``
-file is written for it (capacity depends on the file's shape and group size only, not on
-its values; calibration needs real weights).
+file is written for it (capacity depends on the file's shape, group sizes and scale dtype
+only, not on its values; calibration needs real weights).
 
     python benchmarks/capacity.py            # .device/shapes/qwen3-8b-shape on the GPU machine
+    python benchmarks/capacity.py --dtypes oscar_int2 --group-size 32 --value-group-size 128 \
+        --scale-dtype float8_e4m3fn          # keys G=32, values G=128, float8 scales
 
 writes benchmarks/results/capacity_qwen3-8b-shape.json
 ({"bf16": n, "fp8_e4m3": n, "oscar_int2": n, "meta": {...}}) after every server, and the
@@ -28,6 +30,7 @@ sys.path.insert(0, HERE)
 from server_harness import ROOT, Server, log, run_script, save_json  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")  # calibration.rotations_file's
 
 
 def default_shape(name: str = "qwen3-8b-shape") -> str:
@@ -38,8 +41,19 @@ def default_shape(name: str = "qwen3-8b-shape") -> str:
     return os.path.join(ROOT, ".device", "shapes", name)
 
 
-def write_shape_rotations(model_dir: str, out: str, group_size: int) -> str:
-    """A data-free hadamard rotations file for the model's attention shape."""
+def shape_rotations_name(model_name: str, group_size: int, value_group_size: int | None = None,
+                         scale_dtype: str = "float16") -> str:
+    """File name of the data-free hadamard file: ``<model>.hadamard.g<G>[.v<G_V>][.<dtype>].safetensors``
+    (today's name when values share the keys' group size and scales are float16)."""
+    vg = "" if value_group_size in (None, group_size) else f".v{value_group_size}"
+    sd = "" if scale_dtype == "float16" else f".{scale_dtype}"
+    return f"{model_name}.hadamard.g{group_size}{vg}{sd}.safetensors"
+
+
+def write_shape_rotations(model_dir: str, out: str, group_size: int, value_group_size: int | None = None,
+                          scale_dtype: str = "float16") -> str:
+    """A data-free hadamard rotations file for the model's attention shape (keys in groups of
+    ``group_size``, values of ``value_group_size``, default the same; ``scale_dtype`` scales)."""
     from calibration.fidelity.baseline_rotations import baseline_rotations
     from calibration.model_shape import ModelShape
     from calibration.rotations_file import save_rotations
@@ -48,8 +62,21 @@ def write_shape_rotations(model_dir: str, out: str, group_size: int) -> str:
         shape = ModelShape.from_hf_config(json.load(f))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_rotations(out, baseline_rotations(shape, os.path.basename(os.path.normpath(model_dir)),
-                                           "hadamard", group_size))
+                                           "hadamard", group_size, value_group_size, scale_dtype))
     return out
+
+
+def rotations_meta(args) -> dict:
+    """What the results record of the oscar file's layout: the generated file's group sizes
+    and scale dtype, or those read from --rotations."""
+    if args.rotations is None:
+        return {"group_size": args.group_size,
+                "value_group_size": args.value_group_size or args.group_size,
+                "scale_dtype": args.scale_dtype}
+    from calibration.rotations_file import load_rotations
+
+    m = load_rotations(args.rotations).meta
+    return {"group_size": m.group_size, "value_group_size": m.value_group_size, "scale_dtype": m.scale_dtype}
 
 
 def main(argv=None) -> int:
@@ -60,7 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"subset of {','.join(DTYPES)}")
     ap.add_argument("--rotations", default=None,
                     help="rotations file for oscar_int2 (default: write a hadamard one for the shape)")
-    ap.add_argument("--group-size", type=int, default=128, help="group size of the generated file")
+    ap.add_argument("--group-size", type=int, default=128, help="keys' group size of the generated file")
+    ap.add_argument("--value-group-size", type=int, default=None,
+                    help="values' group size of the generated file (default: --group-size)")
+    ap.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES,
+                    help="scale dtype of the generated file (keys and values)")
     ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
     ap.add_argument("--baseline-backend", default="triton", help="attention backend of bf16/fp8 runs")
     ap.add_argument("--out", default=None)
@@ -79,14 +110,16 @@ def main(argv=None) -> int:
 
         rotations = write_shape_rotations(
             args.model, os.path.join(tempfile.gettempdir(), "oscar-capacity",
-                                     f"{name}.hadamard.g{args.group_size}.safetensors"), args.group_size)
+                                     shape_rotations_name(name, args.group_size, args.value_group_size,
+                                                          args.scale_dtype)),
+            args.group_size, args.value_group_size, args.scale_dtype)
         log(f"wrote the data-free hadamard rotations {rotations}")
     common = ["--model-path", args.model, "--load-format", "dummy",
               "--mem-fraction-static", str(args.mem_fraction_static), "--page-size", str(args.page_size),
               *shlex.split(args.server_args)]
     result = {"meta": {"model": name, "mem_fraction_static": args.mem_fraction_static,
                        "page_size": args.page_size, "server_args": common, "rotations": rotations,
-                       "group_size": args.group_size if args.rotations is None else "from --rotations",
+                       **rotations_meta(args),
                        "source": {}, "startup_s": {}}}
     try:
         import torch

@@ -257,13 +257,19 @@ def _int2_parts_caption(st: dict) -> str:
             f"{FAKE_INT2}{values}.")
 
 
+def _groups_caption(st: dict) -> str:
+    """``G=..`` of a fidelity file's settings; keys' and values' when the files give them apart."""
+    g, gv = st.get("group_size"), st.get("value_group_size", st.get("group_size"))
+    return f"G={g}" if gv == g else f"G={g} (keys) / {gv} (values)"
+
+
 @per_results_file("fidelity_*.json", "oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU",
                   keep=lambda f: "sweep" not in f and "ablation" not in f)
 def render_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
     parts.append(f"`oscar-eval` (HF transformers, KV simulated with oscar_kernels' reference numerics), "
-                 f"S={st.get('sink')}, W={st.get('recent')}, G={st.get('group_size')}, chunk {st.get('chunk')}; "
+                 f"S={st.get('sink')}, W={st.get('recent')}, {_groups_caption(st)}, chunk {st.get('chunk')}; "
                  f"{_ppl_passkey_caption(st)}; {st.get('device')}. Source: `{_rel(path)}`.")
     calib = {name: r.get("recipe_detail", {}) for name, r in st.get("rotations", {}).items()}
     if len({(c.get("tokens"), c.get("seq_len")) for c in calib.values()}) > 1:  # methods differ in calibration

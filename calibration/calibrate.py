@@ -47,7 +47,8 @@ class CalibrationConfig:
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
-    group_size: int | None = None  # None: min(128, head_dim)
+    group_size: int | None = None  # keys' INT2 group; None: min(128, head_dim)
+    value_group_size: int | None = None  # values' INT2 group; None: same as group_size
     scale_dtype: str = "float16"
     data: list[str] = field(default_factory=list)  # empty: the Python stdlib source
     tokens: int | None = None  # None: DEFAULT_TOKENS of the device
@@ -162,7 +163,7 @@ def rotations_for(cfg: CalibrationConfig, shape: ModelShape, stats: AttentionSta
         return [(hadamard_rotation(h, d), hadamard_rotation(h, d)) for _ in range(n)]
     _, u_k = sorted_eigh(stats.c_q())
     _, u_v = sorted_eigh(stats.c_s())
-    return [(compose(u_k[l], cfg.variant, cfg.group_size), compose(u_v[l], cfg.variant, cfg.group_size))
+    return [(compose(u_k[l], cfg.variant, cfg.group_size), compose(u_v[l], cfg.variant, cfg.value_group_size))
             for l in range(n)]
 
 
@@ -176,10 +177,16 @@ def hadamard_span(cfg: CalibrationConfig) -> str:
 
 
 def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
-    """``cfg`` with the group size resolved (default min(128, head_dim)) and checked."""
+    """``cfg`` with the group sizes resolved (keys: default min(128, head_dim); values:
+    default the keys') and checked."""
     g = cfg.group_size if cfg.group_size is not None else min(DEFAULT_GROUP_SIZE, shape.head_dim)
+    gv = cfg.value_group_size if cfg.value_group_size is not None else g
     check_group_size(shape.head_dim, g)
-    return replace(cfg, group_size=g)
+    try:
+        check_group_size(shape.head_dim, gv)
+    except ValueError as e:
+        raise ValueError(f"value {e}") from None
+    return replace(cfg, group_size=g, value_group_size=gv)
 
 
 def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
@@ -200,17 +207,17 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
             sample = None
         else:
             sample = {"k": stats.k_res[l].sample(), "v": stats.v_res[l].sample()}
-        for x, r in (("k", r_k), ("v", r_v)):
+        for x, r, g in (("k", r_k, cfg.group_size), ("v", r_v, cfg.value_group_size)):
             if sample is None:
                 lo, hi, det = search_clip(torch.empty(0, shape.num_kv_heads, shape.head_dim), "none",
-                                          cfg.group_size, scale_dtype)
+                                          g, scale_dtype)
             else:
                 xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r).float().to(search_device)
                 w = None
                 if cfg.clip_objective == "attn":
                     m = c_q[l] if x == "k" else value_metric[l]
                     w = (r.transpose(-1, -2) @ m @ r).to(search_device)
-                lo, hi, det = search_clip(xr, cfg.clip, cfg.group_size, scale_dtype, weight=w)
+                lo, hi, det = search_clip(xr, cfg.clip, g, scale_dtype, weight=w)
                 lo, hi = lo.cpu(), hi.cpu()
             clips += [lo, hi]
             clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
@@ -234,6 +241,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
         "clip_skip_first": None if cfg.clip == "none" else cfg.skip_first,
         "clip_search": clip_detail if cfg.clip != "none" else None,
         "group_size": cfg.group_size,
+        "value_group_size": cfg.value_group_size,
         "scale_dtype": cfg.scale_dtype,
         "seed": cfg.seed,
         "tokens": stats.tokens[0] if stats is not None else 0,
@@ -248,7 +256,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     meta = make_meta(shape, model_name, cfg.group_size, cfg.recipe, recipe_detail=detail,
                      calib_data=text_sources.describe(cfg.data) if stats is not None else "none",
                      calib_tokens=stats.tokens[0] if stats is not None else 0,
-                     scale_dtype=cfg.scale_dtype)
+                     scale_dtype=cfg.scale_dtype, value_group_size=cfg.value_group_size)
     return Rotations(meta, layers)
 
 

@@ -2,7 +2,8 @@
 
     oscar-calibrate --model DIR --out FILE [--recipe oscar|hadamard|naive] [--variant V]
                     [--data PATH ...] [--tokens N] [--seq-len 2048] [--batch-size 1]
-                    [--group-size 128] [--scale-dtype float16] [--clip none|layer|head|channel]
+                    [--group-size 128] [--value-group-size N] [--scale-dtype float16]
+                    [--clip none|layer|head|channel]
                     [--clip-objective attn|mse] [--device cpu|cuda] [--dtype ...]
     oscar-calibrate import-oscar-zoo --model DIR --src DIR --out FILE [--transpose] [--clip ...]
     oscar-calibrate proxy --model DIR --rotations FILE [FILE ...] [--data PATH ...] [--json OUT]
@@ -49,15 +50,26 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
                         f"{DEFAULT_TOKENS['cuda']} on cuda)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--group-size", type=int, default=None,
-                   help="INT2 quantisation group in channels (default: min(128, head_dim))")
-    p.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES)
+                   help="keys' INT2 quantisation group in channels (default: min(128, head_dim))")
+    p.add_argument("--value-group-size", type=int, default=None,
+                   help="values' INT2 quantisation group in channels (default: the --group-size)")
+    p.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES,
+                   help="dtype of the INT2 scales and minima, keys and values alike")
 
 
 def _config(a, **kw) -> CalibrationConfig:
     return CalibrationConfig(clip=a.clip, clip_objective=a.clip_objective, clip_sample_tokens=a.clip_sample,
-                             skip_first=a.clip_skip_first, group_size=a.group_size, scale_dtype=a.scale_dtype,
+                             skip_first=a.clip_skip_first, group_size=a.group_size,
+                             value_group_size=a.value_group_size, scale_dtype=a.scale_dtype,
                              data=a.data, tokens=a.tokens, seq_len=a.seq_len, batch_size=a.batch_size,
                              seed=a.seed, device=a.device, dtype=a.dtype, **kw)
+
+
+def group_summary(meta) -> str:
+    """'group G' or, when keys and values differ, 'key group G_K, value group G_V'."""
+    if meta.value_group_size == meta.group_size:
+        return f"group {meta.group_size}"
+    return f"key group {meta.group_size}, value group {meta.value_group_size}"
 
 
 def _log(msg: str) -> None:
@@ -80,7 +92,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     rot = calibrate(a.model, _config(a, recipe=a.recipe, variant=a.variant), progress=not a.quiet, log=_log)
     save_rotations(a.out, rot)
     _log(f"oscar-calibrate: wrote {a.out} ({rot.meta.recipe}, {rot.meta.recipe_detail.get('variant')}, "
-         f"clip {rot.meta.recipe_detail.get('clip')}, group {rot.meta.group_size})")
+         f"clip {rot.meta.recipe_detail.get('clip')}, {group_summary(rot.meta)})")
     return 0
 
 
@@ -101,7 +113,7 @@ def cmd_import(argv: list[str]) -> int:
     shape = model_shape(a.model)
     name = os.path.basename(os.path.normpath(a.model))
     rot = import_oscar_zoo(a.src, shape, name, transpose=a.transpose, group_size=a.group_size,
-                           scale_dtype=a.scale_dtype)
+                           scale_dtype=a.scale_dtype, value_group_size=a.value_group_size)
     if a.clip != "none":
         fixed = [(lr.k_rot, lr.v_rot) for lr in rot.layers]
         extra = {k: v for k, v in rot.meta.recipe_detail.items() if k in ("imported", "source", "order")}
@@ -109,7 +121,7 @@ def cmd_import(argv: list[str]) -> int:
         rot = calibrate(a.model, _config(a, recipe="oscar"), progress=not a.quiet, log=_log,
                         fixed=fixed, extra_detail=extra)
     save_rotations(a.out, rot)
-    _log(f"oscar-calibrate: imported {a.src} -> {a.out} (clip {a.clip})")
+    _log(f"oscar-calibrate: imported {a.src} -> {a.out} (clip {a.clip}, {group_summary(rot.meta)})")
     return 0
 
 

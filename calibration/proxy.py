@@ -6,7 +6,8 @@ space (q' = q R_K, k' = k R_K, v' = v R_V; R per KV head, shared by its query he
 
     L   = q' k'^T / sqrt(D)             exact logits (causal entries i >= j)
     L^  = q' Q(k')^T / sqrt(D)          Q = oscar_kernels.int2.fake_quantise with the file's
-                                        clip, group size and scale dtype
+                                        clip, group size (keys: group_size, values:
+                                        value_group_size) and scale dtype
     O   = softmax(L) v'                 exact per-head attention output
     O^  = softmax(L^) Q(v')             with both K and V quantised
 
@@ -52,11 +53,11 @@ class ProxyErrors:
         zeros = lambda: [dict.fromkeys(("dl2", "l2", "kl", "nq", "do2", "o2"), 0.0) for _ in range(self.num_layers)]
         self.sums = {name: zeros() for name in rotations}
 
-    def _fq(self, x, lo, hi, meta):
-        """Fake-quantise x [B, H, T, D] with per-head clips [H, D]."""
+    def _fq(self, x, lo, hi, meta, group_size):
+        """Fake-quantise x [B, H, T, D] with per-head clips [H, D] in groups of ``group_size``."""
         if not self.quantise:
             return x
-        y = fake_quantise(x.transpose(1, 2), meta.group_size, lo.to(x.device), hi.to(x.device),
+        y = fake_quantise(x.transpose(1, 2), group_size, lo.to(x.device), hi.to(x.device),
                           SCALE_DTYPES[meta.scale_dtype])
         return y.transpose(1, 2)
 
@@ -78,8 +79,9 @@ class ProxyErrors:
             qr = torch.einsum("bhtd,hde->bhte", q, r_k.repeat_interleave(rep, 0))
             kr = torch.einsum("bhtd,hde->bhte", k, r_k)
             vr = torch.einsum("bhtd,hde->bhte", v, r_v)
-            kq = self._fq(kr, lr.k_clip_min, lr.k_clip_max, rot.meta).repeat_interleave(rep, 1)
-            vq = self._fq(vr, lr.v_clip_min, lr.v_clip_max, rot.meta).repeat_interleave(rep, 1)
+            kq = self._fq(kr, lr.k_clip_min, lr.k_clip_max, rot.meta, rot.meta.group_size).repeat_interleave(rep, 1)
+            vq = self._fq(vr, lr.v_clip_min, lr.v_clip_max, rot.meta,
+                          rot.meta.value_group_size).repeat_interleave(rep, 1)
             kr, vr = kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1)
             scale = 1 / math.sqrt(d)
             logits = (qr @ kr.transpose(-1, -2)) * scale

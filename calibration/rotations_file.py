@@ -6,8 +6,9 @@ safetensors (never pickle). Tensors, per layer l (float32):
     v_clip_min.{l}, v_clip_max.{l}      [num_kv_heads, head_dim]  per-channel clip of the
                                         rotated values (-inf / +inf = no clip)
 Metadata (strings): format, version, architecture, model_name, num_layers, num_q_heads,
-num_kv_heads, head_dim, group_size, bits, scale_dtype, recipe, recipe_detail (JSON),
-calib_data, calib_tokens, created.
+num_kv_heads, head_dim, group_size (the keys' INT2 group), value_group_size (the values';
+absent in older files, which load with value_group_size = group_size), bits, scale_dtype
+(shared by K and V), recipe, recipe_detail (JSON), calib_data, calib_tokens, created.
 
 :func:`load_rotations` validates everything and raises :class:`RotationsFileError` with a
 one-line reason; nothing is half-loaded.
@@ -49,7 +50,7 @@ class RotationsMeta:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
-    group_size: int
+    group_size: int  # the keys' INT2 group size
     recipe: str
     recipe_detail: dict = field(default_factory=dict)
     calib_data: str = ""
@@ -58,6 +59,11 @@ class RotationsMeta:
     bits: int = 2
     created: str = ""
     version: str = VERSION
+    value_group_size: int | None = None  # the values' INT2 group size; None: group_size
+
+    def __post_init__(self):
+        if self.value_group_size is None:
+            self.value_group_size = self.group_size
 
     @property
     def shape(self) -> ModelShape:
@@ -104,7 +110,7 @@ def save_rotations(path: str, rotations: Rotations) -> None:
         "calib_data": meta.calib_data, "scale_dtype": meta.scale_dtype,
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    md.update({k: str(getattr(meta, k)) for k in _INT_FIELDS})
+    md.update({k: str(getattr(meta, k)) for k in (*_INT_FIELDS, "value_group_size")})
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=md)
     os.replace(tmp, path)
@@ -129,6 +135,11 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
             ints[k] = int(md[k])
         except ValueError:
             raise _fail(path, f"metadata {k}={md[k]!r} is not an integer") from None
+    if "value_group_size" in md:  # older files: the values share the keys' group size
+        try:
+            ints["value_group_size"] = int(md["value_group_size"])
+        except ValueError:
+            raise _fail(path, f"metadata value_group_size={md['value_group_size']!r} is not an integer") from None
     try:
         detail = json.loads(md.get("recipe_detail") or "{}")
     except json.JSONDecodeError:
@@ -149,9 +160,10 @@ def _validate(rot: Rotations, path: str) -> None:
         raise _fail(path, f"unknown scale_dtype {m.scale_dtype!r}")
     if min(m.num_layers, m.num_kv_heads, m.head_dim, m.num_q_heads) < 1 or m.head_dim % 4:
         raise _fail(path, "num_layers/num_kv_heads/num_q_heads must be >= 1 and head_dim a multiple of 4")
-    g = m.group_size
-    if g < 1 or g & (g - 1) or m.head_dim % g:
-        raise _fail(path, f"group_size {g} must be a power of two dividing head_dim {m.head_dim}")
+    for name in ("group_size", "value_group_size"):
+        g = getattr(m, name)
+        if not isinstance(g, int) or g < 1 or g & (g - 1) or m.head_dim % g:
+            raise _fail(path, f"{name} {g} must be a power of two dividing head_dim {m.head_dim}")
     if len(rot.layers) != m.num_layers:
         raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {m.num_layers}")
     h, d = m.num_kv_heads, m.head_dim

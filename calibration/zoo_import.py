@@ -43,10 +43,12 @@ def _load_matrix(path: str, shape: ModelShape) -> torch.Tensor:
 
 
 def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bool = False,
-                     group_size: int | None = None, scale_dtype: str = "float16") -> Rotations:
+                     group_size: int | None = None, scale_dtype: str = "float16",
+                     value_group_size: int | None = None) -> Rotations:
     """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``
-    (group size default: min(128, head_dim))."""
+    (keys' group size default: min(128, head_dim); values' default: the keys')."""
     group_size = group_size or min(128, shape.head_dim)
+    value_group_size = value_group_size or group_size
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such folder")
     found: dict[tuple[str, int], str] = {}
@@ -71,7 +73,9 @@ def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bo
         layers.append(LayerRotation(r_k, r_v, lo, hi, lo.clone(), hi.clone()))
     detail = {"imported": os.path.abspath(src), "source": "upstream OSCAR {k,v}_rotation_<layer>.pt",
               "order": "x' = x @ R (row vectors)" + ("; upstream matrices transposed" if transpose else ""),
-              "clip": "none", "group_size": group_size, "scale_dtype": scale_dtype}
+              "clip": "none", "group_size": group_size, "value_group_size": value_group_size,
+              "scale_dtype": scale_dtype}
     meta = make_meta(shape, model_name, group_size, "oscar", recipe_detail=detail,
-                     calib_data=f"imported from {os.path.abspath(src)}", scale_dtype=scale_dtype)
+                     calib_data=f"imported from {os.path.abspath(src)}", scale_dtype=scale_dtype,
+                     value_group_size=value_group_size)
     return Rotations(meta, layers)

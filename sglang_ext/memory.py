@@ -1,9 +1,9 @@
 """Byte arithmetic of the hybrid INT2/BF16 KV pool (pure functions, no sglang import).
 
-Per token of SGLang's pool (L layers, H KV heads on this rank, head_dim D, group size G,
-scale element size e bytes):
+Per token of SGLang's pool (L layers, H KV heads on this rank, head_dim D, keys' group size
+G_K, values' group size G_V, scale element size e bytes, shared by K and V):
 
-    INT2 cell   = L * H * 2 * (D/4 + (D/G) * 2 * e)       codes + (scale, min), K and V
+    INT2 cell   = L * H * (2 * D/4 + (D/G_K + D/G_V) * 2 * e)   codes + (scale, min), K and V
     sink index  = 4 bytes per page (int32 sink_slot_of_page), i.e. 4/P per token
 
 Fixed reserve, independent of the token count (R request rows, C sink slots):
@@ -60,15 +60,18 @@ class OscarMemoryPlan:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    group_size: int
-    scale_dtype: str  # "float16" | "bfloat16" | "float32" (the rotations file's)
+    group_size: int  # the keys' INT2 group size
+    scale_dtype: str  # "float16" | "bfloat16" | "float32" | "float8_e4m3fn" (the rotations file's)
     sink_tokens: int
     recent_window: int
     page_size: int
     num_rows: int  # request rows = max running requests + 1 (row 0 is SGLang's padding row)
     num_sink_slots: int
+    value_group_size: int | None = None  # the values' INT2 group size; None: group_size
 
     def __post_init__(self):
+        if self.value_group_size is None:
+            object.__setattr__(self, "value_group_size", self.group_size)
         if self.sink_tokens > self.page_size:
             raise ValueError(f"oscar sink tokens S={self.sink_tokens} exceed the page size "
                              f"{self.page_size}: positions < S must lie on a sequence's first page "
@@ -83,7 +86,7 @@ class OscarMemoryPlan:
     def bytes_per_token(self) -> int:
         """INT2 codes + scales of one token, all layers (SGLang's cell size for oscar)."""
         return self.num_layers * self.num_kv_heads * bytes_per_token_per_head(
-            self.head_dim, self.group_size, SCALE_DTYPES[self.scale_dtype])
+            self.head_dim, self.group_size, SCALE_DTYPES[self.scale_dtype], self.value_group_size)
 
     def _bf16_layer_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * BF16_BYTES

@@ -90,9 +90,10 @@ def profile_available_bytes_hook(result, kvc, *args, **kwargs):
             f"W={plan.recent_window}, {plan.num_sink_slots} sink slots, rotations) plus one page;"
             f" lower --max-running-requests or the recent window, or raise --mem-fraction-static")
     logger.info("oscar_int2 pool plan: budget %.2f GiB, reserve %.2f GiB (rings %.2f, sinks %.2f,"
-                " rotations %.3f), %d B/token -> %d tokens", result / gib, plan.fixed_bytes / gib,
-                plan.ring_bytes / gib, plan.sink_store_bytes / gib, plan.rotation_bytes / gib,
-                plan.bytes_per_token, tokens)
+                " rotations %.3f), %d B/token (INT2 groups: keys %d, values %d; %s scales) -> %d tokens",
+                result / gib, plan.fixed_bytes / gib, plan.ring_bytes / gib, plan.sink_store_bytes / gib,
+                plan.rotation_bytes / gib, plan.bytes_per_token, plan.group_size, plan.value_group_size,
+                plan.scale_dtype, tokens)
     return tokens * plan.bytes_per_token
 
 

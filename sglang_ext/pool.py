@@ -81,7 +81,7 @@ def memory_plan(layout: RankLayout, meta: RotationsMeta, sink_tokens: int, recen
         num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
         group_size=meta.group_size, scale_dtype=meta.scale_dtype, sink_tokens=sink_tokens,
         recent_window=recent_window, page_size=layout.page_size, num_rows=num_rows,
-        num_sink_slots=sink_slots or default_sink_slots(num_rows))
+        num_sink_slots=sink_slots or default_sink_slots(num_rows), value_group_size=meta.value_group_size)
 
 
 def _refuse(what: str):
@@ -100,14 +100,16 @@ class OscarKVPool(MHATokenToKVPool):
                  group_size: int, scale_dtype: str = "float16",
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
-                 enable_alt_stream: bool = True, extend_prefix: str = "int2"):
+                 enable_alt_stream: bool = True, extend_prefix: str = "int2",
+                 value_group_size: Optional[int] = None):
         num_rows = req_to_token.shape[0]
         self.extend_prefix = extend_prefix  # how extend reads cached prefixes (settings.EXTEND_PREFIX_READS)
         self.plan = OscarMemoryPlan(
             num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
             group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
             recent_window=recent_window, page_size=page_size, num_rows=num_rows,
-            num_sink_slots=num_sink_slots or default_sink_slots(num_rows))
+            num_sink_slots=num_sink_slots or default_sink_slots(num_rows),
+            value_group_size=value_group_size)
         if len(rotations) != layer_num:
             raise ValueError(f"oscar pool: {len(rotations)} layer rotations for {layer_num} layers")
         for r in rotations:
@@ -136,7 +138,8 @@ class OscarKVPool(MHATokenToKVPool):
             self.layers = [
                 allocate_layer(num_slots, p.num_kv_heads, p.head_dim, p.group_size,
                                p.sink_tokens, p.recent_window, p.num_sink_slots, p.num_rows,
-                               SCALE_DTYPES[p.scale_dtype], self.device)
+                               SCALE_DTYPES[p.scale_dtype], self.device,
+                               value_group_size=p.value_group_size)
                 for _ in range(self.layer_num)]
             self.index = allocate_index(num_slots, self.page_size, p.num_sink_slots, p.num_rows,
                                         self.device)
@@ -272,4 +275,4 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
         start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
-        extend_prefix=s.extend_prefix)
+        extend_prefix=s.extend_prefix, value_group_size=meta.value_group_size)

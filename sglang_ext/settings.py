@@ -70,7 +70,7 @@ class OscarFlag:
 FLAGS = (
     OscarFlag("oscar_rotations", "SGLANG_OSCAR_ROTATIONS", str,
               "OSCAR rotations file (made by oscar-calibrate); required with "
-              f"--kv-cache-dtype {OSCAR_KV_DTYPE}. The INT2 group size is read from it."),
+              f"--kv-cache-dtype {OSCAR_KV_DTYPE}. The INT2 group sizes (keys', values') and scale dtype are read from it."),
     OscarFlag("oscar_sink_tokens", "SGLANG_OSCAR_SINK_TOKENS", int,
               f"OSCAR: first S tokens of every sequence kept in BF16 (default {DEFAULT_SINK_TOKENS}; "
               "must not exceed --page-size)."),

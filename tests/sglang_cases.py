@@ -26,9 +26,10 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
 
 
 def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
-                              scale_dtype: str = "float16") -> str:
+                              scale_dtype: str = "float16", value_group_size: int | None = None) -> str:
     """A valid rotations file whose every (layer, KV head) has its own random orthogonal
-    matrices, so a wrong head slice is visible."""
+    matrices, so a wrong head slice is visible (values in groups of ``value_group_size``,
+    default ``group_size``)."""
     shape = ModelShape.from_hf_config(config)
     g = torch.Generator().manual_seed(seed)
 
@@ -40,7 +41,8 @@ def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(orth(), orth(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
               for _ in range(shape.num_layers)]
-    meta = make_meta(shape, "test", group_size, "oscar", scale_dtype=scale_dtype)
+    meta = make_meta(shape, "test", group_size, "oscar", scale_dtype=scale_dtype,
+                     value_group_size=value_group_size)
     save_rotations(str(path), Rotations(meta, layers))
     return str(path)
 

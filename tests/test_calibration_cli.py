@@ -191,3 +191,51 @@ def test_proxy_cli_writes_json(tmp_path, tiny_dir, capsys):
     rep = json.load(open(js))
     assert rep["tokens"] == 128 and set(rep["results"]) == {"h"}
     assert ModelShape  # imported for the type of the expected shape in other tests
+
+
+# ---------------------------------------------------------------- values' own group size
+
+def test_cli_value_group_size(tmp_path, tiny_dir, capsys, monkeypatch):
+    import calibration.calibrate as cal
+
+    searched = []  # group size of every clip search, in call order (per layer: keys, values)
+    real = cal.search_clip
+
+    def spy(x, granularity, group_size, *a, **kw):
+        searched.append(group_size)
+        return real(x, granularity, group_size, *a, **kw)
+
+    monkeypatch.setattr(cal, "search_clip", spy)
+    out = str(tmp_path / "kv.safetensors")
+    args = ["--model", tiny_dir, "--tokens", "256", "--seq-len", "64", "--clip", "channel", "--clip-sample", "64",
+            "--group-size", "8", "--scale-dtype", "float8_e4m3fn", "--quiet"]
+    assert main([*args, "--out", out, "--value-group-size", "32"]) == 0
+    m = load_rotations(out, expect=model_shape(tiny_dir)).meta
+    assert (m.group_size, m.value_group_size, m.scale_dtype) == (8, 32, "float8_e4m3fn")
+    assert (m.recipe_detail["group_size"], m.recipe_detail["value_group_size"]) == (8, 32)
+    assert searched == [8, 32, 8, 32]
+    assert "key group 8, value group 32" in capsys.readouterr().err
+    searched.clear()
+    same = str(tmp_path / "same.safetensors")
+    assert main([*args, "--out", same]) == 0
+    assert load_rotations(same).meta.value_group_size == 8 and searched == [8, 8, 8, 8]
+    assert "clip channel, group 8)" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "bad"), "--value-group-size", "48"]) == 2
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if e.startswith("oscar-calibrate: error: ")]
+    assert err == ["oscar-calibrate: error: value group size 48 must be a power of two dividing head_dim 32"]
+
+
+def test_proxy_quantises_values_at_the_value_group_size(tmp_path, tiny_dir):
+    """Keys alone decide the logits: changing only the values' group size leaves logit_rel
+    and attn_kl as they are and moves out_rel."""
+    from dataclasses import replace
+
+    model, tok = load_model(tiny_dir, "cpu", "float32")
+    cfg = CalibrationConfig(recipe="hadamard", group_size=8, value_group_size=32, clip="none", device="cpu")
+    split = calibrate(tiny_dir, cfg, progress=False, log=lambda m: None)
+    assert split.meta.value_group_size == 32
+    same = type(split)(replace(split.meta, value_group_size=8), split.layers)
+    res = run_proxy(model, _windows(tok), {"split": split, "same": same}, progress=False)
+    a, b = res["split"]["mean"], res["same"]["mean"]
+    assert a["logit_rel"] == b["logit_rel"] and a["attn_kl"] == b["attn_kl"]
+    assert a["out_rel"] > b["out_rel"]  # coarser value groups, larger output error

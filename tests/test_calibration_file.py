@@ -205,10 +205,59 @@ def test_wrong_tensor_shape_is_refused(tmp_path):
     (lambda m: m.__setitem__("bits", "4"), "bits=4, only 2-bit files are served"),
     (lambda m: m.__setitem__("group_size", "24"), "group_size 24 must be a power of two"),
     (lambda m: m.__setitem__("scale_dtype", "int8"), "unknown scale_dtype 'int8'"),
+    (lambda m: m.__setitem__("value_group_size", "48"), "value_group_size 48 must be a power of two dividing head_dim 32"),
+    (lambda m: m.__setitem__("value_group_size", "24"), "value_group_size 24 must be a power of two"),
+    (lambda m: m.__setitem__("value_group_size", "big"), "metadata value_group_size='big' is not an integer"),
 ])
 def test_bad_metadata_is_refused(tmp_path, mutate, words):
     path = _good_file(tmp_path)
     assert words in _error(_rewrite(path, str(tmp_path / "meta.safetensors"), meta=mutate))
+
+
+# ---------------------------------------------------------------- values' own group size
+
+def test_value_group_size_round_trip(tmp_path):
+    cfg = CalibrationConfig(group_size=8, value_group_size=32, clip="channel", device="cpu",
+                            scale_dtype="float8_e4m3fn").resolved()
+    rot = build_rotations(cfg, SHAPE, "tiny", _stats(), _metric())
+    path = str(tmp_path / "kv.safetensors")
+    save_rotations(path, rot)
+    with safe_open(path, framework="pt") as f:
+        md = f.metadata()
+    assert (md["group_size"], md["value_group_size"], md["scale_dtype"]) == ("8", "32", "float8_e4m3fn")
+    m = load_rotations(path, expect=SHAPE).meta
+    assert (m.group_size, m.value_group_size, m.scale_dtype) == (8, 32, "float8_e4m3fn")
+    assert (m.recipe_detail["group_size"], m.recipe_detail["value_group_size"]) == (8, 32)
+    half = load_rotations(path).for_tp_rank(1, 2).meta
+    assert (half.num_kv_heads, half.group_size, half.value_group_size) == (1, 8, 32)
+
+
+def test_file_without_value_group_size_loads_with_the_keys_group(tmp_path):
+    old = _rewrite(_good_file(tmp_path), str(tmp_path / "old.safetensors"), meta=lambda m: m.pop("value_group_size"))
+    with safe_open(old, framework="pt") as f:
+        assert "value_group_size" not in f.metadata()
+    m = load_rotations(old, expect=SHAPE).meta
+    assert (m.group_size, m.value_group_size) == (32, 32)
+
+
+@pytest.mark.parametrize("variant", ["U-P-Hblock", "U-H"])
+def test_values_are_composed_and_clipped_at_their_own_group_size(variant):
+    """Keys at G_K, values at G_V: each tensor's rotation (block Hadamard: depends on G) and
+    clip search equal a run with that group size for both tensors."""
+    def run(gk, gv):
+        cfg = CalibrationConfig(variant=variant, group_size=gk, value_group_size=gv, clip="channel",
+                                device="cpu").resolved()
+        return build_rotations(cfg, SHAPE, "t", _stats(), _metric())
+
+    split, keys_like, values_like = run(8, 32), run(8, 8), run(32, 32)
+    for l in range(2):
+        a, k, v = split.layers[l], keys_like.layers[l], values_like.layers[l]
+        assert torch.equal(a.k_rot, k.k_rot) and torch.equal(a.k_clip_min, k.k_clip_min)
+        assert torch.equal(a.v_rot, v.v_rot) and torch.equal(a.v_clip_max, v.v_clip_max)
+        assert not torch.equal(a.v_clip_max, k.v_clip_max)  # the group size moves the clip
+        assert torch.equal(a.v_rot, k.v_rot) == (variant == "U-H")
+    with pytest.raises(ValueError, match="value group size 48 must be a power of two dividing head_dim 32"):
+        run(8, 48)
 
 
 def test_layer_count_mismatch_between_metadata_and_tensors_is_refused(tmp_path):

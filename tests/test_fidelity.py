@@ -160,6 +160,50 @@ def test_oscar_eval_smoke(tinylm_dir, tmp_path):
         assert sum(lps) / 3 == pytest.approx(m["passkey_first_token_logprob"]["256"], abs=1e-3)
 
 
+def test_oscar_eval_values_take_the_files_value_group_size(tinylm_dir, tmp_path, monkeypatch):
+    """Without --value-groups the values use the file's value_group_size (fake runs and the
+    kernels' pool); --value-groups still overrides it in fake runs; settings record both."""
+    from calibration.fidelity import cli
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    rot_path = tmp_path / "kv.safetensors"
+    save_rotations(str(rot_path), baseline_rotations(shape, "tinylm-A", "hadamard", 32, value_group_size=128,
+                                                     scale_dtype="float8_e4m3fn"))
+    built = []
+
+    class FakeSpy(cli.FakeInt2KVSim):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    class Stop(Exception):
+        pass
+
+    class HybridSpy(cli.HybridKVSim):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+            raise Stop  # the pool is built; no need to run the kernels here
+
+    monkeypatch.setattr(cli, "FakeInt2KVSim", FakeSpy)
+    monkeypatch.setattr(cli, "HybridKVSim", HybridSpy)
+    out = tmp_path / "fid.json"
+    common = ["--model", str(tinylm_dir), "--method", f"h={rot_path}", "--no-bf16", "--ppl-len", "256",
+              "--ppl-windows", "1", "--chunk", "128", "--passkey-trials", "0", "--corpus-mb", "0.3",
+              "--sink", "4", "--recent", "64", "--device", "cpu", "--out", str(out)]
+    assert cli.main([*common, "--int2-parts", "v"]) == 0
+    sim = built[-1]
+    assert (sim.group_size, sim.value_group_size, sim.value_scale_dtype) == (32, 128, torch.float8_e4m3fn)
+    s = json.loads(out.read_text())["settings"]
+    assert (s["group_size"], s["value_group_size"]) == (32, 128)
+    assert s["rotations"]["h"]["value_group_size"] == 128 and "value_groups" not in s
+    assert cli.main([*common, "--int2-parts", "kv-fake", "--value-groups", "64:float16"]) == 0
+    assert (built[-1].value_group_size, built[-1].value_scale_dtype) == (64, torch.float16)
+    with pytest.raises(Stop):
+        cli.main(common)
+    lay = built[-1].layers[0]
+    assert built[-1].value_group_size == 128 and (lay.key_group_size, lay.value_group_size) == (32, 128)
+
+
 def test_oscar_eval_value_groups_need_a_fake_value_run(tinylm_dir):
     from calibration.fidelity import cli
     with pytest.raises(SystemExit, match="int2-parts"):
@@ -193,6 +237,10 @@ def test_sweep_memory_costs():
     assert m["int2_bytes_per_token"] == 8 * 2 * 2 * (32 + 4 * 2 * 2)
     assert m["ring_bytes_per_request"] == 128 * m["bf16_bytes_per_token"]
     assert m["sink_in_int2_tokens"] == round(16 * 8192 / 1536, 1)
+    assert (m["group_size"], m["value_group_size"], m["scale_dtype"]) == (32, 32, "float16")
+    split = memory_costs(shape, 32, "float8_e4m3fn", sink=16, recent=128, value_group_size=128)
+    assert split["int2_bytes_per_token"] == 8 * 2 * 74 and split["value_group_size"] == 128
+    assert split["ring_in_int2_tokens"] == round(128 * 8192 / (8 * 2 * 74), 1)
 
 
 def test_fake_int2_ablation_attributes_the_error(tiny, stream):

@@ -239,3 +239,32 @@ def test_bench_client_runs_without_hf_datasets_and_takes_our_options(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--dataset-name" in r.stdout
     assert [o for o in ours if o not in r.stdout] == []
+
+
+def test_generated_rotations_take_key_and_value_group_sizes(fakes):
+    """Without --rotations e2e writes capacity.py's data-free hadamard file for the shape,
+    with the keys' and values' group sizes and the scale dtype asked for, and records them."""
+    from calibration.rotations_file import load_rotations
+
+    tmp_path, _ = fakes
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert e2e.main(_argv(tmp_path, _free_port(), "--configs", "oscar_int2", "--phases", "capacity",
+                          "--group-size", "32", "--value-group-size", "128", "--scale-dtype", "float8_e4m3fn")) == 0
+    data = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    st = data["settings"]
+    assert st["oscar_layout"] == {"group_size": 32, "value_group_size": 128, "scale_dtype": "float8_e4m3fn"}
+    assert st["oscar_rotations"].endswith(f"{tmp_path.name}.hadamard.g32.v128.float8_e4m3fn.safetensors")
+    m = load_rotations(st["oscar_rotations"]).meta
+    assert (m.group_size, m.value_group_size, m.scale_dtype, m.recipe) == (32, 128, "float8_e4m3fn", "hadamard")
+    assert data["configs"]["oscar_int2"]["server_cmd"].count(st["oscar_rotations"]) == 1
+    capacity = sys.modules["capacity"]  # capacity.py records the same, from --rotations too
+    from types import SimpleNamespace
+    assert capacity.rotations_meta(SimpleNamespace(rotations=st["oscar_rotations"])) == st["oscar_layout"]
+    os.remove(st["oscar_rotations"])
+    assert capacity.rotations_meta(SimpleNamespace(rotations=None, group_size=32, value_group_size=None,
+                                                   scale_dtype="float16")) == \
+        {"group_size": 32, "value_group_size": 32, "scale_dtype": "float16"}
+    assert capacity.shape_rotations_name("m", 128) == "m.hadamard.g128.safetensors"  # today's name
+    assert capacity.shape_rotations_name("m", 128, 128, "float16") == "m.hadamard.g128.safetensors"

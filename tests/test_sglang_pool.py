@@ -61,6 +61,23 @@ def test_max_total_tokens_is_the_largest_fitting_page_multiple(page, rows, slots
     assert plan.max_total_tokens(plan.fixed_bytes) == 0
 
 
+def test_key_and_value_group_sizes_of_their_own():
+    """Keys G=32, values G=128, float8 scales at head_dim 128: 2 * 32 code bytes + (4 + 1)
+    groups * (scale, min) = 74 bytes per token and KV head."""
+    split = OscarMemoryPlan(36, 8, 128, 32, "float8_e4m3fn", DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, 64,
+                            257, 1028, value_group_size=128)
+    assert split.value_group_size == 128 and split.bytes_per_token == 36 * 8 * 74
+    keys_only = OscarMemoryPlan(36, 8, 128, 32, "float8_e4m3fn", DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW,
+                                64, 257, 1028)
+    assert keys_only.value_group_size == 32 and keys_only.bytes_per_token == 36 * 8 * (64 + 2 * 4 * 2)
+    budget = BF16_TOKENS_QWEN3_8B_H200 * bf16_bytes_per_token(36, 8, 128)
+    n = split.max_total_tokens(budget)
+    assert n > 0 and n % 64 == 0
+    assert split.pool_bytes(n) <= budget < split.pool_bytes(n + 64)
+    assert split.pool_bytes(n) - split.pool_bytes(n - 64) == 64 * 36 * 8 * 74 + 4  # one page: cells + index
+    assert n > qwen3_8b_plan().max_total_tokens(budget) * 72 / 74 - 64  # 74 vs 72 bytes per token
+
+
 def test_plan_refuses_sinks_beyond_the_first_page():
     with pytest.raises(ValueError, match="page size") as e:
         OscarMemoryPlan(2, 2, 64, 32, "float16", sink_tokens=16, recent_window=8, page_size=8,
@@ -103,6 +120,18 @@ def test_pool_buffers_shapes_and_true_bytes():
         assert pool.layer_rotation(l).k_rot.dtype == torch.float32
     assert pool.index.sink_slot_of_page.shape == (slots // 16,)
     assert pool.ring_owner.shape == pool.ring_end.shape == (5,)
+    assert sum(pool.get_kv_size_bytes()) == pool.plan.pool_bytes(256)
+
+
+def test_pool_with_value_groups_of_their_own():
+    pool = small_pool(group=16, value_group_size=64, scale_dtype="float8_e4m3fn")
+    slots = 256 + 16
+    assert pool.plan.value_group_size == 64 and pool.plan.bytes_per_token == 2 * 2 * (2 * 16 + (4 + 1) * 2)
+    for l in range(2):
+        lc = pool.layer_cache(l)
+        assert lc.k_scales.shape == (slots, 2, 4, 2) and lc.v_scales.shape == (slots, 2, 1, 2)
+        assert lc.v_scales.dtype == torch.float8_e4m3fn and pool.v_scale_buffer[l] is lc.v_scales
+        assert (lc.key_group_size, lc.value_group_size) == (16, 64)
     assert sum(pool.get_kv_size_bytes()) == pool.plan.pool_bytes(256)
 
 
@@ -185,6 +214,18 @@ def test_float8_scale_file_sizes_the_pool_like_float16_groups_of_twice_the_size(
         _, meta = load_rank_rotations(path, SMALL_QWEN3, layout_for(SMALL_QWEN3))
         plans.append(memory_plan(layout_for(SMALL_QWEN3), meta, 4, 8, 8, None))
     assert plans[0].scale_dtype == "float8_e4m3fn" and plans[0].bytes_per_token == plans[1].bytes_per_token
+
+
+def test_value_group_size_from_the_file_reaches_plan_and_pool(tmp_path):
+    path = write_distinct_heads_file(tmp_path / "kv.safetensors", SMALL_QWEN3, group_size=16,
+                                     scale_dtype="float8_e4m3fn", value_group_size=64)
+    kvc = fake_configurator(path, max_running_requests=7, sink=4, window=8)
+    plan = plan_for_configurator(kvc)
+    assert (plan.group_size, plan.value_group_size, plan.scale_dtype) == (16, 64, "float8_e4m3fn")
+    assert plan.bytes_per_token == 2 * 2 * (2 * 16 + (4 + 1) * 2)
+    pool = build_pool_for_configurator(kvc, 128, SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32)))
+    assert pool.plan == plan and sum(pool.get_kv_size_bytes()) == plan.pool_bytes(128)
+    assert pool.layer_cache(0).k_scales.shape[2:] == (4, 2) and pool.layer_cache(0).v_scales.shape[2:] == (1, 2)
 
 
 def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):

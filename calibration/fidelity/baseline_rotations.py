@@ -2,7 +2,8 @@
 the normalised Hadamard over the whole head_dim), no clipping. Used by the tests and to
 evaluate before a calibrated file exists; ``oscar-calibrate`` is the tool for real files.
 
-    python -m calibration.fidelity.baseline_rotations --model DIR --recipe hadamard --out FILE
+    python -m calibration.fidelity.baseline_rotations --model DIR --recipe hadamard --out FILE \
+        [--group-size 32] [--value-group-size G] [--scale-dtype float16]
 """
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import os
 import torch
 
 from calibration.model_shape import ModelShape
-from calibration.rotations_file import Rotations, make_meta, no_clip, save_rotations
+from calibration.rotations_file import SCALE_DTYPES, Rotations, make_meta, no_clip, save_rotations
 from oscar_kernels.hybrid_cache import LayerRotation
 from oscar_kernels.transforms import hadamard_matrix
 
 BASELINES = ("naive", "hadamard")
 
 
-def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_size: int) -> Rotations:
+def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_size: int,
+                       value_group_size: int | None = None, scale_dtype: str = "float16") -> Rotations:
+    """``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
     if recipe not in BASELINES:
         raise ValueError(f"baseline recipe must be one of {BASELINES}, got {recipe!r}")
     h, d = shape.num_kv_heads, shape.head_dim
@@ -34,7 +37,8 @@ def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_si
     meta = make_meta(shape, model_name, group_size, recipe,
                      recipe_detail={"rotation": "identity" if recipe == "naive" else "hadamard(head_dim)",
                                     "clip": "none", "source": "calibration.fidelity.baseline_rotations"},
-                     calib_data="none (data-free)", calib_tokens=0)
+                     calib_data="none (data-free)", calib_tokens=0, scale_dtype=scale_dtype,
+                     value_group_size=value_group_size)
     return Rotations(meta, layers)
 
 
@@ -42,13 +46,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (config.json is read)")
     ap.add_argument("--recipe", choices=BASELINES, required=True)
-    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=32, help="keys' INT2 group size")
+    ap.add_argument("--value-group-size", type=int, default=None, help="values' INT2 group size (default: --group-size)")
+    ap.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     with open(os.path.join(a.model, "config.json")) as f:
         shape = ModelShape.from_hf_config(json.load(f))
     save_rotations(a.out, baseline_rotations(shape, os.path.basename(os.path.normpath(a.model)),
-                                             a.recipe, a.group_size))
+                                             a.recipe, a.group_size, a.value_group_size, a.scale_dtype))
     print(a.out)
 
 

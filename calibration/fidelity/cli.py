@@ -11,7 +11,8 @@ BF16 ring of the last W, INT2 history in between), prefilling in chunks of ``--c
 tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--ppl-len`` tokens and tinylm's passkey retrieval (see calibration.fidelity.tasks).
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
-``kv-fake`` both) to attribute the INT2 error.
+``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
+its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "kv-fake = both (the ablations' own baseline)")
     ap.add_argument("--value-groups", type=_value_groups, default=None, metavar="G:DTYPE",
                     help="with --int2-parts kv-fake or v: the values' INT2 group size and scale dtype "
-                         "(e.g. 128:float8_e4m3fn; default: the rotations file's, as for the keys)")
+                         "(e.g. 128:float8_e4m3fn; default: the rotations file's value_group_size and "
+                         "scale_dtype)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -151,7 +153,8 @@ def main(argv=None) -> int:
     if a.no_bf16 and not a.method:
         raise SystemExit("oscar-eval: nothing to evaluate (--no-bf16 and no --method)")
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
-        raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take one group size)")
+        raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
+                         "rotations file's groups and one scale dtype)")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -171,14 +174,19 @@ def main(argv=None) -> int:
                   + [len(p.ids) + tasks.PASSKEY_MAX_NEW_TOKENS for p in prompts])
     ppl_key = f"ppl_{a.ppl_len // 1024}k" if a.ppl_len % 1024 == 0 else f"ppl_{a.ppl_len}"
 
-    group_sizes = {n: r.meta.group_size for n, (_, r) in rotations.items()}
+    def per_method(field: str):
+        """The methods' common value of a metadata field, or {name: value} when they differ."""
+        vals = {n: getattr(r.meta, field) for n, (_, r) in rotations.items()}
+        if not vals:
+            return None
+        return next(iter(vals.values())) if len(set(vals.values())) == 1 else vals
+
     calib = {n: r.meta.calib_data for n, (_, r) in rotations.items()}
     result = {
         "model": os.path.basename(os.path.normpath(a.model)),
         "settings": {
             "sink": a.sink, "recent": a.recent,
-            "group_size": (next(iter(group_sizes.values())) if len(set(group_sizes.values())) == 1
-                           else group_sizes) if group_sizes else None,
+            "group_size": per_method("group_size"), "value_group_size": per_method("value_group_size"),
             "calib": calib,
             "eval": {"text": stream.description,
                      "ppl": f"{a.ppl_windows} windows of {a.ppl_len} tokens evenly spread over the held-out "
@@ -197,7 +205,8 @@ def main(argv=None) -> int:
             "rotations": {n: {"file": os.path.abspath(p), "recipe": r.meta.recipe,
                               "recipe_detail": r.meta.recipe_detail, "calib_data": r.meta.calib_data,
                               "calib_tokens": r.meta.calib_tokens, "group_size": r.meta.group_size,
-                              "scale_dtype": r.meta.scale_dtype, "created": r.meta.created}
+                              "value_group_size": r.meta.value_group_size, "scale_dtype": r.meta.scale_dtype,
+                              "created": r.meta.created}
                           for n, (p, r) in rotations.items()},
             "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
         },
@@ -211,11 +220,12 @@ def main(argv=None) -> int:
             sim = Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
         elif a.int2_parts == "kv":
             sim = HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                              a.device, rot.meta.scale_dtype, a.page_size)
+                              a.device, rot.meta.scale_dtype, a.page_size,
+                              value_group_size=rot.meta.value_group_size)
         else:
             sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                                 a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
-                                value_group_size=a.value_groups[0] if a.value_groups else None,
+                                value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
                                 value_scale_dtype=a.value_groups[1] if a.value_groups else None)
         res = {}
         if a.ppl_windows > 0:

@@ -161,13 +161,15 @@ class FakeInt2KVSim(Bf16KVSim):
 
 
 class HybridKVSim(_KVSim):
-    """The server's hybrid INT2 + BF16 sink/ring cache, through oscar_kernels.api."""
+    """The server's hybrid INT2 + BF16 sink/ring cache, through oscar_kernels.api.
+    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
 
     name = "hybrid"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
-                 scale_dtype: str = "float16", page_size: int | None = None):
+                 scale_dtype: str = "float16", page_size: int | None = None,
+                 value_group_size: int | None = None):
         num_layers = len(rotations)
         super().__init__(num_layers, max_batch, max_len, device)
         if sink_tokens < 0 or recent_window < 0:
@@ -183,12 +185,14 @@ class HybridKVSim(_KVSim):
         sdt = SCALE_DTYPES[scale_dtype]
         self.layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
                                       num_sink_slots=max_batch, num_rows=max_batch,
-                                      scale_dtype=sdt, device=self.device)
+                                      scale_dtype=sdt, device=self.device,
+                                      value_group_size=value_group_size)
                        for _ in range(num_layers)]
         self.index = allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device)
         self.req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device) \
             .view(max_batch, self.row_len)
         self.sink_tokens, self.recent_window, self.group_size = sink_tokens, recent_window, group_size
+        self.value_group_size = value_group_size or group_size
         self._meta = None
 
     def begin(self, batch: int) -> None:

@@ -7,7 +7,8 @@ bf16 runs once; every (S, W) runs each method through :func:`calibration.fidelit
 with the options after ``--`` (chunk, windows, trials, lengths, device, threads...). The
 JSON keeps every run's methods block and the memory each (S, W) costs:
 ring = W BF16 tokens per running request, sink = S BF16 tokens per sequence (sink slot),
-both also expressed in INT2 tokens of the same bytes (group size of the first method).
+both also expressed in INT2 tokens of the same bytes (group sizes and scale dtype of the
+first method).
 """
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ from oscar_kernels.int2 import SCALE_DTYPES, bytes_per_token_per_head
 from . import cli
 
 
-def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int, recent: int) -> dict:
-    """Bytes of the BF16 side caches for the whole model (all layers, K and V)."""
+def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int, recent: int,
+                 value_group_size: int | None = None) -> dict:
+    """Bytes of the BF16 side caches for the whole model (all layers, K and V); INT2 keys in
+    groups of ``group_size``, values of ``value_group_size`` (default: the same)."""
+    value_group_size = value_group_size or group_size
     bf16_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * 2
     int2_token = shape.num_layers * shape.num_kv_heads * bytes_per_token_per_head(
-        shape.head_dim, group_size, SCALE_DTYPES[scale_dtype])
-    return {"bf16_bytes_per_token": bf16_token, "int2_bytes_per_token": int2_token,
+        shape.head_dim, group_size, SCALE_DTYPES[scale_dtype], value_group_size)
+    return {"group_size": group_size, "value_group_size": value_group_size, "scale_dtype": scale_dtype,
+            "bf16_bytes_per_token": bf16_token, "int2_bytes_per_token": int2_token,
             "ring_bytes_per_request": recent * bf16_token, "sink_bytes_per_sequence": sink * bf16_token,
             "ring_in_int2_tokens": round(recent * bf16_token / int2_token, 1),
             "sink_in_int2_tokens": round(sink * bf16_token / int2_token, 1)}
@@ -80,7 +85,8 @@ def main(argv=None) -> int:
             for w in a.recents:
                 res, wall = run(["--no-bf16", *methods, "--sink", str(s), "--recent", str(w)])
                 result["runs"].append({"sink": s, "recent": w, "wall_s": wall,
-                                       "memory": memory_costs(shape, first.group_size, first.scale_dtype, s, w),
+                                       "memory": memory_costs(shape, first.group_size, first.scale_dtype, s, w,
+                                                              first.value_group_size),
                                        "methods": res["methods"]})
                 os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
                 with open(a.out, "w") as f:
