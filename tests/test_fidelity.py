@@ -299,3 +299,30 @@ def test_int2_parts_ablation_script(tinylm_dir, tmp_path):
     # each run read its own cache (one 256-token window: too short to order them by quality)
     ppl = [v["ppl_256"] for v in res["methods"].values()]
     assert all(1.0 < x < 100.0 for x in ppl) and len({round(x, 6) for x in ppl}) == 4
+
+
+def test_hybrid_sim_with_value_groups_of_their_own_tracks_fake_quantisation(tiny, stream):
+    """Keys G=32, values G=128, float8 scales through the kernels (HybridKVSim) track the same
+    layout in PyTorch fake quantisation, and differ from values at the keys' group size."""
+    from calibration.fidelity.sim_cache import FakeInt2KVSim
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    rot = baseline_rotations(shape, "tinylm-A", "hadamard", 32, value_group_size=128, scale_dtype="float8_e4m3fn")
+
+    def run(sim):
+        pre = _chunked(sim_model, sim, ids[:, :L - 4], CHUNK)
+        dec = torch.cat([forward_step(sim_model, sim, ids[:, j:j + 1]) for j in range(L - 4, L)], 1)
+        return torch.cat([pre, dec], 1)
+
+    def dist(a, b):
+        return (a[:, CHUNK:] - b[:, CHUNK:]).abs().mean().item()
+
+    bf = run(Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L))
+    split = HybridKVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128)
+    assert (split.layers[0].key_group_size, split.layers[0].value_group_size) == (32, 128)
+    hyb = run(split)
+    fake = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128))
+    same = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn"))
+    err = dist(hyb, bf)
+    assert err > 0.05 and dist(hyb, fake) < 0.5 * err
+    assert dist(hyb, same) > 0.25 * err
