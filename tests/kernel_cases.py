@@ -203,8 +203,12 @@ def head_subset(sc: Scenario, heads: list[int]) -> Scenario:
     """The scenario restricted to some KV heads (copies of their buffers), for a cheaper
     reference on large caches."""
     hs = torch.tensor(heads, device=sc.device)
-    lay = HybridLayerCache(*(getattr(sc.layer, f).index_select(-3 if f.endswith("scales") else -2, hs)
-                             for f in sc.layer.__dataclass_fields__))
+    parts = {f: getattr(sc.layer, f).index_select(-3 if f.endswith("scales") else -2, hs)
+             for f in sc.layer.__dataclass_fields__}
+    ngk = parts["k_scales"].shape[2]  # K and V scales as views of one tensor (allocate_layer)
+    both = torch.cat([parts["k_scales"], parts["v_scales"]], dim=2)
+    parts["k_scales"], parts["v_scales"] = both[:, :, :ngk], both[:, :, ngk:]
+    lay = HybridLayerCache(**parts)
     rot = LayerRotation(*(getattr(sc.rotation, f)[hs] for f in LayerRotation.FIELDS))
     return Scenario(lay, sc.index, rot, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)
 

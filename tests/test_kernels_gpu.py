@@ -116,6 +116,26 @@ def test_float8_scales_gpu(kernels):
     kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
 
 
+def test_split_group_sizes_gpu(kernels):
+    """Keys at 32 and values at 128 with float8 (scale, min), the per-tensor layout: store,
+    decode (also at 128k) and extend against the reference."""
+    _, ts, td, te = kernels
+    kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
+    sc = kc.build([211, 90, 65], fill=False, seed=2, device="cuda", **kw)
+    kc.check_store(sc, [210, 3, 0], ts.triton_store)
+    sc = kc.build([5, 900, 3000], seed=3, device="cuda", **kw)
+    kc.check_decode(sc, 32, td.triton_decode)
+    sc = kc.build([0, 130, 700], seed=4, device="cuda", **kw)
+    kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
+    lens = [131072, 4096, 1]
+    sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})
+    q = kc.random_q(sc, 32, seed=4)
+    out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale)
+    assert torch.isfinite(out.float()).all()
+    _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
+
+
 def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
     _, _, _, te = kernels
     sc = kc.build([240, 300, 190], H=4, D=128, G=128, S=16, W=64, page=64, valid_from=[240, 100, 0],
