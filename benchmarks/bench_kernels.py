@@ -5,8 +5,9 @@ FlashInfer's paged BF16 decode, plus the store kernel and the device copy bandwi
 
 Writes the JSON (after every stage, so an interrupted run keeps what it measured) and a
 plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 8 KV heads,
-head_dim 128), batch {1, 8, 64} x context {4k, 16k, 64k, 128k}, INT2 group 128 (the
-calibration default), BF16 sink 16 / ring 128 tokens, page 64. Timings: CUDA-graph replay
+head_dim 128), batch {1, 8, 64} x context {4k, 16k, 64k, 128k}, INT2 layout of the
+calibration default (keys in groups of 32, values of 128, float8 scales: 74 B per token and
+KV head), BF16 sink 16 / ring 128 tokens, page 64. Timings: CUDA-graph replay
 (triton.testing.do_bench_cudagraph, mean), random data. Every baseline is optional: a
 failure is recorded as null with its reason. SGLang's Triton BF16 kernel indexes its K/V
 buffers with int32 offsets, so it is skipped (with the reason) when a buffer has 2^31 or
@@ -17,7 +18,8 @@ group sizes 32 / 64 on four key cases, then the variants on the other eight, unt
 ``--budget-s`` (seconds since start; later items are recorded as skipped). ``--breakdown``
 times the decode with each of its kernels left out on the key cases (where the time goes).
 ``--group-size / --value-group-size / --scale-dtype`` set the table's and breakdown's INT2
-layout (default: group 128 for both, float16 scales; the sweep keeps its own groups).
+layout (``--group-size 128 --scale-dtype float16``: the default before session 9; the
+sweep keeps its own layouts, G=128/float16 unless named).
 
     python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
@@ -42,7 +44,7 @@ import triton.testing  # noqa: E402
 
 import kernel_cases as kc  # noqa: E402
 from oscar_kernels import api  # noqa: E402
-from oscar_kernels.int2 import SCALE_DTYPES  # noqa: E402
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_sizes  # noqa: E402
 from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode  # noqa: E402
 
 HQ, H, D = 32, 8, 128
@@ -241,11 +243,12 @@ def l2_bytes() -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """The INT2 layout of a table run: keys' and values' group sizes, one scale dtype."""
+    """The INT2 layout of a table run: keys' and values' group sizes, one scale dtype
+    (default: oscar-calibrate's, int2.default_group_sizes / DEFAULT_SCALE_DTYPE)."""
 
-    key_group: int = GROUP
-    value_group: int = GROUP
-    scale_dtype: str = "float16"
+    key_group: int = default_group_sizes(D)[0]
+    value_group: int = default_group_sizes(D)[1]
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
 
     def describe(self) -> dict:
         return {"group_size": self.key_group, "value_group_size": self.value_group, "scale_dtype": self.scale_dtype}
@@ -517,12 +520,14 @@ def main(argv=None):
                     help="also time the decode with each kernel left out, on the key cases")
     ap.add_argument("--cases", type=parse_cases, default=None, metavar="BxN,...",
                     help="only these batch x context cases of the table (e.g. 8x65536; default: all)")
-    ap.add_argument("--group-size", type=int, default=GROUP, help="keys' INT2 group size of the table")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="keys' INT2 group size of the table (default: oscar-calibrate's, head_dim / 4)")
     ap.add_argument("--value-group-size", type=int, default=None,
-                    help="values' INT2 group size of the table (default: --group-size)")
-    ap.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), default="float16")
+                    help="values' INT2 group size of the table (default: oscar-calibrate's, 128, or "
+                         "--group-size when that is given)")
+    ap.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), default=DEFAULT_SCALE_DTYPE)
     args = ap.parse_args(argv)
-    layout = Layout(args.group_size, args.value_group_size or args.group_size, args.scale_dtype)
+    layout = Layout(*default_group_sizes(D, args.group_size, args.value_group_size), args.scale_dtype)
     out = Path(args.out)
     dev = torch.cuda.get_device_properties(0)
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,

@@ -66,6 +66,17 @@ def write_shape_rotations(model_dir: str, out: str, group_size: int, value_group
     return out
 
 
+def resolve_layout(args) -> None:
+    """Fill in the generated file's group sizes from the model's head_dim (oscar-calibrate's
+    defaults, oscar_kernels.int2.default_group_sizes) where the arguments leave them open."""
+    from calibration.model_shape import ModelShape
+    from oscar_kernels.int2 import default_group_sizes
+
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        head_dim = ModelShape.from_hf_config(json.load(f)).head_dim
+    args.group_size, args.value_group_size = default_group_sizes(head_dim, args.group_size, args.value_group_size)
+
+
 def rotations_meta(args) -> dict:
     """What the results record of the oscar file's layout: the generated file's group sizes
     and scale dtype, or those read from --rotations."""
@@ -87,11 +98,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"subset of {','.join(DTYPES)}")
     ap.add_argument("--rotations", default=None,
                     help="rotations file for oscar_int2 (default: write a hadamard one for the shape)")
-    ap.add_argument("--group-size", type=int, default=128, help="keys' group size of the generated file")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="keys' group size of the generated file (default: oscar-calibrate's, head_dim / 4)")
     ap.add_argument("--value-group-size", type=int, default=None,
-                    help="values' group size of the generated file (default: --group-size)")
-    ap.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES,
-                    help="scale dtype of the generated file (keys and values)")
+                    help="values' group size of the generated file (default: oscar-calibrate's, "
+                         "min(128, head_dim), or --group-size when that is given)")
+    ap.add_argument("--scale-dtype", default="float8_e4m3fn", choices=SCALE_DTYPES,
+                    help="scale dtype of the generated file (keys and values; default oscar-calibrate's)")
     ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
     ap.add_argument("--baseline-backend", default="triton", help="attention backend of bf16/fp8 runs")
     ap.add_argument("--out", default=None)
@@ -105,6 +118,8 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown dtype(s) {unknown}; choose from {DTYPES}")
     rotations = args.rotations
+    if rotations is None:
+        resolve_layout(args)
     if "oscar_int2" in dtypes and rotations is None:
         import tempfile
 

@@ -460,10 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot-only", action="store_true", help="only render the plot from --out")
     ap.add_argument("--rotations", default=None,
                     help="oscar rotations file (default: a data-free hadamard file written for --model)")
-    ap.add_argument("--group-size", type=int, default=128, help="keys' group size of the generated hadamard file")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="keys' group size of the generated hadamard file (default: oscar-calibrate's, head_dim / 4)")
     ap.add_argument("--value-group-size", type=int, default=None,
-                    help="values' group size of the generated hadamard file (default: --group-size)")
-    ap.add_argument("--scale-dtype", default="float16", choices=("float16", "bfloat16", "float32", "float8_e4m3fn"),
+                    help="values' group size of the generated hadamard file (default: oscar-calibrate's, "
+                         "min(128, head_dim), or --group-size when that is given)")
+    ap.add_argument("--scale-dtype", default="float8_e4m3fn", choices=("float16", "bfloat16", "float32", "float8_e4m3fn"),
                     help="scale dtype of the generated hadamard file (keys and values)")
     ap.add_argument("--deadline-s", type=float, default=560, help="wall-time budget of this invocation")
     ap.add_argument("--server-timeout-s", type=float, default=420)
@@ -538,10 +540,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rotations = args.rotations
     if any(CONFIGS[c].oscar for c in args.configs) and not rotations:
-        from capacity import shape_rotations_name, write_shape_rotations  # capacity.py's data-free file
+        from capacity import resolve_layout, shape_rotations_name, write_shape_rotations  # capacity.py's file
 
         import tempfile  # not next to the logs: 38 MB for Qwen3-8B, and reproducible from the shape
 
+        resolve_layout(args)
         rotations = os.path.join(tempfile.gettempdir(), "oscar-e2e",
                                  shape_rotations_name(data["model"], args.group_size, args.value_group_size,
                                                       args.scale_dtype))

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.int2 import SCALE_DTYPES, check_group_size
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_group_size, default_group_sizes
 
 from . import text_sources
 from .capture import attention_modules, capture_attention
@@ -36,7 +36,6 @@ DEFAULT_VARIANT = "U-H-P"
 DEFAULT_CLIP = "none"
 DEFAULT_CLIP_OBJECTIVE = "attn"
 DEFAULT_TOKENS = {"cpu": 32768, "cuda": 262144}  # CPU: < 5 min for tinylm-A on 2 shared cores
-DEFAULT_GROUP_SIZE = 128
 
 
 @dataclass
@@ -47,9 +46,9 @@ class CalibrationConfig:
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
-    group_size: int | None = None  # keys' INT2 group; None: min(128, head_dim)
-    value_group_size: int | None = None  # values' INT2 group; None: same as group_size
-    scale_dtype: str = "float16"
+    group_size: int | None = None  # keys' INT2 group; None: head_dim / 4 (int2.default_group_sizes)
+    value_group_size: int | None = None  # values' INT2 group; None: min(128, head_dim), or group_size if given
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
     data: list[str] = field(default_factory=list)  # empty: the Python stdlib source
     tokens: int | None = None  # None: DEFAULT_TOKENS of the device
     seq_len: int = 2048
@@ -177,10 +176,9 @@ def hadamard_span(cfg: CalibrationConfig) -> str:
 
 
 def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
-    """``cfg`` with the group sizes resolved (keys: default min(128, head_dim); values:
-    default the keys') and checked."""
-    g = cfg.group_size if cfg.group_size is not None else min(DEFAULT_GROUP_SIZE, shape.head_dim)
-    gv = cfg.value_group_size if cfg.value_group_size is not None else g
+    """``cfg`` with the group sizes resolved (int2.default_group_sizes: keys head_dim / 4,
+    values min(128, head_dim); values as keys when only the keys' size is given) and checked."""
+    g, gv = default_group_sizes(shape.head_dim, cfg.group_size, cfg.value_group_size)
     check_group_size(shape.head_dim, g)
     try:
         check_group_size(shape.head_dim, gv)

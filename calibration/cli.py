@@ -2,7 +2,7 @@
 
     oscar-calibrate --model DIR --out FILE [--recipe oscar|hadamard|naive] [--variant V]
                     [--data PATH ...] [--tokens N] [--seq-len 2048] [--batch-size 1]
-                    [--group-size 128] [--value-group-size N] [--scale-dtype float16]
+                    [--group-size D/4] [--value-group-size 128] [--scale-dtype float8_e4m3fn]
                     [--clip none|layer|head|channel]
                     [--clip-objective attn|mse] [--device cpu|cuda] [--dtype ...]
     oscar-calibrate import-oscar-zoo --model DIR --src DIR --out FILE [--transpose] [--clip ...]
@@ -20,6 +20,7 @@ from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_TOKENS, DE
 from .clip import GRANULARITIES, OBJECTIVES
 from .compose import VARIANTS
 from .rotations_file import RECIPES, SCALE_DTYPES
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE
 
 SUBCOMMANDS = ("import-oscar-zoo", "proxy")
 
@@ -50,11 +51,12 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
                         f"{DEFAULT_TOKENS['cuda']} on cuda)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--group-size", type=int, default=None,
-                   help="keys' INT2 quantisation group in channels (default: min(128, head_dim))")
+                   help="keys' INT2 quantisation group in channels (default: head_dim / 4)")
     p.add_argument("--value-group-size", type=int, default=None,
-                   help="values' INT2 quantisation group in channels (default: the --group-size)")
-    p.add_argument("--scale-dtype", default="float16", choices=SCALE_DTYPES,
-                   help="dtype of the INT2 scales and minima, keys and values alike")
+                   help="values' INT2 quantisation group in channels (default: min(128, head_dim), "
+                        "or the --group-size when that is given)")
+    p.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
+                   help=f"dtype of the INT2 scales and minima, keys and values alike (default: {DEFAULT_SCALE_DTYPE})")
 
 
 def _config(a, **kw) -> CalibrationConfig:

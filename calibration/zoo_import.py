@@ -18,6 +18,7 @@ import re
 import torch
 
 from oscar_kernels.hybrid_cache import LayerRotation
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, default_group_sizes
 
 from .model_shape import ModelShape
 from .rotations_file import Rotations, make_meta, no_clip
@@ -43,12 +44,11 @@ def _load_matrix(path: str, shape: ModelShape) -> torch.Tensor:
 
 
 def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bool = False,
-                     group_size: int | None = None, scale_dtype: str = "float16",
+                     group_size: int | None = None, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                      value_group_size: int | None = None) -> Rotations:
     """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``
-    (keys' group size default: min(128, head_dim); values' default: the keys')."""
-    group_size = group_size or min(128, shape.head_dim)
-    value_group_size = value_group_size or group_size
+    (group sizes and scale dtype default as oscar-calibrate's: int2.default_group_sizes)."""
+    group_size, value_group_size = default_group_sizes(shape.head_dim, group_size, value_group_size)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such folder")
     found: dict[tuple[str, int], str] = {}

@@ -30,6 +30,23 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
                 "float8_e4m3fn": torch.float8_e4m3fn}
 
 
+# The default layout (oscar-calibrate, benchmarks): keys in groups of head_dim/4 (one per
+# plane), values in one group of min(128, head_dim), float8_e4m3fn (scale, min): 74 B per token
+# and KV head at head_dim 128. Keys carry the accuracy: through the server, passkey 8k on
+# tinylm-A (300 prompts) is 0.917 with it vs 0.830 with G=128 / float16 for both (BF16 0.94).
+DEFAULT_SCALE_DTYPE = "float8_e4m3fn"
+
+
+def default_group_sizes(head_dim: int, key_group: int | None = None,
+                        value_group: int | None = None) -> tuple[int, int]:
+    """(keys' group, values' group) with the defaults filled in: keys head_dim/4, values
+    min(128, head_dim); a key group given without a value group applies to both."""
+    if key_group is None:
+        key_group = max(1, head_dim // CODES_PER_BYTE)
+        value_group = min(128, head_dim) if value_group is None else value_group
+    return key_group, key_group if value_group is None else value_group
+
+
 def packed_dim(head_dim: int) -> int:
     """Bytes per token per head for the codes of one of K or V."""
     if head_dim % CODES_PER_BYTE:

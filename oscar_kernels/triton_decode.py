@@ -342,8 +342,11 @@ class DecodeConfig:
     def stage1_shape_for(self, batch: int, groups_span_head: bool = True) -> tuple[int, int | None]:
         """(block_n, max_registers) stage 1 runs for a batch of ``batch`` requests (0s resolved).
         ``groups_span_head``: both K and V have one INT2 group per head (G = D); smaller groups
-        keep per-group dot chains and sums, so the automatic cap (0) is lifted for them."""
-        block_n = self.block_n or (SMALL_BATCH_BLOCK_N if batch <= self.small_batch_max else BLOCK_N)
+        keep per-group dot chains and sums, so the automatic cap (0) is lifted for them and
+        they keep 64-token steps at small batches (128 spill: 70 instructions in the sm_90 loop
+        at keys 32 / values 128)."""
+        small = batch <= self.small_batch_max and groups_span_head  # 128-token steps spill otherwise
+        block_n = self.block_n or (SMALL_BATCH_BLOCK_N if small else BLOCK_N)
         regs = self.max_registers
         if regs == 0:
             regs = REGISTER_CAP if block_n <= BLOCK_N and groups_span_head else None

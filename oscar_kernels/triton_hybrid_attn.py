@@ -182,20 +182,31 @@ def load_or0(ptr, mask):
         return tl.load(ptr, mask=mask, other=0)
 
 
+# float8_e4m3fn (scale, min) pair in one int16 -> two float32: one cvt of both bytes to
+# float16x2 (sm_89+), then each half to float32 (exact: e4m3 values are float16 values)
+_FP8_PAIR_ASM: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 h; .reg .b16 lo, hi; cvt.rn.f16x2.e4m3x2 h, $2; mov.b32 {lo, hi}, h; "
+    "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+
+
 @triton.jit
-def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr):
+def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr,
+                 INTERP: tl.constexpr = False):
     """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
     tl.bfloat16 / tl.float8e4nv, else None): the scales are addressed as int32 (16-bit) or
     int16 (float8) (scale, min) pairs, one load per token (strides in pair units)."""
     if PAIR is not None:
         x = load_or0(sc_ptr + slot * s_slot + hoff + g, mask)
-        if PAIR == tl.float8e4nv:  # int16 pair of float8 values
-            sc = (x & 0xFF).to(tl.int8).to(PAIR, bitcast=True)
-            mn = (x >> 8).to(tl.int8).to(PAIR, bitcast=True)
+        if PAIR == tl.float8e4nv and not INTERP:
+            sc, mn = tl.inline_asm_elementwise(_FP8_PAIR_ASM, "=r,=r,h", [x], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=1)
+        elif PAIR == tl.float8e4nv:  # int16 pair of float8 values
+            sc = (x & 0xFF).to(tl.int8).to(PAIR, bitcast=True).to(tl.float32)
+            mn = (x >> 8).to(tl.int8).to(PAIR, bitcast=True).to(tl.float32)
         else:  # int32 pair of 16-bit values
-            sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True)
-            mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True)
-        return sc.to(tl.float32), mn.to(tl.float32)
+            sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True).to(tl.float32)
+            mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True).to(tl.float32)
+        return sc, mn
     else:
         base = sc_ptr + slot * s_slot + hoff + 2 * g
         return load_or0(base, mask).to(tl.float32), load_or0(base + 1, mask).to(tl.float32)
@@ -329,11 +340,13 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
                 ce, co = unpack_pair(kt, g * PG_K + j, MAGIC, INTERP, HALF)
                 d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
                 d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
-            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
+            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             if g == 0:
-                s = d * (sc * qk_scale)[:, None] + (mn * qk_scale)[:, None] * qg[g][None, :]
-            else:
-                s += d * (sc * qk_scale)[:, None] + (mn * qk_scale)[:, None] * qg[g][None, :]
+                s = d * sc[:, None] + mn[:, None] * qg[g][None, :]
+            else:  # two FMAs per element and group; qk_scale once for all groups
+                s = d * sc[:, None] + s
+                s = mn[:, None] * qg[g][None, :] + s
+        s = s * qk_scale
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
@@ -360,7 +373,7 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
-            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR)
+            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], zero, USE_DOT, INTERP))

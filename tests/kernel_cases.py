@@ -112,8 +112,18 @@ def to_device(sc: Scenario, device) -> Scenario:
                     sc.lens, sc.sm_scale)
 
 
+def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor):
+    """K and V scales as views of one [slots, H, D/G_K + D/G_V, 2] tensor (allocate_layer's
+    layout: the kernels read both with one set of strides)."""
+    both = torch.cat([k_scales, v_scales], dim=2)
+    return both[:, :, :k_scales.shape[2]], both[:, :, k_scales.shape[2]:]
+
+
 def clone_layer(layer: HybridLayerCache) -> HybridLayerCache:
-    return copy.deepcopy(layer)
+    """A deep copy that keeps K/V scales as views of one tensor (deepcopy alone does not on CUDA)."""
+    out = copy.deepcopy(layer)
+    out.k_scales, out.v_scales = joined_scales(layer.k_scales, layer.v_scales)
+    return out
 
 
 def assert_codes_close(packed_a, packed_b, max_fraction=2e-3):
@@ -205,9 +215,7 @@ def head_subset(sc: Scenario, heads: list[int]) -> Scenario:
     hs = torch.tensor(heads, device=sc.device)
     parts = {f: getattr(sc.layer, f).index_select(-3 if f.endswith("scales") else -2, hs)
              for f in sc.layer.__dataclass_fields__}
-    ngk = parts["k_scales"].shape[2]  # K and V scales as views of one tensor (allocate_layer)
-    both = torch.cat([parts["k_scales"], parts["v_scales"]], dim=2)
-    parts["k_scales"], parts["v_scales"] = both[:, :, :ngk], both[:, :, ngk:]
+    parts["k_scales"], parts["v_scales"] = joined_scales(parts["k_scales"], parts["v_scales"])
     lay = HybridLayerCache(**parts)
     rot = LayerRotation(*(getattr(sc.rotation, f)[hs] for f in LayerRotation.FIELDS))
     return Scenario(lay, sc.index, rot, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)

@@ -220,6 +220,7 @@ def test_stage1_shape_follows_the_batch():
     assert td.DecodeConfig(small_batch_max=0).stage1_shape_for(1) == (64, 168)
     # groups smaller than the head (e.g. keys at 32): no automatic cap, fewer programs per SM
     assert cfg.stage1_shape_for(64, groups_span_head=False) == (64, None)
+    assert cfg.stage1_shape_for(1, groups_span_head=False) == (64, None)
     assert cfg.resident_per_sm(64, groups_span_head=False) == 8
     assert td.DecodeConfig(max_registers=168).stage1_shape_for(64, groups_span_head=False) == (64, 168)
     sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)

@@ -27,18 +27,22 @@ from sglang_ext.pool import (OscarKVPool, OscarWriteMeta, RankLayout,  # noqa: E
 BF16_TOKENS_QWEN3_8B_H200 = 779_876
 
 
-def qwen3_8b_plan(rows=DEFAULT_MAX_RUNNING_REQUESTS + 1, page=64):
-    return OscarMemoryPlan(num_layers=36, num_kv_heads=8, head_dim=128, group_size=128,
-                           scale_dtype="float16", sink_tokens=DEFAULT_SINK_TOKENS,
+def qwen3_8b_plan(rows=DEFAULT_MAX_RUNNING_REQUESTS + 1, page=64, group_size=32, value_group_size=128,
+                  scale_dtype="float8_e4m3fn"):
+    """The Qwen3-8B pool at the server's defaults and oscar-calibrate's default layout."""
+    return OscarMemoryPlan(num_layers=36, num_kv_heads=8, head_dim=128, group_size=group_size,
+                           scale_dtype=scale_dtype, sink_tokens=DEFAULT_SINK_TOKENS,
                            recent_window=DEFAULT_RECENT_WINDOW, page_size=page, num_rows=rows,
-                           num_sink_slots=default_sink_slots(rows))
+                           num_sink_slots=default_sink_slots(rows), value_group_size=value_group_size)
 
 
 # ---------------------------------------------------------------- memory arithmetic
 
 def test_qwen3_8b_bytes_per_token():
-    plan = qwen3_8b_plan()
-    assert plan.bytes_per_token == 36 * 8 * (2 * (32 + 4)) == 20736
+    plan = qwen3_8b_plan()  # keys 32 + 4 x 2, values 32 + 2
+    assert plan.bytes_per_token == 36 * 8 * (32 + 8 + 32 + 2) == 21312
+    assert qwen3_8b_plan(group_size=128, value_group_size=128, scale_dtype="float16").bytes_per_token == \
+        36 * 8 * (2 * (32 + 4)) == 20736
     assert bf16_bytes_per_token(36, 8, 128) == 36 * 8 * 2 * 128 * 2 == 147456
 
 
@@ -75,7 +79,11 @@ def test_key_and_value_group_sizes_of_their_own():
     assert n > 0 and n % 64 == 0
     assert split.pool_bytes(n) <= budget < split.pool_bytes(n + 64)
     assert split.pool_bytes(n) - split.pool_bytes(n - 64) == 64 * 36 * 8 * 74 + 4  # one page: cells + index
-    assert n > qwen3_8b_plan().max_total_tokens(budget) * 72 / 74 - 64  # 74 vs 72 bytes per token
+    g128 = qwen3_8b_plan(group_size=128, value_group_size=128, scale_dtype="float16")
+    assert split.num_sink_slots == 1028 and g128.num_sink_slots == 3 * 257
+    g128_four = OscarMemoryPlan(36, 8, 128, 128, "float16", DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, 64,
+                                257, 1028)
+    assert n > g128_four.max_total_tokens(budget) * 72 / 74 - 64  # 74 vs 72 bytes per token
 
 
 def test_plan_refuses_sinks_beyond_the_first_page():
@@ -260,7 +268,7 @@ def test_plan_and_pool_from_configurator(tmp_path):
     path = write_hadamard_file(tmp_path / "rot.safetensors", SMALL_QWEN3)
     kvc = fake_configurator(path, max_running_requests=7, sink=4, window=8)
     plan = plan_for_configurator(kvc)
-    assert (plan.num_rows, plan.num_sink_slots, plan.sink_tokens, plan.recent_window) == (8, 32, 4, 8)
+    assert (plan.num_rows, plan.num_sink_slots, plan.sink_tokens, plan.recent_window) == (8, 3 * 8, 4, 8)
     assert plan.bytes_per_token == 2 * 2 * 2 * (16 + 2 * 2 * 2)
     req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32))
     pool = build_pool_for_configurator(kvc, 128, req_to_token_pool)
