@@ -99,8 +99,19 @@ def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, see
     return to_device(sc, device)
 
 
+def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor):
+    """K and V scales as views of one [slots, H, D/G_K + D/G_V, 2] tensor (allocate_layer's
+    layout: the kernels read both with one set of strides)."""
+    both = torch.cat([k_scales, v_scales], dim=2)
+    return both[:, :, :k_scales.shape[2]], both[:, :, k_scales.shape[2]:]
+
+
 def layer_to(layer: HybridLayerCache, device) -> HybridLayerCache:
-    return HybridLayerCache(*(getattr(layer, f).to(device) for f in layer.__dataclass_fields__))
+    """The layer on ``device``, K/V scales still views of one tensor (a plain .to copies each
+    view on its own, and the kernels refuse K/V scales with different strides)."""
+    out = HybridLayerCache(*(getattr(layer, f).to(device) for f in layer.__dataclass_fields__))
+    out.k_scales, out.v_scales = joined_scales(out.k_scales, out.v_scales)
+    return out
 
 
 def to_device(sc: Scenario, device) -> Scenario:
@@ -110,13 +121,6 @@ def to_device(sc: Scenario, device) -> Scenario:
                            sc.index.sink_cursor)
     return Scenario(lay, idx, sc.rotation.to(device), sc.req_to_token.to(device), sc.rows.to(device),
                     sc.lens, sc.sm_scale)
-
-
-def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor):
-    """K and V scales as views of one [slots, H, D/G_K + D/G_V, 2] tensor (allocate_layer's
-    layout: the kernels read both with one set of strides)."""
-    both = torch.cat([k_scales, v_scales], dim=2)
-    return both[:, :, :k_scales.shape[2]], both[:, :, k_scales.shape[2]:]
 
 
 def clone_layer(layer: HybridLayerCache) -> HybridLayerCache:
