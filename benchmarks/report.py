@@ -302,8 +302,11 @@ def render_soak(path: str, data: dict) -> list[str]:
 def _layer_shape(data: dict) -> str:
     """Device and layer shape of a kernel benchmark file, as the tables' captions give them."""
     sh = data.get("shape", {})
+    g, gv = sh.get("group_size"), sh.get("value_group_size", sh.get("group_size"))
+    groups = f"group {g}" if gv == g else f"groups {g} (keys) / {gv} (values)"
+    scales = f", {sh['scale_dtype']} scales" if sh.get("scale_dtype") else ""
     return (f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
-            f"{sh.get('head_dim')}, group {sh.get('group_size')}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}")
+            f"{sh.get('head_dim')}, {groups}{scales}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}")
 
 
 @per_results_file("kernels_*.json", "python3 benchmarks/bench_kernels.py", "one GPU",

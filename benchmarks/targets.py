@@ -143,11 +143,11 @@ def paired_gap(hits: list[int], ref_hits: list[int]) -> tuple[float, float]:
     return mean, 1.96 * (var / n) ** 0.5
 
 
-def passkey_paired(results_dir: str, name: str, label: str) -> list[tuple[str, str, str]]:
-    """Passkey gap of a paired run (passkey_hits: the same prompts for bf16 and oscar) with its
-    95% interval; missed when the gap is resolved below -FIDELITY_PASSKEY_GAP."""
+def passkey_paired(results_dir: str, name: str, label: str, method: str = "oscar") -> list[tuple[str, str, str]]:
+    """Passkey gap of a paired run (passkey_hits: the same prompts for bf16 and ``method``) with
+    its 95% interval; missed when the gap is resolved below -FIDELITY_PASSKEY_GAP."""
     methods = (_load(results_dir, name) or {}).get("methods", {})
-    ref, osc = methods.get("bf16", {}).get("passkey_hits"), methods.get("oscar", {}).get("passkey_hits")
+    ref, osc = methods.get("bf16", {}).get("passkey_hits"), methods.get(method, {}).get("passkey_hits")
     if not ref or not osc:
         return []
     cells, ok = [], True
@@ -163,5 +163,7 @@ def passkey_paired(results_dir: str, name: str, label: str) -> list[tuple[str, s
 def evaluate(results_dir: str) -> list[tuple[str, str, str]]:
     return (fidelity(results_dir, "fidelity_tinylm-A.json", "simulated (oscar-eval)")
             + fidelity(results_dir, "server_tinylm-A.json", "through the server")
-            + passkey_paired(results_dir, "server_passkey8k_tinylm-A.json", "through the server, 8k")
+            # the default layout (keys G=32, values G=128, float8 scales) on 300 paired prompts
+            + passkey_paired(results_dir, "server_passkey8k_k32_v128_fp8_tinylm-A.json", "through the server, 8k",
+                             "oscar-k32-v128-fp8")
             + capacity(results_dir) + kernels(results_dir) + e2e(results_dir) + soak(results_dir))
