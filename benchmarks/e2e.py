@@ -553,6 +553,12 @@ def main(argv: list[str] | None = None) -> int:
         data["settings"]["oscar_layout"] = {"group_size": args.group_size,  # of the generated file
                                             "value_group_size": args.value_group_size or args.group_size,
                                             "scale_dtype": args.scale_dtype}
+    elif rotations and os.path.isfile(rotations):  # a given file: its own layout
+        from calibration.rotations_file import load_rotations
+
+        m = load_rotations(rotations).meta
+        data["settings"]["oscar_layout"] = {"group_size": m.group_size, "value_group_size": m.value_group_size,
+                                            "scale_dtype": m.scale_dtype}
     data["settings"]["oscar_rotations"] = rotations
     data["settings"]["gpus"] = args.gpus
     run_all(args, deadline, data, rotations)

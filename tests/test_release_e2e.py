@@ -259,6 +259,17 @@ def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     m = load_rotations(st["oscar_rotations"]).meta
     assert (m.group_size, m.value_group_size, m.scale_dtype, m.recipe) == (32, 128, "float8_e4m3fn", "hadamard")
     assert data["configs"]["oscar_int2"]["server_cmd"].count(st["oscar_rotations"]) == 1
+    # a file given with --rotations: e2e records that file's layout
+    g128 = str(tmp_path / "g128.safetensors")
+    sys.modules["capacity"].write_shape_rotations(str(tmp_path), g128, 128, None, "float16")
+    assert e2e.main(_argv(tmp_path, _free_port(), "--configs", "oscar_int2", "--phases", "capacity",
+                          "--rotations", g128)) == 0
+    st2 = json.loads((tmp_path / "out" / "e2e.json").read_text())["settings"]
+    assert st2["oscar_layout"] == {"group_size": 128, "value_group_size": 128, "scale_dtype": "float16"}
+    # no layout flags: oscar-calibrate's default layout
+    assert e2e.main(_argv(tmp_path, _free_port(), "--configs", "oscar_int2", "--phases", "capacity")) == 0
+    st3 = json.loads((tmp_path / "out" / "e2e.json").read_text())["settings"]
+    assert st3["oscar_layout"] == {"group_size": 32, "value_group_size": 128, "scale_dtype": "float8_e4m3fn"}
     capacity = sys.modules["capacity"]  # capacity.py records the same, from --rotations too
     from types import SimpleNamespace
     assert capacity.rotations_meta(SimpleNamespace(rotations=st["oscar_rotations"])) == st["oscar_layout"]
