@@ -1,7 +1,8 @@
 """The kernel API that sglang_ext calls (one function per kernel, explicit metadata).
 
 Tensors (all on one device; T new tokens, B requests, H KV heads, Hq query heads with
-Hq % H == 0, D head_dim (a power of two >= 64 for the Triton path), G group size):
+Hq % H == 0, D head_dim (a power of two >= 64 for the Triton path), G_K / G_V the keys' /
+values' INT2 group sizes):
   k, v          [T, H, D]    bf16, unrotated new keys/values (last dim contiguous)
   q             [B|T, Hq, D] bf16, unrotated queries (last dim contiguous)
   slots         [T]  int32/int64  pool slot of each new token
@@ -13,8 +14,10 @@ Hq % H == 0, D head_dim (a power of two >= 64 for the Triton path), G group size
   prefix_lens   [B]  int     cached prefix length L of each extend request
   qo_indptr     [B+1] int    new tokens of request b are rows qo_indptr[b]:qo_indptr[b+1]
   max_extend_len  host int >= max_b (qo_indptr[b+1] - qo_indptr[b]) (no device sync)
-Cache (hybrid_cache.HybridLayerCache): k/v_packed uint8 [slots, H, D/4]; k/v_scales
-[slots, H, D/G, 2] (scale, min) float16/bfloat16/float32; k/v_sink bf16 [C, S, H, D];
+Cache (hybrid_cache.HybridLayerCache): k/v_packed uint8 [slots, H, D/4]; k_scales
+[slots, H, D/G_K, 2] and v_scales [slots, H, D/G_V, 2] (scale, min), float16 / bfloat16 /
+float32 / float8_e4m3fn, with the same strides (allocate_layer: views of one tensor);
+k/v_sink bf16 [C, S, H, D];
 k/v_ring bf16 [R, W, H, D]. Rotation (LayerRotation): k/v_rot float32 [H, D, D], clips
 float32 [H, D]. Index: sink_slot_of_page int32 [pages], page_of_sink_slot int32 [C],
 ring_valid_from int32 [R].
