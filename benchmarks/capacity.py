@@ -30,7 +30,10 @@ sys.path.insert(0, HERE)
 from server_harness import ROOT, Server, log, run_script, save_json  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
-SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")  # calibration.rotations_file's
+# oscar_kernels.int2's SCALE_DTYPES and DEFAULT_SCALE_DTYPE, without importing torch for --help
+# (tests/test_release_e2e.py checks they agree)
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+DEFAULT_SCALE_DTYPE = "float8_e4m3fn"
 
 
 def default_shape(name: str = "qwen3-8b-shape") -> str:
@@ -80,7 +83,7 @@ def resolve_layout(args) -> None:
 def rotations_meta(args) -> dict:
     """What the results record of the oscar file's layout: the generated file's group sizes
     and scale dtype, or those read from --rotations."""
-    if args.rotations is None:
+    if not args.rotations:
         return {"group_size": args.group_size,
                 "value_group_size": args.value_group_size or args.group_size,
                 "scale_dtype": args.scale_dtype}
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--value-group-size", type=int, default=None,
                     help="values' group size of the generated file (default: oscar-calibrate's, "
                          "min(128, head_dim), or --group-size when that is given)")
-    ap.add_argument("--scale-dtype", default="float8_e4m3fn", choices=SCALE_DTYPES,
+    ap.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
                     help="scale dtype of the generated file (keys and values; default oscar-calibrate's)")
     ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
     ap.add_argument("--baseline-backend", default="triton", help="attention backend of bf16/fp8 runs")

@@ -48,6 +48,8 @@ from datetime import datetime, timezone
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # benchmarks/server_harness.py, capacity.py, plot_e2e.py
     sys.path.insert(0, HERE)
+from capacity import (DEFAULT_SCALE_DTYPE, SCALE_DTYPES, resolve_layout, rotations_meta,  # noqa: E402
+                      shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
 from server_harness import ROOT, Server, ServerDied, log  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -465,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--value-group-size", type=int, default=None,
                     help="values' group size of the generated hadamard file (default: oscar-calibrate's, "
                          "min(128, head_dim), or --group-size when that is given)")
-    ap.add_argument("--scale-dtype", default="float8_e4m3fn", choices=("float16", "bfloat16", "float32", "float8_e4m3fn"),
+    ap.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
                     help="scale dtype of the generated hadamard file (keys and values)")
     ap.add_argument("--deadline-s", type=float, default=560, help="wall-time budget of this invocation")
     ap.add_argument("--server-timeout-s", type=float, default=420)
@@ -540,8 +542,6 @@ def main(argv: list[str] | None = None) -> int:
 
     rotations = args.rotations
     if any(CONFIGS[c].oscar for c in args.configs) and not rotations:
-        from capacity import resolve_layout, shape_rotations_name, write_shape_rotations  # capacity.py's file
-
         import tempfile  # not next to the logs: 38 MB for Qwen3-8B, and reproducible from the shape
 
         resolve_layout(args)
@@ -550,15 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                                                       args.scale_dtype))
         log(f"writing the data-free hadamard rotations {rotations}")
         write_shape_rotations(args.model, rotations, args.group_size, args.value_group_size, args.scale_dtype)
-        data["settings"]["oscar_layout"] = {"group_size": args.group_size,  # of the generated file
-                                            "value_group_size": args.value_group_size or args.group_size,
-                                            "scale_dtype": args.scale_dtype}
+        data["settings"]["oscar_layout"] = rotations_meta(args)  # the generated file's (args.rotations None)
     elif rotations and os.path.isfile(rotations):  # a given file: its own layout
-        from calibration.rotations_file import load_rotations
-
-        m = load_rotations(rotations).meta
-        data["settings"]["oscar_layout"] = {"group_size": m.group_size, "value_group_size": m.value_group_size,
-                                            "scale_dtype": m.scale_dtype}
+        data["settings"]["oscar_layout"] = rotations_meta(args)
     data["settings"]["oscar_rotations"] = rotations
     data["settings"]["gpus"] = args.gpus
     run_all(args, deadline, data, rotations)

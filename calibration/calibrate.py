@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_group_size, default_group_sizes
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_group_sizes, default_group_sizes
 
 from . import text_sources
 from .capture import attention_modules, capture_attention
@@ -178,12 +178,8 @@ def hadamard_span(cfg: CalibrationConfig) -> str:
 def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
     """``cfg`` with the group sizes resolved (int2.default_group_sizes: keys head_dim / 4,
     values min(128, head_dim); values as keys when only the keys' size is given) and checked."""
-    g, gv = default_group_sizes(shape.head_dim, cfg.group_size, cfg.value_group_size)
-    check_group_size(shape.head_dim, g)
-    try:
-        check_group_size(shape.head_dim, gv)
-    except ValueError as e:
-        raise ValueError(f"value {e}") from None
+    g, gv = check_group_sizes(shape.head_dim, *default_group_sizes(shape.head_dim, cfg.group_size,
+                                                                     cfg.value_group_size))
     return replace(cfg, group_size=g, value_group_size=gv)
 
 

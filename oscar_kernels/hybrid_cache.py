@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .int2 import check_group_size, packed_dim
+from .int2 import check_group_sizes, packed_dim
 
 
 @dataclass
@@ -104,9 +104,7 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
     ``value_group_size`` says otherwise, the values'. The scales of a token's K and V groups
     are one [num_slots, H, D/G_K + D/G_V, 2] tensor (k_scales and v_scales are views of it),
     so both read with one set of strides and sit in the same cache line."""
-    gv = group_size if value_group_size is None else value_group_size
-    check_group_size(head_dim, group_size)
-    check_group_size(head_dim, gv)
+    group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
     h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
     ngk = d // group_size
 

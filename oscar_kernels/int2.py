@@ -59,13 +59,22 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         raise ValueError(f"group size {group_size} must be a power of two dividing head_dim {head_dim}")
 
 
+def check_group_sizes(head_dim: int, group_size: int, value_group_size: int | None = None) -> tuple[int, int]:
+    """(keys' group, values' group), checked; the values take the keys' size when None."""
+    gv = group_size if value_group_size is None else value_group_size
+    check_group_size(head_dim, group_size)
+    try:
+        check_group_size(head_dim, gv)
+    except ValueError as e:
+        raise ValueError(f"value {e}") from None
+    return group_size, gv
+
+
 def bytes_per_token_per_head(head_dim: int, group_size: int, scale_dtype: torch.dtype,
                              value_group_size: int | None = None) -> int:
     """INT2 bytes one token costs per KV head for K and V together (codes + scale + min);
     keys in groups of ``group_size``, values in ``value_group_size`` (default: the same)."""
-    gv = group_size if value_group_size is None else value_group_size
-    check_group_size(head_dim, group_size)
-    check_group_size(head_dim, gv)
+    group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
     elem = torch.empty((), dtype=scale_dtype).element_size()
     return 2 * packed_dim(head_dim) + (head_dim // group_size + head_dim // gv) * 2 * elem
 

@@ -261,12 +261,19 @@ def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constex
     return (q00, q01, q10, q11, q20, q21, q30, q31), sums
 
 
+@triton.constexpr_function
+def group_count(D, G):
+    """Groups the grouped path keeps per token: D/G when a group spans a plane or more
+    (G >= D/4), else 1 (codes dequantised per channel, no per-group state)."""
+    return D // G if G >= D // 4 else 1
+
+
 @triton.jit
 def int2_state(R: tl.constexpr, D: tl.constexpr, GV: tl.constexpr):
     """Zero state of int2_range: (m [R], l (16 x R), pm (per value group 16 x R), wsum (per
     value group 16 x R), acc (8 x [D/8, R])); the [16, R] tiles are summed over their rows
     at the end. GV: the values' group size."""
-    NG: tl.constexpr = D // GV if GV >= D // 4 else 1
+    NG: tl.constexpr = group_count(D, GV)
     DH: tl.constexpr = D // 8
     zt = tl.zeros([16, R], tl.float32)
     za = tl.zeros([DH, R], tl.float32)
@@ -307,10 +314,10 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
     GRP_K: tl.constexpr = GK >= DQ
-    NG_K: tl.constexpr = D // GK if GK >= D // 4 else 1
+    NG_K: tl.constexpr = group_count(D, GK)
     PG_K: tl.constexpr = 4 // NG_K  # planes per key group
     GRP_V: tl.constexpr = GV >= DQ
-    NG_V: tl.constexpr = D // GV if GV >= D // 4 else 1
+    NG_V: tl.constexpr = group_count(D, GV)
     PG_V: tl.constexpr = 4 // NG_V  # planes per value group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
@@ -411,7 +418,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
     hoff_gs) per group as in group_scales. GK / GV: the keys' / values' group size (K and
     V scales share strides: allocate_layer keeps them in one tensor)."""
-    NG: tl.constexpr = D // GK if GK >= D // 4 else 1
+    NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
     R: tl.constexpr = st[0].shape[0]
     # per key group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
@@ -442,7 +449,7 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
     GV: the values' group size."""
-    NG: tl.constexpr = D // GV if GV >= D // 4 else 1
+    NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st

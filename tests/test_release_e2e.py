@@ -277,5 +277,7 @@ def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     assert capacity.rotations_meta(SimpleNamespace(rotations=None, group_size=32, value_group_size=None,
                                                    scale_dtype="float16")) == \
         {"group_size": 32, "value_group_size": 32, "scale_dtype": "float16"}
+    from oscar_kernels import int2  # capacity.py's copies of the dtype names, kept free of torch
+    assert capacity.SCALE_DTYPES == tuple(int2.SCALE_DTYPES) and capacity.DEFAULT_SCALE_DTYPE == int2.DEFAULT_SCALE_DTYPE
     assert capacity.shape_rotations_name("m", 128) == "m.hadamard.g128.safetensors"  # today's name
     assert capacity.shape_rotations_name("m", 128, 128, "float16") == "m.hadamard.g128.safetensors"

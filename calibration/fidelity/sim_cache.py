@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
                                         assign_sink_slots)
-from oscar_kernels.int2 import SCALE_DTYPES, check_group_size, fake_quantise
+from oscar_kernels.int2 import SCALE_DTYPES, check_group_sizes, fake_quantise
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -120,11 +120,9 @@ class FakeInt2KVSim(Bf16KVSim):
         h, d = rotations[0].k_rot.shape[0], rotations[0].k_rot.shape[-1]
         super().__init__(len(rotations), h, d, max_batch, max_len, device)
         self.rotations = [r.to(self.device) for r in rotations]
-        self.group_size, self.scale_dtype = group_size, SCALE_DTYPES[scale_dtype]
-        self.value_group_size = value_group_size or group_size
+        self.group_size, self.value_group_size = check_group_sizes(d, group_size, value_group_size)
+        self.scale_dtype = SCALE_DTYPES[scale_dtype]
         self.value_scale_dtype = SCALE_DTYPES[value_scale_dtype or scale_dtype]
-        for g in (self.group_size, self.value_group_size):
-            check_group_size(d, g)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
@@ -191,9 +189,17 @@ class HybridKVSim(_KVSim):
         self.index = allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device)
         self.req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device) \
             .view(max_batch, self.row_len)
-        self.sink_tokens, self.recent_window, self.group_size = sink_tokens, recent_window, group_size
-        self.value_group_size = value_group_size or group_size
+        self.sink_tokens, self.recent_window = sink_tokens, recent_window
         self._meta = None
+
+    @property
+    def group_size(self) -> int:
+        """The keys' INT2 group size (the pool's)."""
+        return self.layers[0].key_group_size
+
+    @property
+    def value_group_size(self) -> int:
+        return self.layers[0].value_group_size
 
     def begin(self, batch: int) -> None:
         super().begin(batch)
