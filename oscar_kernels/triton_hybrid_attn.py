@@ -342,12 +342,17 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
     # ---- scores s^T [BN, R]
     if GRP_K:
         for g in tl.static_range(NG_K):
-            d = c0[g]
+            if PG_K == 1:  # zero start; the offset leaves with the min (below)
+                d = tl.zeros([BN, R], tl.float32)
+            else:
+                d = c0[g]
             for j in tl.static_range(PG_K):
                 ce, co = unpack_pair(kt, g * PG_K + j, MAGIC, INTERP, HALF)
                 d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
                 d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
             sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
+            if PG_K == 1:  # d = OFF sum(q'_g) / STEP_g + q'_g.c: OFF / STEP_g per unit of qg
+                mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
             if g == 0:
                 s = d * sc[:, None] + mn[:, None] * qg[g][None, :]
             else:  # two FMAs per element and group; qk_scale once for all groups
@@ -421,7 +426,9 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
     R: tl.constexpr = st[0].shape[0]
-    # per key group: dot-chain start -OFF * sum(q'_i / STEP_i) and the min multiplier sum(q'_g)
+    # per key group: the min multiplier sum(q'_g) and, for groups of several planes, the
+    # dot-chain start -OFF * sum(q'_i / STEP_i) (one-plane groups start from zero: their
+    # offset is OFF / STEP_g per unit of sum(q'_g), folded into the min per token)
     c0 = ()
     qg = ()
     for g in tl.static_range(NG):
@@ -430,7 +437,8 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
         for j in tl.static_range(1, PG):
             cs += qsums[g * PG + j]
             qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
-        c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
+        if PG > 1:
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
     for p0 in range(lo, hi_full, BN):
