@@ -38,8 +38,11 @@ ones tile with w (the same rounded weights), and the min term sum_t p_t min_t is
 cores accumulate with truncation, and the offset makes accumulators large relative to the
 signal, so every block's dots start
 from zero and are added to the running float32 accumulators with ordinary FMAs (no
-accumulation chain longer than one block inside the tensor cores). The K-side chain starts
-from -OFF * sum(q'_i / STEP_i), which removes the offset of the scores inside the dot.
+accumulation chain longer than one block inside the tensor cores). A key group of several
+planes starts its chain from -OFF * sum(q'_i / STEP_i), which removes the offset of the scores
+inside the dot; a group of one plane (G = D/4, the default) starts from zero and the offset
+leaves with the min, once per token: scale * chain + min * sum(q'_g) with
+min -> min - (OFF / STEP_g) * scale (no loop-invariant [BN, R] start tiles held in registers).
 """
 from __future__ import annotations
 
