@@ -69,6 +69,18 @@ def write_shape_rotations(model_dir: str, out: str, group_size: int, value_group
     return out
 
 
+def add_layout_args(ap: argparse.ArgumentParser) -> None:
+    """--group-size / --value-group-size / --scale-dtype: the INT2 layout of the data-free file
+    written when --rotations is not given (resolve_layout fills in what is left open)."""
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="keys' group size of the generated file (default: oscar-calibrate's, head_dim / 4)")
+    ap.add_argument("--value-group-size", type=int, default=None,
+                    help="values' group size of the generated file (default: oscar-calibrate's, "
+                         "min(128, head_dim), or --group-size when that is given)")
+    ap.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
+                    help="scale dtype of the generated file (keys and values; default oscar-calibrate's)")
+
+
 def resolve_layout(args) -> None:
     """Fill in the generated file's group sizes from the model's head_dim (oscar-calibrate's
     defaults, oscar_kernels.int2.default_group_sizes) where the arguments leave them open."""
@@ -101,13 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"subset of {','.join(DTYPES)}")
     ap.add_argument("--rotations", default=None,
                     help="rotations file for oscar_int2 (default: write a hadamard one for the shape)")
-    ap.add_argument("--group-size", type=int, default=None,
-                    help="keys' group size of the generated file (default: oscar-calibrate's, head_dim / 4)")
-    ap.add_argument("--value-group-size", type=int, default=None,
-                    help="values' group size of the generated file (default: oscar-calibrate's, "
-                         "min(128, head_dim), or --group-size when that is given)")
-    ap.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
-                    help="scale dtype of the generated file (keys and values; default oscar-calibrate's)")
+    add_layout_args(ap)
     ap.add_argument("--server-args", default="", help="extra server arguments for every dtype")
     ap.add_argument("--baseline-backend", default="triton", help="attention backend of bf16/fp8 runs")
     ap.add_argument("--out", default=None)

@@ -48,7 +48,7 @@ from datetime import datetime, timezone
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # benchmarks/server_harness.py, capacity.py, plot_e2e.py
     sys.path.insert(0, HERE)
-from capacity import (DEFAULT_SCALE_DTYPE, SCALE_DTYPES, resolve_layout, rotations_meta,  # noqa: E402
+from capacity import (add_layout_args, resolve_layout, rotations_meta,  # noqa: E402
                       shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
 from server_harness import ROOT, Server, ServerDied, log  # noqa: E402
 
@@ -462,13 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot-only", action="store_true", help="only render the plot from --out")
     ap.add_argument("--rotations", default=None,
                     help="oscar rotations file (default: a data-free hadamard file written for --model)")
-    ap.add_argument("--group-size", type=int, default=None,
-                    help="keys' group size of the generated hadamard file (default: oscar-calibrate's, head_dim / 4)")
-    ap.add_argument("--value-group-size", type=int, default=None,
-                    help="values' group size of the generated hadamard file (default: oscar-calibrate's, "
-                         "min(128, head_dim), or --group-size when that is given)")
-    ap.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
-                    help="scale dtype of the generated hadamard file (keys and values)")
+    add_layout_args(ap)  # of the generated hadamard file
     ap.add_argument("--deadline-s", type=float, default=560, help="wall-time budget of this invocation")
     ap.add_argument("--server-timeout-s", type=float, default=420)
     ap.add_argument("--decode-timeout-s", type=float, default=180)

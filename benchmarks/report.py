@@ -257,10 +257,11 @@ def _int2_parts_caption(st: dict) -> str:
             f"{FAKE_INT2}{values}.")
 
 
-def _groups_caption(st: dict) -> str:
-    """``G=..`` of a fidelity file's settings; keys' and values' when the files give them apart."""
+def _groups_caption(st: dict, one: str = "G={}", two: str = "G={} (keys) / {} (values)") -> str:
+    """The INT2 group size(s) of a results file's settings or shape (``one`` when keys and
+    values share it, ``two`` with keys' and values' when they differ)."""
     g, gv = st.get("group_size"), st.get("value_group_size", st.get("group_size"))
-    return f"G={g}" if gv == g else f"G={g} (keys) / {gv} (values)"
+    return one.format(g) if gv == g else two.format(g, gv)
 
 
 @per_results_file("fidelity_*.json", "oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU",
@@ -302,8 +303,7 @@ def render_soak(path: str, data: dict) -> list[str]:
 def _layer_shape(data: dict) -> str:
     """Device and layer shape of a kernel benchmark file, as the tables' captions give them."""
     sh = data.get("shape", {})
-    g, gv = sh.get("group_size"), sh.get("value_group_size", sh.get("group_size"))
-    groups = f"group {g}" if gv == g else f"groups {g} (keys) / {gv} (values)"
+    groups = _groups_caption(sh, "group {}", "groups {} (keys) / {} (values)")
     scales = f", {sh['scale_dtype']} scales" if sh.get("scale_dtype") else ""
     return (f"{data.get('device', '?')}, {sh.get('q_heads')} query / {sh.get('kv_heads')} KV heads, head_dim "
             f"{sh.get('head_dim')}, {groups}{scales}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}")

@@ -36,6 +36,8 @@ ORTHOGONALITY_TOL = 1e-3
 _TENSOR_KINDS = LayerRotation.FIELDS
 _INT_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "group_size", "bits",
                "calib_tokens")
+# integer fields older files lack (value_group_size: they load with the keys' group size)
+_OPTIONAL_INT_FIELDS = ("value_group_size",)
 
 
 class RotationsFileError(ValueError):
@@ -110,7 +112,7 @@ def save_rotations(path: str, rotations: Rotations) -> None:
         "calib_data": meta.calib_data, "scale_dtype": meta.scale_dtype,
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    md.update({k: str(getattr(meta, k)) for k in (*_INT_FIELDS, "value_group_size")})
+    md.update({k: str(getattr(meta, k)) for k in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS)})
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp, metadata=md)
     os.replace(tmp, path)
@@ -130,16 +132,11 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
     if missing:
         raise _fail(path, f"metadata lacks {', '.join(missing)}")
     ints = {}
-    for k in _INT_FIELDS:
+    for k in (*_INT_FIELDS, *(k for k in _OPTIONAL_INT_FIELDS if k in md)):
         try:
             ints[k] = int(md[k])
         except ValueError:
             raise _fail(path, f"metadata {k}={md[k]!r} is not an integer") from None
-    if "value_group_size" in md:  # older files: the values share the keys' group size
-        try:
-            ints["value_group_size"] = int(md["value_group_size"])
-        except ValueError:
-            raise _fail(path, f"metadata value_group_size={md['value_group_size']!r} is not an integer") from None
     try:
         detail = json.loads(md.get("recipe_detail") or "{}")
     except json.JSONDecodeError:
