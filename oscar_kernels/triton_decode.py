@@ -99,7 +99,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                   SLOT64: tl.constexpr, HALF: tl.constexpr):
+                   SLOT64: tl.constexpr, HALF: tl.constexpr, LOOKAHEAD: tl.constexpr):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -142,7 +142,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF)
+                        INTERP, SLOT64, HALF, LOOKAHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -303,6 +303,9 @@ class DecodeConfig:
     # (rotated queries) must stay below 65504 in magnitude, as in any fp16 attention.
     half_keys: bool = True
     use_dot: bool = True  # tensor cores for q.k and p.v
+    # stage 1 computes the next block's scores before the current block's softmax and value
+    # dots (triton_hybrid_attn.int2_range LOOKAHEAD)
+    score_lookahead: bool = False
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
@@ -549,7 +552,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
+        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), LOOKAHEAD=cfg.score_lookahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=max_registers,
     )

@@ -305,44 +305,43 @@ def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_D
 
 
 @triton.jit
-def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
-                MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr):
-    """One block of BN positions from p0 (positions >= hi masked when MASKED). Slot
-    offsets in int32 unless SLOT64 (a buffer with 2^31 or more elements); K codes as
-    float16 when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
+def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr):
+    """slot [BN] of the BN positions from p0 (0 at positions >= hi when MASKED), int64 when
+    SLOT64 (a buffer with 2^31 or more elements)."""
+    pos = p0 + tl.arange(0, BN)
+    if MASKED:
+        slot = tl.load(r2t_row + pos, mask=pos < hi, other=0)
+    else:
+        slot = tl.load(r2t_row + pos)
+    if SLOT64:
+        slot = slot.to(tl.int64)
+    return slot
+
+
+@triton.jit
+def _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
+                 kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
+                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
+                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
+                 SLOT64: tl.constexpr, HALF: tl.constexpr):
+    """Scores s^T [BN, R] (base 2, scaled; -inf at masked positions) of the BN positions
+    from p0: the key half of a block. GK: the keys' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
     GRP_K: tl.constexpr = GK >= DQ
     NG_K: tl.constexpr = group_count(D, GK)
     PG_K: tl.constexpr = 4 // NG_K  # planes per key group
-    GRP_V: tl.constexpr = GV >= DQ
-    NG_V: tl.constexpr = group_count(D, GV)
-    PG_V: tl.constexpr = 4 // NG_V  # planes per value group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    m_i, l_t, pm, wsum, acc = st
-    R: tl.constexpr = m_i.shape[0]
-    pos = p0 + tl.arange(0, BN)
+    slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
     kp = tl.arange(0, KP)
-    dh = tl.arange(0, DH)
     if MASKED:
-        mask = pos < hi
-        slot = tl.load(r2t_row + pos, mask=mask, other=0)
+        mask = (p0 + tl.arange(0, BN)) < hi
         kmask = mask[:, None] & (kp < DH)[None, :]
-        vmask = mask[None, :]
     else:
         mask = None
-        slot = tl.load(r2t_row + pos)
         kmask = (kp < DH)[None, :] if KP > DH else None
-        vmask = None
-    if SLOT64:
-        slot = slot.to(tl.int64)
     kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
-    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
-    # ---- scores s^T [BN, R]
     if GRP_K:
         for g in tl.static_range(NG_K):
             if PG_K == 1:  # zero start; the offset leaves with the min (below)
@@ -375,9 +374,37 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
             s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
             s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
         s = s * qk_scale
-    # ---- online softmax over the token axis (0)
     if MASKED:
         s = tl.where(mask[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+                     vgs_ptr, sgs_s, hoff_gs, qk_scale,
+                     MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
+                     PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
+                     SLOT64: tl.constexpr):
+    """The value half of a block: online softmax of its scores s^T [BN, R] over the token
+    axis (0) and the P@V dots of the BN positions from p0, added to the state st
+    (int2_state). GV: the values' group size."""
+    DQ: tl.constexpr = D // 4
+    DH: tl.constexpr = D // 8
+    GRP_V: tl.constexpr = GV >= DQ
+    NG_V: tl.constexpr = group_count(D, GV)
+    PG_V: tl.constexpr = 4 // NG_V  # planes per value group
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    m_i, l_t, pm, wsum, acc = st
+    slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
+    dh = tl.arange(0, DH)
+    if MASKED:
+        mask = (p0 + tl.arange(0, BN)) < hi
+        vmask = mask[None, :]
+    else:
+        mask = None
+        vmask = None
+    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+    # ---- online softmax over the token axis (0)
     m_new = tl.maximum(m_i, tl.max(s, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -410,11 +437,29 @@ def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff
 
 
 @triton.jit
+def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
+                MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
+    """One block of BN positions from p0 (positions >= hi masked when MASKED): its scores,
+    then softmax and value dots. Slot offsets in int32 unless SLOT64; K codes as float16
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
+    R: tl.constexpr = st[0].shape[0]
+    s = _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
+                     kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT, INTERP,
+                     SLOT64, HALF)
+    return _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+                            vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
+                            SLOT64)
+
+
+@triton.jit
 def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr):
+               HALF: tl.constexpr, LOOKAHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -425,7 +470,12 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     codes as int16 (strides spk_s, hoff_pk in int16 units); ksc/vsc (element strides
     ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
     hoff_gs) per group as in group_scales. GK / GV: the keys' / values' group size (K and
-    V scales share strides: allocate_layer keeps them in one tensor)."""
+    V scales share strides: allocate_layer keeps them in one tensor).
+
+    LOOKAHEAD: each step computes the next block's scores before the softmax and value
+    dots of the current block (two independent dependency chains in one loop body, as in
+    FlashAttention-3's intra-warpgroup overlap); the first block's scores are computed
+    before the loop, the last full (or only, partial) block is finished after it, masked."""
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
     R: tl.constexpr = st[0].shape[0]
@@ -444,14 +494,36 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
-    for p0 in range(lo, hi_full, BN):
-        st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    if hi_full < hi:
-        st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+    if LOOKAHEAD:
+        if lo < hi:
+            last = tl.maximum(hi_full - BN, lo)  # the block finished after the loop
+            s = _int2_scores(lo, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
+                             hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, True, BN, D, GK, PAIR, MAGIC,
+                             USE_DOT, INTERP, SLOT64, HALF)
+            for p0 in range(lo, last, BN):
+                s_next = _int2_scores(p0 + BN, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr,
+                                      ssc_s, ssc_g, hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, False, BN, D,
+                                      GK, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+                st = _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
+                                      hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GV, PAIR, MAGIC,
+                                      USE_DOT, INTERP, SLOT64)
+                s = s_next
+            st = _int2_accumulate(st, s, last, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
+                                  hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GV, PAIR, MAGIC,
+                                  USE_DOT, INTERP, SLOT64)
+            if (hi_full > lo) & (hi_full < hi):  # the partial block after full ones
+                st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                                 qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+    else:
+        for p0 in range(lo, hi_full, BN):
+            st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                             qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+        if hi_full < hi:
+            st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                             qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 

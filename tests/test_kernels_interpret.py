@@ -174,6 +174,17 @@ def test_decode_variants(variant, monkeypatch):
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, **variant}))
 
 
+@pytest.mark.parametrize("layout", [dict(D=64, G=16), dict(D=64, G=64), dict(D=64, G=8), dict(D=128, G=32, GV=128)])
+@pytest.mark.parametrize("max_splits", [1, 3])
+def test_decode_score_lookahead_matches_reference(layout, max_splits):
+    """score_lookahead (next block's scores before this block's softmax): INT2 ranges that
+    are empty, one partial block, exactly one / two full blocks, full blocks then a tail."""
+    lens = [12, 13, 28, 44, 52, 95]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83
+    sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=23, **layout)
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits,
+                                                           "score_lookahead": True}))
+
+
 def test_rotate_queries_column_blocks_match_the_full_rotation():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 8, 64, generator=g).bfloat16()
