@@ -81,6 +81,7 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
     dict(block_n=64, max_registers=168), dict(small_batch_max=0), dict(block_n=64, max_registers=128),
     dict(max_splits=1), dict(half_keys=False),
     dict(min_chunk=64, target_programs=4096), dict(merge_grid="query_head", merge_partials_per_step=16),
+    dict(score_lookahead=True), dict(score_lookahead=True, small_batch_max=0),
 ])
 def test_decode_gpu_variants(kernels, variant):
     _, _, td, _ = kernels
@@ -133,6 +134,22 @@ def test_split_group_sizes_gpu(kernels):
     out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                            torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale)
     assert torch.isfinite(out.float()).all()
+    _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
+
+
+def test_score_lookahead_split_groups_gpu(kernels):
+    """DecodeConfig.score_lookahead at the default layout (keys 32 / values 128, float8):
+    short, medium and 128k requests against the reference."""
+    _, _, td, _ = kernels
+    kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
+    cfg = td.DecodeConfig(score_lookahead=True)
+    sc = kc.build([5, 80, 81, 144, 900, 3000], seed=3, device="cuda", **kw)
+    kc.check_decode(sc, 32, td.triton_decode, cfg)
+    lens = [131072, 4096, 1]
+    sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})
+    q = kc.random_q(sc, 32, seed=4)
+    out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale, config=cfg)
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
 
 
