@@ -111,7 +111,12 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
     def z(*shape, dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    scales = z(num_slots, h, ngk + d // gv, 2, dtype=scale_dtype)
+    shape = (num_slots, h, ngk + d // gv, 2)
+    numel = num_slots * h * (ngk + d // gv) * 2
+    # storage rounded up to whole 4-byte words: float8 pairs are then read as words
+    # (triton_common.float8_words_view) whatever the slot and head counts
+    words = -(-numel * torch.empty(0, dtype=scale_dtype).element_size() // 4)
+    scales = z(words * 4, dtype=torch.uint8).view(scale_dtype)[:numel].view(shape)
     return HybridLayerCache(
         k_packed=z(num_slots, h, q, dtype=torch.uint8),
         v_packed=z(num_slots, h, q, dtype=torch.uint8),

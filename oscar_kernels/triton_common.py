@@ -104,14 +104,39 @@ def check_cache_layout(layer) -> None:
         raise ValueError(f"the Triton kernels read {names} scales, not {layer.k_scales.dtype}")
 
 
-def group_scale_args(layer):
+def group_scale_args(layer, float8_words: bool = True):
     """(kgs, vgs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are read
-    as one int32 (scale, min) pair per token and group, float8 scales as one int16."""
+    as one int32 (scale, min) pair per token and group, float8 scales as one int16 pair, or
+    (``float8_words``, when the layout allows it: float8_words_view) as the aligned int32
+    word holding the pair. Strides in pair units."""
     ks, vs = layer.k_scales, layer.v_scales
     pair = {2: torch.int32, 1: torch.int16}.get(ks.element_size())
     if pair is not None and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
-        return (ks.view(pair), vs.view(pair), ks.stride(0) // 2, ks.stride(1) // 2, SCALE_TL_DTYPES[ks.dtype])
+        kgs, vgs = ks.view(pair), vs.view(pair)
+        if pair == torch.int16 and float8_words:
+            kw, vw = float8_words_view(ks), float8_words_view(vs)
+            if kw is not None and vw is not None:
+                kgs, vgs = kw, vw
+        return (kgs, vgs, ks.stride(0) // 2, ks.stride(1) // 2, SCALE_TL_DTYPES[ks.dtype])
     return ks, vs, ks.stride(0), ks.stride(1), None
+
+
+def float8_words_view(scales: torch.Tensor) -> torch.Tensor | None:
+    """int32 view of a float8 (scale, min) tensor's storage from its first element, so that
+    pair i (int16 index i from the view's start) lies in word i >> 1, bits 16 (i & 1) up:
+    the kernels then load 4-byte words, which Triton's software pipeliner prefetches into
+    shared memory (it leaves 2-byte loads synchronous: one memory latency per block).
+    The extra two bytes a word reads sit in the same 32-byte sector. None when the view
+    does not start on a 4-byte boundary or the storage does not end on one (the last
+    pair's word would read past the end): the kernels then read int16 pairs."""
+    start = scales.storage_offset() * scales.element_size()
+    nbytes = scales.untyped_storage().nbytes()
+    base = scales.untyped_storage().data_ptr()
+    if start % 4 or nbytes % 4 or base % 4:
+        return None
+    words = torch.empty(0, dtype=torch.int32, device=scales.device)
+    words.set_(scales.untyped_storage(), start // 4, ((nbytes - start) // 4,), (1,))
+    return words
 
 
 def pair_views(layer):

@@ -306,6 +306,9 @@ class DecodeConfig:
     # stage 1 computes the next block's scores before the current block's softmax and value
     # dots (triton_hybrid_attn.int2_range LOOKAHEAD)
     score_lookahead: bool = False
+    # float8 (scale, min) pairs read as aligned 4-byte words (triton_common.float8_words_view)
+    # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step
+    float8_words: bool = True
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
@@ -540,18 +543,19 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     block_n, max_registers = cfg.stage1_shape_for(b, spans)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
+    scale_args = group_scale_args(lay, cfg.float8_words)
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
         lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
-        *group_scale_args(lay)[:4],
+        *scale_args[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
-        PAIR=group_scale_args(lay)[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
+        PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), LOOKAHEAD=cfg.score_lookahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=max_registers,

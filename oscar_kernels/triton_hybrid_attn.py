@@ -190,6 +190,18 @@ def load_or0(ptr, mask):
 _FP8_PAIR_ASM: tl.constexpr = tl.constexpr(
     "{ .reg .b32 h; .reg .b16 lo, hi; cvt.rn.f16x2.e4m3x2 h, $2; mov.b32 {lo, hi}, h; "
     "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+# ... the pair in bits $3.. of an int32 word ($3 = 0 or 16)
+_FP8_WORD_ASM: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 h, w; .reg .b16 lo, hi, p, u; shr.b32 w, $2, $3; mov.b32 {p, u}, w; "
+    "cvt.rn.f16x2.e4m3x2 h, p; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+
+
+@triton.jit
+def _fp8_pair_bits(x16):
+    """(scale, min) float32 of int32 values holding a float8_e4m3fn pair in bits 0..15."""
+    sc = (x16 & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    mn = ((x16 >> 8) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return sc, mn
 
 
 @triton.jit
@@ -197,15 +209,26 @@ def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.con
                  INTERP: tl.constexpr = False):
     """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
     tl.bfloat16 / tl.float8e4nv, else None): the scales are addressed as int32 (16-bit) or
-    int16 (float8) (scale, min) pairs, one load per token (strides in pair units)."""
+    int16 (float8) (scale, min) pairs, one load per token (strides in pair units). float8
+    through an int32 pointer (triton_common.float8_words_view): pair i is read as word
+    i >> 1 and shifted by 16 (i & 1), a 4-byte load the software pipeliner prefetches."""
     if PAIR is not None:
+        if PAIR == tl.float8e4nv and sc_ptr.dtype.element_ty == tl.int32:
+            idx = slot * s_slot + hoff + g
+            x = load_or0(sc_ptr + (idx >> 1), mask)
+            sh = (idx & 1).to(tl.int32) * 16
+            if INTERP:
+                sc, mn = _fp8_pair_bits(x >> sh)
+            else:
+                sc, mn = tl.inline_asm_elementwise(_FP8_WORD_ASM, "=r,=r,r,r", [x, sh],
+                                                   dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            return sc, mn
         x = load_or0(sc_ptr + slot * s_slot + hoff + g, mask)
         if PAIR == tl.float8e4nv and not INTERP:
             sc, mn = tl.inline_asm_elementwise(_FP8_PAIR_ASM, "=r,=r,h", [x], dtype=(tl.float32, tl.float32),
                                                is_pure=True, pack=1)
         elif PAIR == tl.float8e4nv:  # int16 pair of float8 values
-            sc = (x & 0xFF).to(tl.int8).to(PAIR, bitcast=True).to(tl.float32)
-            mn = (x >> 8).to(tl.int8).to(PAIR, bitcast=True).to(tl.float32)
+            sc, mn = _fp8_pair_bits(x.to(tl.int32))
         else:  # int32 pair of 16-bit values
             sc = (x & 0xFFFF).to(tl.int16).to(PAIR, bitcast=True).to(tl.float32)
             mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True).to(tl.float32)

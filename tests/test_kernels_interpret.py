@@ -119,6 +119,25 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
                     triton_extend_mod.ExtendConfig(**_SMALL_EXT))
 
 
+def test_float8_words_view_addresses_every_pair_or_declines():
+    """float8 (scale, min) pairs read as int32 words: pair i of the view is in word i >> 1,
+    bits 16 (i & 1) up; a view that starts or a storage that ends off a 4-byte boundary
+    gets no word view (the kernels then read int16 pairs)."""
+    from oscar_kernels.triton_common import float8_words_view
+    full = torch.arange(40, dtype=torch.int16).view(torch.float8_e4m3fn).view(2, 2, 10, 2)  # [slot, head, pair]
+    for start in (0, 4):  # pair offsets 0 and 4 within each (slot, head) record
+        view = full[:, :, start:start + 4]
+        words = float8_words_view(view)
+        assert words is not None
+        pairs = view.view(torch.int16)
+        for slot, head, g in itertools.product(range(2), range(2), range(4)):
+            i = slot * pairs.stride(0) + head * pairs.stride(1) + g
+            got = (int(words[i >> 1]) >> (16 * (i & 1))) & 0xFFFF
+            assert got == int(pairs[slot, head, g]) & 0xFFFF
+    assert float8_words_view(full[:, :, 1:5]) is None  # starts 2 bytes into a word
+    assert float8_words_view(torch.zeros(3, 2, dtype=torch.float8_e4m3fn)) is None  # 6 bytes: ends mid-word
+
+
 @pytest.mark.parametrize("gk,gv,dt", [
     (16, 64, torch.float8_e4m3fn),  # keys a group per plane, values one group (the split layout)
     (64, 16, torch.float16),  # the other way round
