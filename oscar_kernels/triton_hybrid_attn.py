@@ -342,7 +342,7 @@ def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64
 
 
 @triton.jit
-def _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
+def _int2_scores(slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
                  kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
                  PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -356,7 +356,6 @@ def _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr
     NG_K: tl.constexpr = group_count(D, GK)
     PG_K: tl.constexpr = 4 // NG_K  # planes per key group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
-    slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
     kp = tl.arange(0, KP)
     if MASKED:
         mask = (p0 + tl.arange(0, BN)) < hi
@@ -403,7 +402,7 @@ def _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr
 
 
 @triton.jit
-def _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+def _int2_accumulate(st, s, slot, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -418,7 +417,6 @@ def _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, s
     PG_V: tl.constexpr = 4 // NG_V  # planes per value group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
-    slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
     dh = tl.arange(0, DH)
     if MASKED:
         mask = (p0 + tl.arange(0, BN)) < hi
@@ -460,19 +458,19 @@ def _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, s
 
 
 @triton.jit
-def _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+def _int2_block(st, slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                 SLOT64: tl.constexpr, HALF: tl.constexpr):
-    """One block of BN positions from p0 (positions >= hi masked when MASKED): its scores,
-    then softmax and value dots. Slot offsets in int32 unless SLOT64; K codes as float16
+    """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
+    masked when MASKED): its scores, then softmax and value dots. K codes as float16
     when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
-    s = _int2_scores(p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
-                     kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT, INTERP,
-                     SLOT64, HALF)
-    return _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+    s = _int2_scores(slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
+                     hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
+                     INTERP, SLOT64, HALF)
+    return _int2_accumulate(st, s, slot, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
                             SLOT64)
 
@@ -482,7 +480,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, LOOKAHEAD: tl.constexpr = False):
+               HALF: tl.constexpr, LOOKAHEAD: tl.constexpr = False, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -520,33 +518,49 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     if LOOKAHEAD:
         if lo < hi:
             last = tl.maximum(hi_full - BN, lo)  # the block finished after the loop
-            s = _int2_scores(lo, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
+            s = _int2_scores(_block_slots(lo, hi, r2t_row, True, BN, SLOT64), lo, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                              hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, True, BN, D, GK, PAIR, MAGIC,
                              USE_DOT, INTERP, SLOT64, HALF)
             for p0 in range(lo, last, BN):
-                s_next = _int2_scores(p0 + BN, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr,
+                s_next = _int2_scores(_block_slots(p0 + BN, hi, r2t_row, False, BN, SLOT64), p0 + BN, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr,
                                       ssc_s, ssc_g, hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, False, BN, D,
                                       GK, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-                st = _int2_accumulate(st, s, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
+                st = _int2_accumulate(st, s, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
                                       hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GV, PAIR, MAGIC,
                                       USE_DOT, INTERP, SLOT64)
                 s = s_next
-            st = _int2_accumulate(st, s, last, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
+            st = _int2_accumulate(st, s, _block_slots(last, hi, r2t_row, True, BN, SLOT64), last, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
                                   hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GV, PAIR, MAGIC,
                                   USE_DOT, INTERP, SLOT64)
             if (hi_full > lo) & (hi_full < hi):  # the partial block after full ones
-                st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                st = _int2_block(st, _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64), hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                                  ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                                  qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    else:
+    elif SLOT_AHEAD:
+        # each step loads the next block's slots: the code and scale loads of a block have
+        # their addresses at the start of its step (loop-carried), none waits on a slot load
+        slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
         for p0 in range(lo, hi_full, BN):
-            st = _int2_block(st, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+            slot = slot_n
+            slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
+            st = _int2_block(st, slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                              ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                              qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
         if hi_full < hi:
-            st = _int2_block(st, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+            st = _int2_block(st, slot_n, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                              ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                              qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+    else:
+        for p0 in range(lo, hi_full, BN):
+            st = _int2_block(st, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, qops, c0, qg, r2t_row,
+                             kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr,
+                             vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
+                             SLOT64, HALF)
+        if hi_full < hi:
+            st = _int2_block(st, _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64), hi_full, hi, qops, c0, qg,
+                             r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+                             kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                             INTERP, SLOT64, HALF)
     return st
 
 

@@ -82,6 +82,7 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
     dict(max_splits=1), dict(half_keys=False),
     dict(min_chunk=64, target_programs=4096), dict(merge_grid="query_head", merge_partials_per_step=16),
     dict(score_lookahead=True), dict(score_lookahead=True, small_batch_max=0),
+    dict(slot_ahead=True), dict(slot_ahead=True, num_stages=3, small_batch_max=0),
 ])
 def test_decode_gpu_variants(kernels, variant):
     _, _, td, _ = kernels
@@ -137,12 +138,14 @@ def test_split_group_sizes_gpu(kernels):
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
 
 
-def test_score_lookahead_split_groups_gpu(kernels):
-    """DecodeConfig.score_lookahead at the default layout (keys 32 / values 128, float8):
+@pytest.mark.parametrize("loop", [dict(score_lookahead=True), dict(slot_ahead=True),
+                                  dict(slot_ahead=True, num_stages=3), dict(float8_words=False)])
+def test_loop_variants_split_groups_gpu(kernels, loop):
+    """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
     short, medium and 128k requests against the reference."""
     _, _, td, _ = kernels
     kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
-    cfg = td.DecodeConfig(score_lookahead=True)
+    cfg = td.DecodeConfig(**loop)
     sc = kc.build([5, 80, 81, 144, 900, 3000], seed=3, device="cuda", **kw)
     kc.check_decode(sc, 32, td.triton_decode, cfg)
     lens = [131072, 4096, 1]
