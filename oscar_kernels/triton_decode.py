@@ -99,8 +99,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                   SLOT64: tl.constexpr, HALF: tl.constexpr, LOOKAHEAD: tl.constexpr,
-                   SLOT_AHEAD: tl.constexpr):
+                   SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -143,7 +142,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF, LOOKAHEAD, SLOT_AHEAD)
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -304,14 +303,14 @@ class DecodeConfig:
     # (rotated queries) must stay below 65504 in magnitude, as in any fp16 attention.
     half_keys: bool = True
     use_dot: bool = True  # tensor cores for q.k and p.v
-    # stage 1 computes the next block's scores before the current block's softmax and value
-    # dots (triton_hybrid_attn.int2_range LOOKAHEAD)
-    score_lookahead: bool = False
     # float8 (scale, min) pairs read as aligned 4-byte words (triton_common.float8_words_view)
-    # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step
+    # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step.
+    # Timed (session 11, same run): 0.83-0.93 x the time at batch 4-64 (16k-128k), equal at batch 1
     float8_words: bool = True
-    # stage 1 loads each block's slots one step ahead (int2_range SLOT_AHEAD)
-    slot_ahead: bool = False
+    # stage 1 loads each block's slots one step ahead (int2_range SLOT_AHEAD). Timed on the
+    # H200 (session 11, same run, cold L2): 0.90-0.93 x the time at batch 4-32 (64k, 128k)
+    # and batch 64 (16k), equal at batch 1 (64k) and batch 64 (128k)
+    slot_ahead: bool = True
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
@@ -559,8 +558,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), LOOKAHEAD=cfg.score_lookahead,
-        SLOT_AHEAD=cfg.slot_ahead,
+        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), SLOT_AHEAD=cfg.slot_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=max_registers,
     )

@@ -342,7 +342,7 @@ def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64
 
 
 @triton.jit
-def _int2_scores(slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
+def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
                  kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
                  PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -402,7 +402,7 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, k
 
 
 @triton.jit
-def _int2_accumulate(st, s, slot, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -458,7 +458,7 @@ def _int2_accumulate(st, s, slot, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_
 
 
 @triton.jit
-def _int2_block(st, slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
@@ -467,10 +467,10 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
     when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
-    s = _int2_scores(slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
+    s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                      hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
                      INTERP, SLOT64, HALF)
-    return _int2_accumulate(st, s, slot, p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+    return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
                             SLOT64)
 
@@ -480,7 +480,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, LOOKAHEAD: tl.constexpr = False, SLOT_AHEAD: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -493,10 +493,10 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     hoff_gs) per group as in group_scales. GK / GV: the keys' / values' group size (K and
     V scales share strides: allocate_layer keeps them in one tensor).
 
-    LOOKAHEAD: each step computes the next block's scores before the softmax and value
-    dots of the current block (two independent dependency chains in one loop body, as in
-    FlashAttention-3's intra-warpgroup overlap); the first block's scores are computed
-    before the loop, the last full (or only, partial) block is finished after it, masked."""
+    SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
+    block have their addresses when its step starts (Triton's pipeliner then issues the
+    next step's copies early in the step instead of after a slot load at its end).
+    """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
     R: tl.constexpr = st[0].shape[0]
@@ -515,50 +515,29 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
-    if LOOKAHEAD:
-        if lo < hi:
-            last = tl.maximum(hi_full - BN, lo)  # the block finished after the loop
-            s = _int2_scores(_block_slots(lo, hi, r2t_row, True, BN, SLOT64), lo, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
-                             hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, True, BN, D, GK, PAIR, MAGIC,
-                             USE_DOT, INTERP, SLOT64, HALF)
-            for p0 in range(lo, last, BN):
-                s_next = _int2_scores(_block_slots(p0 + BN, hi, r2t_row, False, BN, SLOT64), p0 + BN, hi, qops, c0, qg, r2t_row, kpk_ptr, spk_s, hoff_pk, ksc_ptr,
-                                      ssc_s, ssc_g, hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, False, BN, D,
-                                      GK, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-                st = _int2_accumulate(st, s, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
-                                      hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GV, PAIR, MAGIC,
-                                      USE_DOT, INTERP, SLOT64)
-                s = s_next
-            st = _int2_accumulate(st, s, _block_slots(last, hi, r2t_row, True, BN, SLOT64), last, hi, r2t_row, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
-                                  hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GV, PAIR, MAGIC,
-                                  USE_DOT, INTERP, SLOT64)
-            if (hi_full > lo) & (hi_full < hi):  # the partial block after full ones
-                st = _int2_block(st, _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64), hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                                 qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    elif SLOT_AHEAD:
+    if SLOT_AHEAD:
         # each step loads the next block's slots: the code and scale loads of a block have
         # their addresses at the start of its step (loop-carried), none waits on a slot load
         slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
         for p0 in range(lo, hi_full, BN):
             slot = slot_n
             slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
-            st = _int2_block(st, slot, p0, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+            st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                              ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                              qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
         if hi_full < hi:
-            st = _int2_block(st, slot_n, hi_full, hi, qops, c0, qg, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+            st = _int2_block(st, slot_n, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                              ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                              qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     else:
         for p0 in range(lo, hi_full, BN):
-            st = _int2_block(st, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, qops, c0, qg, r2t_row,
+            st = _int2_block(st, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, qops, c0, qg,
                              kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr,
                              vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
                              SLOT64, HALF)
         if hi_full < hi:
             st = _int2_block(st, _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64), hi_full, hi, qops, c0, qg,
-                             r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc,
+                             kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                              kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
                              INTERP, SLOT64, HALF)
     return st

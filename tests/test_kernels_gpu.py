@@ -81,8 +81,7 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
     dict(block_n=64, max_registers=168), dict(small_batch_max=0), dict(block_n=64, max_registers=128),
     dict(max_splits=1), dict(half_keys=False),
     dict(min_chunk=64, target_programs=4096), dict(merge_grid="query_head", merge_partials_per_step=16),
-    dict(score_lookahead=True), dict(score_lookahead=True, small_batch_max=0),
-    dict(slot_ahead=True), dict(slot_ahead=True, num_stages=3, small_batch_max=0),
+    dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3, small_batch_max=0),
 ])
 def test_decode_gpu_variants(kernels, variant):
     _, _, td, _ = kernels
@@ -138,8 +137,8 @@ def test_split_group_sizes_gpu(kernels):
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
 
 
-@pytest.mark.parametrize("loop", [dict(score_lookahead=True), dict(slot_ahead=True),
-                                  dict(slot_ahead=True, num_stages=3), dict(float8_words=False)])
+@pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3),
+                                  dict(float8_words=False)])
 def test_loop_variants_split_groups_gpu(kernels, loop):
     """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
     short, medium and 128k requests against the reference."""
