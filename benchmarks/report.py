@@ -329,7 +329,19 @@ def render_kernels(path: str, data: dict) -> list[str]:
     sweep = os.path.splitext(path)[0] + "_sweep.png"
     if os.path.isfile(sweep):
         parts.append(f"Decode variants (block sizes, warps, stages, splits, group size): `{_rel(sweep)}`.")
+    if data.get("breakdown"):
+        parts.append("Where the time goes (same run, `--breakdown`: the decode timed with each launch left "
+                     "out in turn; a launch's time = full - without it):")
+        parts.append(table(["batch", "context", "variant", "full (us)", "per launch (us)"],
+                           [[fmt(r.get("batch")), fmt(r.get("context")), r.get("variant", ""),
+                             fmt(r.get("full_us"), 2), _launch_times(r)] for r in data["breakdown"]]))
     return parts
+
+
+def _launch_times(rec: dict) -> str:
+    """'rotate_q_kernel 3.68, decode_stage1 175.23, ...' of a breakdown record."""
+    return ", ".join(f"{k[:-3]} {fmt(v, 2)}" for k, v in rec.items()
+                     if k.endswith("_us") and k != "full_us" and not k.startswith("without_"))
 
 
 SWEEP_WIN = 0.02
