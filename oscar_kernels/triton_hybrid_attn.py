@@ -515,31 +515,25 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
-    if SLOT_AHEAD:
-        # each step loads the next block's slots: the code and scale loads of a block have
-        # their addresses at the start of its step (loop-carried), none waits on a slot load
+    if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
         slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
-        for p0 in range(lo, hi_full, BN):
+    for p0 in range(lo, hi_full, BN):
+        if SLOT_AHEAD:
             slot = slot_n
             slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
-            st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                             qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-        if hi_full < hi:
-            st = _int2_block(st, slot_n, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                             qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    else:
-        for p0 in range(lo, hi_full, BN):
-            st = _int2_block(st, _block_slots(p0, hi, r2t_row, False, BN, SLOT64), p0, hi, qops, c0, qg,
-                             kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr,
-                             vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                             SLOT64, HALF)
-        if hi_full < hi:
-            st = _int2_block(st, _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64), hi_full, hi, qops, c0, qg,
-                             kpk_ptr, vpk_ptr, spk_s, hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                             kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                             INTERP, SLOT64, HALF)
+        else:
+            slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
+        st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+    if hi_full < hi:
+        if SLOT_AHEAD:
+            slot = slot_n
+        else:
+            slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
+        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
