@@ -16,7 +16,8 @@ values' INT2 group sizes):
   max_extend_len  host int >= max_b (qo_indptr[b+1] - qo_indptr[b]) (no device sync)
 Cache (hybrid_cache.HybridLayerCache): k/v_packed uint8 [slots, H, D/4]; k_scales
 [slots, H, D/G_K, 2] and v_scales [slots, H, D/G_V, 2] (scale, min), float16 / bfloat16 /
-float32 / float8_e4m3fn, with the same strides (allocate_layer: views of one tensor);
+float32 / float8_e4m3fn, with the same strides (allocate_layer: views of one tensor;
+any strides with a unit last one, allocate_layer's are head-major: [H, slots, ...] storage);
 k/v_sink bf16 [C, S, H, D];
 k/v_ring bf16 [R, W, H, D]. Rotation (LayerRotation): k/v_rot float32 [H, D, D], clips
 float32 [H, D]. Index: sink_slot_of_page int32 [pages], page_of_sink_slot int32 [C],

@@ -157,8 +157,17 @@ def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
     return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
 
 
+def element_extent(t: torch.Tensor) -> int:
+    """One past the largest element offset a view reaches from its first element, in bytes
+    (whatever the order of its strides: allocate_layer's buffers are head-major views)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def needs_int64_slots(layer) -> bool:
-    """True when a slot offset into the INT2 buffers may not fit in int32 (the kernels then
-    compute slot offsets in int64)."""
-    ks = layer.k_scales  # k/v_scales may be views of one tensor: bound by the slot stride
-    return max(layer.k_packed.numel(), ks.shape[0] * ks.stride(0)) >= 2 ** 31
+    """True when an offset into the INT2 buffers may not fit in int32: the kernels then
+    compute slot and head offsets in int64 (bounded in bytes: they index these buffers in
+    units of 1-4 bytes)."""
+    bufs = (layer.k_packed, layer.v_packed, layer.k_scales, layer.v_scales)
+    return max(element_extent(t) + t.storage_offset() * t.element_size() for t in bufs) >= 2 ** 31

@@ -139,9 +139,10 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
         qops, qsums = int2_query(q_vec, hmask, D, GK, MAGIC, HALF)
+        hh = h.to(tl.int64) if SLOT64 else h  # head-major buffers: head offsets span the cache
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
-                        kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                        kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                        kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
+                        kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
                         INTERP, SLOT64, HALF, SLOT_AHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~

@@ -84,9 +84,10 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                                                      pos_of_ptr, page_size, vf_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
             qops, qsums = int2_query(q_vec, rmask, D, GK, MAGIC, HALF)
+            hh = h.to(tl.int64) if SLOT64 else h  # head-major buffers: head offsets span the cache
             st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo, r2t_ptr + row * r2t_stride,
-                            kpk_ptr, vpk_ptr, spk_s, h * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, h * ssc_h,
-                            kgs_ptr, vgs_ptr, sgs_s, h * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
+                            kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
+                            kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
                             SLOT64, HALF)
             outs, m2, l2 = int2_finish(st, D, GV, MAGIC)
             store_pairs(o_vec, rmask, outs, D)

@@ -78,11 +78,13 @@ def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr
         # INT2 history
         in_int2 = valid & (t >= s_b) & (t < ring_lo)
         slot = tl.load(r2t_ptr + row * r2t_stride + t, mask=in_int2, other=0)
-        if SLOT64:
+        hh = h
+        if SLOT64:  # head-major buffers: head offsets span the cache too
             slot = slot.to(tl.int64)
-        _dequant_rows(kpk_ptr, ksc_ptr, slot, h * s_pk_h, h * s_sc_h, s_pk, s_sc, s_grp, in_int2,
+            hh = h.to(tl.int64)
+        _dequant_rows(kpk_ptr, ksc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,
                       kout_ptr, dst, D, GK, FP8)
-        _dequant_rows(vpk_ptr, vsc_ptr, slot, h * s_pk_h, h * s_sc_h, s_pk, s_sc, s_grp, in_int2,
+        _dequant_rows(vpk_ptr, vsc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,
                       vout_ptr, dst, D, GV, FP8)
         if S > 0:  # BF16 sinks
             in_sink = valid & (t < s_b)

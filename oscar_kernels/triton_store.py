@@ -71,10 +71,10 @@ def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
         packed = tl.sum(planes << shift, axis=1).to(tl.uint8)
         slot64 = slot.to(tl.int64)
         q = tl.arange(0, D // 4)
-        tl.store(pk_ptr + slot64[:, None] * spk_s + h * spk_h + q[None, :], packed,
+        tl.store(pk_ptr + slot64[:, None] * spk_s + h.to(tl.int64) * spk_h + q[None, :], packed,
                  mask=tmask[:, None])
         g = tl.arange(0, NG)
-        sc_row = sc_ptr + slot64[:, None] * ssc_s + h * ssc_h + g[None, :] * ssc_g
+        sc_row = sc_ptr + slot64[:, None] * ssc_s + h.to(tl.int64) * ssc_h + g[None, :] * ssc_g
         tl.store(sc_row, scale_q, mask=tmask[:, None])
         tl.store(sc_row + 1, lo_q, mask=tmask[:, None])
         if S > 0:

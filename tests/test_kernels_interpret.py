@@ -119,6 +119,48 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
                     triton_extend_mod.ExtendConfig(**_SMALL_EXT))
 
 
+def test_int2_buffers_are_head_major_and_decode_reads_either_order():
+    """allocate_layer stores codes and scales head-major ([H, slots, ...] under [slots, H,
+    ...] views); the kernels take strides, so a slot-major copy of the same cache decodes
+    to the same output."""
+    from oscar_kernels.hybrid_cache import allocate_layer
+    f8 = torch.float8_e4m3fn
+    sc = kc.build([13, 40, 77], H=2, D=128, G=32, GV=128, S=4, W=8, page=8, seed=3, scale_dtype=f8)
+    lay = sc.layer
+    slots, q = lay.k_packed.shape[0], lay.k_packed.shape[2]
+    hm = allocate_layer(slots, 2, 128, 32, 4, 8, lay.k_sink.shape[0], lay.k_ring.shape[0], f8, value_group_size=128)
+    assert hm.k_packed.stride() == hm.v_packed.stride() == (q, slots * q, 1)
+    assert hm.k_scales.stride() == hm.v_scales.stride() == (10, slots * 10, 2, 1)  # 4 + 1 float8 pairs
+    for name in ("k_packed", "v_packed", "k_scales", "v_scales"):
+        getattr(hm, name).copy_(getattr(lay, name))
+    hm = replace(hm, k_sink=lay.k_sink, v_sink=lay.v_sink, k_ring=lay.k_ring, v_ring=lay.v_ring)
+    both = kc.joined_scales(lay.k_scales.contiguous(), lay.v_scales.contiguous())
+    slot_major = replace(hm, k_packed=lay.k_packed.contiguous(), v_packed=lay.v_packed.contiguous(),
+                         k_scales=both[0], v_scales=both[1])
+    assert slot_major.k_packed.stride(0) == 2 * q and slot_major.k_scales.stride(0) == 20
+    q_rows = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    lens = torch.tensor(sc.lens, dtype=torch.int32)
+    cfg = triton_decode_mod.DecodeConfig(**_SMALL)
+    outs = [triton_decode_mod.triton_decode(q_rows, layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
+                                            sc.sm_scale, config=cfg) for layer in (hm, slot_major)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_int64_offsets_follow_the_buffers_extent():
+    """Slot and head offsets switch to int64 once any INT2 buffer reaches 2^31 bytes from its
+    first element (head-major: the last head's offset is most of the buffer)."""
+    from oscar_kernels.hybrid_cache import allocate_layer
+    from oscar_kernels.triton_common import element_extent, needs_int64_slots
+    per_slot = 8 * 32  # 8 heads x 32 bytes of codes (head_dim 128)
+    below = allocate_layer(2 ** 31 // per_slot - 1, 8, 128, 32, 16, 64, 2, 2, torch.float8_e4m3fn, "meta",
+                           value_group_size=128)
+    at = allocate_layer(2 ** 31 // per_slot, 8, 128, 32, 16, 64, 2, 2, torch.float8_e4m3fn, "meta",
+                        value_group_size=128)
+    assert element_extent(below.k_packed) == below.k_packed.numel() < 2 ** 31
+    assert not needs_int64_slots(below) and needs_int64_slots(at)
+    assert element_extent(torch.empty(0)) == 0
+
+
 def test_float8_words_view_addresses_every_pair_or_declines():
     """float8 (scale, min) pairs read as int32 words: pair i of the view is in word i >> 1,
     bits 16 (i & 1) up; a view that starts or a storage that ends off a 4-byte boundary
