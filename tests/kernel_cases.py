@@ -7,7 +7,7 @@ with the *reference* store, so every kernel under test reads a cache the oracle 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,6 +104,14 @@ def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor):
     layout: the kernels read both with one set of strides)."""
     both = torch.cat([k_scales, v_scales], dim=2)
     return both[:, :, :k_scales.shape[2]], both[:, :, k_scales.shape[2]:]
+
+
+def slot_major(layer: HybridLayerCache) -> HybridLayerCache:
+    """The layer with its INT2 codes and scales copied to slot-major storage ([slots, H, ...]
+    contiguous; allocate_layer's are head-major), K/V scales still views of one tensor."""
+    k_scales, v_scales = joined_scales(layer.k_scales.contiguous(), layer.v_scales.contiguous())
+    return replace(layer, k_packed=layer.k_packed.contiguous(), v_packed=layer.v_packed.contiguous(),
+                   k_scales=k_scales, v_scales=v_scales)
 
 
 def layer_to(layer: HybridLayerCache, device) -> HybridLayerCache:

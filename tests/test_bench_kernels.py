@@ -61,3 +61,13 @@ def test_stage1_variants_parse_named_decode_configs():
     for bad in ("default", "x=[1]", "x={nope", "={}"):
         with pytest.raises(argparse.ArgumentTypeError):
             bsv.parse_variant(bad)
+
+
+def test_stage1_variants_parse_storage_orders():
+    import argparse
+    import bench_stage1_variants as bsv
+    assert bsv.parse_storage("head_major,slot_major") == ["head_major", "slot_major"]
+    assert bsv.parse_storage("slot_major") == ["slot_major"]
+    for bad in ("", "row_major", "head_major,nhd"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bsv.parse_storage(bad)

@@ -134,9 +134,7 @@ def test_int2_buffers_are_head_major_and_decode_reads_either_order():
     for name in ("k_packed", "v_packed", "k_scales", "v_scales"):
         getattr(hm, name).copy_(getattr(lay, name))
     hm = replace(hm, k_sink=lay.k_sink, v_sink=lay.v_sink, k_ring=lay.k_ring, v_ring=lay.v_ring)
-    both = kc.joined_scales(lay.k_scales.contiguous(), lay.v_scales.contiguous())
-    slot_major = replace(hm, k_packed=lay.k_packed.contiguous(), v_packed=lay.v_packed.contiguous(),
-                         k_scales=both[0], v_scales=both[1])
+    slot_major = kc.slot_major(hm)
     assert slot_major.k_packed.stride(0) == 2 * q and slot_major.k_scales.stride(0) == 20
     q_rows = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     lens = torch.tensor(sc.lens, dtype=torch.int32)
