@@ -51,6 +51,7 @@ class LayerRotation:
 class HybridLayerCache:
     """One layer's buffers, all in the rotated space."""
 
+    # INT2 buffers: any strides with a unit last one (allocate_layer's: head-major storage)
     k_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
     v_packed: torch.Tensor  # uint8 [num_slots, H, D/4]
     k_scales: torch.Tensor  # scale dtype [num_slots, H, D/G_K, 2]  (scale, min)
