@@ -48,6 +48,16 @@ def mma(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def head_index(h, SLOT64: tl.constexpr):
+    """KV head index to multiply by an INT2 buffer's head stride: int64 when offsets may
+    pass 2^31 (needs_int64_slots; head-major storage puts the last head near the end)."""
+    if SLOT64:
+        return h.to(tl.int64)
+    else:
+        return h
+
+
+@triton.jit
 def mma_f32(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b for float32 operands at the given input precision ("ieee", "tf32x3", ...)."""
     return tl.dot(a, b, acc, input_precision=PRECISION)

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, mma_f32, needs_int64_slots, pair_views)
+                            half_keys, head_index, mma_f32, needs_int64_slots, pair_views)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -139,7 +139,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
         qops, qsums = int2_query(q_vec, hmask, D, GK, MAGIC, HALF)
-        hh = h.to(tl.int64) if SLOT64 else h  # head-major buffers: head offsets span the cache
+        hh = head_index(h, SLOT64)
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, needs_int64_slots, pair_views)
+                            half_keys, head_index, needs_int64_slots, pair_views)
 from .triton_decode import rotate_tokens
 from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
@@ -84,7 +84,7 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
                                                      pos_of_ptr, page_size, vf_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
             qops, qsums = int2_query(q_vec, rmask, D, GK, MAGIC, HALF)
-            hh = h.to(tl.int64) if SLOT64 else h  # head-major buffers: head offsets span the cache
+            hh = head_index(h, SLOT64)
             st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo, r2t_ptr + row * r2t_stride,
                             kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                             kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache
-from .triton_common import check_cache_layout, needs_int64_slots
+from .triton_common import check_cache_layout, head_index, needs_int64_slots
 from .triton_hybrid_attn import request_layout
 
 
@@ -78,10 +78,9 @@ def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr
         # INT2 history
         in_int2 = valid & (t >= s_b) & (t < ring_lo)
         slot = tl.load(r2t_ptr + row * r2t_stride + t, mask=in_int2, other=0)
-        hh = h
-        if SLOT64:  # head-major buffers: head offsets span the cache too
+        if SLOT64:
             slot = slot.to(tl.int64)
-            hh = h.to(tl.int64)
+        hh = head_index(h, SLOT64)
         _dequant_rows(kpk_ptr, ksc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,
                       kout_ptr, dst, D, GK, FP8)
         _dequant_rows(vpk_ptr, vsc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,

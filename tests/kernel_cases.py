@@ -13,7 +13,7 @@ import torch
 
 from oscar_kernels import reference as ref
 from oscar_kernels.hybrid_cache import (HybridCacheIndex, HybridLayerCache, LayerRotation,  # noqa: F401
-                                        allocate_index, allocate_layer, assign_sink_slots)
+                                        allocate_index, allocate_layer, assign_sink_slots, head_major)
 from oscar_kernels.int2 import unpack
 
 
@@ -99,17 +99,21 @@ def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, see
     return to_device(sc, device)
 
 
-def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor):
+def joined_scales(k_scales: torch.Tensor, v_scales: torch.Tensor, storage_head_major: bool = True):
     """K and V scales as views of one [slots, H, D/G_K + D/G_V, 2] tensor (allocate_layer's
-    layout: the kernels read both with one set of strides)."""
-    both = torch.cat([k_scales, v_scales], dim=2)
+    layout: the kernels read both with one set of strides), stored head-major as
+    allocate_layer does, or slot-major."""
+    if storage_head_major:
+        both = head_major(torch.cat([head_major(k_scales), head_major(v_scales)], dim=2))
+    else:
+        both = torch.cat([k_scales, v_scales], dim=2)
     return both[:, :, :k_scales.shape[2]], both[:, :, k_scales.shape[2]:]
 
 
 def slot_major(layer: HybridLayerCache) -> HybridLayerCache:
     """The layer with its INT2 codes and scales copied to slot-major storage ([slots, H, ...]
     contiguous; allocate_layer's are head-major), K/V scales still views of one tensor."""
-    k_scales, v_scales = joined_scales(layer.k_scales.contiguous(), layer.v_scales.contiguous())
+    k_scales, v_scales = joined_scales(layer.k_scales, layer.v_scales, storage_head_major=False)
     return replace(layer, k_packed=layer.k_packed.contiguous(), v_packed=layer.v_packed.contiguous(),
                    k_scales=k_scales, v_scales=v_scales)
 
