@@ -12,6 +12,7 @@ magnified, so that small CPU tests see what only long contexts show on a GPU.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,6 +46,42 @@ def mma(a, b, acc, INTERP: tl.constexpr):
         return r
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def wait_for_prior_grid(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): block until the kernel launched before this
+    one has finished and its writes are visible (griddepcontrol.wait). A kernel launched
+    with ``launch_pdl`` may start while its predecessor still runs, so it must call this
+    before reading what the predecessor wrote and before writing what it reads."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_dependent_grid(PDL: tl.constexpr):
+    """Let the next kernel, if launched with ``launch_pdl``, start now (its programs run
+    up to their wait_for_prior_grid while this kernel finishes)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch is available: a CUDA device of compute capability 9.0
+    or newer, outside the interpreter."""
+    device = torch.device(device)
+    return not INTERPRET and device.type == "cuda" and _capability_major(device.index) >= 9
+
+
+def _capability_major(index: int | None) -> int:
+    if index is None:
+        index = torch.cuda.current_device()
+    return _capability_major_cached(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major_cached(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @triton.jit

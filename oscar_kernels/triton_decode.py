@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, head_index, mma_f32, needs_int64_slots, pair_views)
+                            half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
+                            release_dependent_grid, wait_for_prior_grid)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -50,13 +51,18 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _rotate_q_kernel(q_ptr, sq_b, sq_h, rot_ptr, out_ptr, so_b, so_h, T,
                      GQ: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
-                     EB: tl.constexpr, TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr):
+                     EB: tl.constexpr, TRANSPOSE: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL_WAIT: tl.constexpr = False, PDL_RELEASE: tl.constexpr = False):
     """out[t, h*GQ + g, e] = sum_c x[t, h*GQ + g, c] R[h][c, e] (R[h][e, c] when TRANSPOSE)
     for the EB output columns e of program (token block, h, e-block); float32 dot over K
     chunks of KB read from memory, stored in out's dtype. Grid (cdiv(T, BT), H, D / EB):
     each program rotates BT tokens x GQ query heads (BT x BH rows, padded heads masked), so
     R[h] is read once per BT tokens (extend: thousands of tokens); with EB < D the few rows
-    of a small batch spread over more programs, each with a shorter chain of loads."""
+    of a small batch spread over more programs, each with a shorter chain of loads.
+    PDL_RELEASE: the next kernel may start at once (decode's stage 1 reads its request
+    layout meanwhile); PDL_WAIT: x is the previous kernel's output (launched with PDL)."""
+    release_dependent_grid(PDL_RELEASE)
+    wait_for_prior_grid(PDL_WAIT)
     r = tl.arange(0, BT * BH)
     t = tl.program_id(0).to(tl.int64) * BT + r // BH
     h = tl.program_id(1)
@@ -99,9 +105,12 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                   SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr):
+                   SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
-    [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2)."""
+    [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
+    PDL: launched while the query rotation runs; the request layout (written before that
+    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -111,6 +120,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     hq = (h * GQ + g).to(tl.int64)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
+    wait_for_prior_grid(PDL)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
     q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
     if sp == 0:
@@ -138,7 +148,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
         lo = s_b + (sp - 1) * chunk
         hi = tl.minimum(lo + chunk, ring_lo)
-        qops, qsums = int2_query(q_vec, hmask, D, GK, MAGIC, HALF)
+        qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
@@ -165,12 +175,15 @@ def merge_stats(lse_all, sps):
 @triton.jit(do_not_specialize=["NSP"])
 def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                   NSP, NSP2: tl.constexpr, GQ: tl.constexpr, BH: tl.constexpr,
-                  D: tl.constexpr, EB: tl.constexpr, SPB: tl.constexpr, PRECISION: tl.constexpr):
+                  D: tl.constexpr, EB: tl.constexpr, SPB: tl.constexpr, PRECISION: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with m the max
     of the lse_s (one vector load), then the partials up to the last one that attended to
     something, SPB at a time ([BH, SPB, D] loads, no running rescale). Timed on the H200
     (round 4, batch 1, 64k, whole decode): SPB 1 / 4 / 8 = 55.1 / 55.6 / 52.6 us; the merge
-    itself ~21 us of it (leave-one-out breakdown). Grid (B, H)."""
+    itself ~21 us of it (leave-one-out breakdown). Grid (B, H). PDL: launched with
+    programmatic dependent launch (waits for stage 1 first)."""
+    wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     num_h = tl.num_programs(1)
@@ -207,11 +220,13 @@ def _decode_merge(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
 @triton.jit(do_not_specialize=["NSP"])
 def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
                       NSP, NSP2: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, EB: tl.constexpr,
-                      SPB: tl.constexpr):
+                      SPB: tl.constexpr, PDL: tl.constexpr = False):
     """_decode_merge's math for one query head per program, grid (B, Hq): at small batch
     GQ times more programs share the partials' reads. o[b, hq] = (sum_s 2^{lse_s - m} o~_s /
     sum_s 2^{lse_s - m}) @ R_V[h]^T with h = hq // GQ; partials SPB at a time as [SPB, D]
-    tiles; the un-rotation o[e] = sum_d o'[d] R_V[h][e, d] as float32 products and sums."""
+    tiles; the un-rotation o[e] = sum_d o'[d] R_V[h][e, d] as float32 products and sums.
+    PDL: as _decode_merge."""
+    wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
     num_hq = tl.num_programs(1)
@@ -240,11 +255,13 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, so_b, so_h,
 
 @triton.jit(do_not_specialize=["NSP"])
 def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, NSP, NSP2: tl.constexpr, D: tl.constexpr,
-                        DB: tl.constexpr):
+                        DB: tl.constexpr, PDL: tl.constexpr = False):
     """o'[b, hq, c] = sum_s 2^{lse_s - m} o~_s[c] / sum_s 2^{lse_s - m} for the DB channels c of
     program (b, hq, channel block), every partial in one [NSP2, DB] load (no loop: the
     latency of one load instead of a chain); float32 o' in the rotated space (the
-    un-rotation o = o' R_V^T is a separate launch). Grid (B, Hq, D / DB)."""
+    un-rotation o = o' R_V^T is a separate launch). Grid (B, Hq, D / DB). PDL: as
+    _decode_merge."""
+    wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
     num_hq = tl.num_programs(1)
@@ -335,6 +352,11 @@ class DecodeConfig:
     # kv_head merge): 32 / 0 = 46.2 / 50.5 us at batch 1 (64k), 157.7 / 163.7 at batch 8
     # (64k), 317.3 / 315.3 at batch 64 (16k), 2259 / 2263 at batch 64 (128k).
     rotate_out_block: int = 32
+    # programmatic dependent launch (sm_90+, triton_common.pdl_supported): stage 1, the merge
+    # and the un-rotation start while the kernel before them runs and wait on device for
+    # its output (griddepcontrol), so each launch's latency and stage 1's reads of the
+    # request layout overlap the previous kernel
+    programmatic_launch: bool = True
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -471,12 +493,16 @@ def check_decode_inputs(q, layer, rotation, rows, seq_lens):
 
 def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precision: str = "ieee",
                    num_warps: int = 4, transpose: bool = False, out_block: int = 0,
-                   tokens_per_program: int = 1) -> torch.Tensor:
+                   tokens_per_program: int = 1, pdl_wait: bool = False,
+                   pdl_release: bool = False) -> torch.Tensor:
     """out[t, hq] = q[t, hq] @ rot[hq // (Hq/H)] (or @ rot^T when ``transpose``) for q
     [T, Hq, D]; rot [H, D, D] float32; out in any float dtype (the rounding of the store).
     ``out_block``: output columns per program (0: all D; e.g. 32: D/32 programs per row
     block, each reading its R columns in one K chunk). ``tokens_per_program`` (a power of
-    two): tokens per program (decode: 1; extend: EXTEND_ROTATION_ROWS rows, see rotate_tokens)."""
+    two): tokens per program (decode: 1; extend: EXTEND_ROTATION_ROWS rows, see rotate_tokens).
+    ``pdl_wait``: launched with programmatic dependent launch, q being the previous
+    kernel's output; ``pdl_release``: the next kernel may start at once (both need
+    triton_common.pdl_supported)."""
     t, hq, d = q.shape
     h = rot.shape[0]
     gq = hq // h
@@ -494,7 +520,8 @@ def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, precis
     _rotate_q_kernel[(triton.cdiv(t, bt), h, d // eb)](
         q, q.stride(0), q.stride(1), rot, out, out.stride(0), out.stride(1), t,
         GQ=gq, BH=triton.next_power_of_2(gq), BT=bt, D=d, KB=kb, EB=eb, TRANSPOSE=bool(transpose),
-        PRECISION=precision, num_warps=num_warps)
+        PRECISION=precision, PDL_WAIT=pdl_wait, PDL_RELEASE=pdl_release, num_warps=num_warps,
+        launch_pdl=pdl_wait)
     return out
 
 
@@ -540,7 +567,9 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     check_last_dim_contiguous("req_to_token", req_to_token)
     spans = min(layer.key_group_size, layer.value_group_size) >= d
     ns, q_rot, mid_o, mid_lse = workspace.views(b, config, spans)
-    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block)
+    pdl = cfg.programmatic_launch and pdl_supported(q.device)
+    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block,
+                   pdl_release=pdl)
     lay = layer
     bh = _block_h(gq, cfg)
     block_n, max_registers = cfg.stage1_shape_for(b, spans)
@@ -560,8 +589,8 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), SLOT_AHEAD=cfg.slot_ahead,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=max_registers,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        maxnreg=max_registers, launch_pdl=pdl,
     )
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
@@ -569,20 +598,21 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         o_rot = workspace.o_rot[:b * hq * d].view(b, hq, d)
         db = min(32, d)
         _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, o_rot, NSP=ns + 1, NSP2=workspace.merge_width, D=d,
-                                               DB=db, num_warps=4)
+                                               DB=db, PDL=pdl, num_warps=4, launch_pdl=pdl)
         rotate_queries(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True,
-                       out_block=cfg.rotate_out_block or db)
+                       out_block=cfg.rotate_out_block or db, pdl_wait=pdl)
     elif merge_grid == "query_head":
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
             NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=cfg.merge_partials_for(merge_grid),
-            num_warps=4,
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     else:
         _decode_merge[(b, h)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
             NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, BH=bh, D=d, EB=min(32, d),
-            SPB=cfg.merge_partials_for(merge_grid), PRECISION=cfg.merge_precision, num_warps=4,
+            SPB=cfg.merge_partials_for(merge_grid), PRECISION=cfg.merge_precision, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

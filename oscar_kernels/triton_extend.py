@@ -83,7 +83,7 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                                      pos_of_ptr, page_size, vf_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
-            qops, qsums = int2_query(q_vec, rmask, D, GK, MAGIC, HALF)
+            qops, qsums = int2_query(q_vec, rmask, qk_scale, D, GK, MAGIC, HALF)
             hh = head_index(h, SLOT64)
             st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo, r2t_ptr + row * r2t_stride,
                             kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,

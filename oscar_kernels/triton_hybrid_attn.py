@@ -250,36 +250,41 @@ def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G:
 
 
 @triton.jit
-def load_q_pair(q_vec, rmask, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
                 G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
     """q'^T operand of (plane i, parity e): [KP, R] bf16 (float16 when HALF), element
-    (p, r) = q'[r, i D/4 + 2p + e] / STEP_i (exact; no division when G < D/4: dequantised
-    codes), zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows."""
+    (p, r) = q'[r, i D/4 + 2p + e] * scale / STEP_i (no division when G < D/4: dequantised
+    codes), zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows; ``scale``: the
+    softmax scale (sm_scale log2 e), applied once here instead of to every score."""
     p = tl.arange(0, KP)
     ch = i * (D // 4) + 2 * p + e
     qt = tl.load(q_vec[None, :] + ch[:, None], mask=(p < D // 8)[:, None] & rmask[None, :], other=0.0)
     if G >= D // 4:
-        qt = qt.to(tl.float32) * (1.0 / plane_step(i, MAGIC, HALF))
-        if HALF:
-            qt = qt.to(tl.float16)
-        else:
-            qt = qt.to(tl.bfloat16)
+        qt = qt.to(tl.float32) * (scale / plane_step(i, MAGIC, HALF))
+    else:
+        qt = qt.to(tl.float32) * scale
+    if HALF:
+        qt = qt.to(tl.float16)
+    else:
+        qt = qt.to(tl.bfloat16)
     return qt
 
 
 @triton.jit
-def int2_query(q_vec, rmask, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
-    """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e) and, per plane, the
-    float32 [R] column sums of its two operands (what the dots see). G: the keys' group size."""
+def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
+               HALF: tl.constexpr):
+    """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e), scaled by qk_scale
+    (sm_scale log2 e: the dots give base-2 scores directly), and, per plane, the float32
+    [R] column sums of its two operands (what the dots see). G: the keys' group size."""
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    q00 = load_q_pair(q_vec, rmask, 0, 0, D, KP, G, MAGIC, HALF)
-    q01 = load_q_pair(q_vec, rmask, 0, 1, D, KP, G, MAGIC, HALF)
-    q10 = load_q_pair(q_vec, rmask, 1, 0, D, KP, G, MAGIC, HALF)
-    q11 = load_q_pair(q_vec, rmask, 1, 1, D, KP, G, MAGIC, HALF)
-    q20 = load_q_pair(q_vec, rmask, 2, 0, D, KP, G, MAGIC, HALF)
-    q21 = load_q_pair(q_vec, rmask, 2, 1, D, KP, G, MAGIC, HALF)
-    q30 = load_q_pair(q_vec, rmask, 3, 0, D, KP, G, MAGIC, HALF)
-    q31 = load_q_pair(q_vec, rmask, 3, 1, D, KP, G, MAGIC, HALF)
+    q00 = load_q_pair(q_vec, rmask, qk_scale, 0, 0, D, KP, G, MAGIC, HALF)
+    q01 = load_q_pair(q_vec, rmask, qk_scale, 0, 1, D, KP, G, MAGIC, HALF)
+    q10 = load_q_pair(q_vec, rmask, qk_scale, 1, 0, D, KP, G, MAGIC, HALF)
+    q11 = load_q_pair(q_vec, rmask, qk_scale, 1, 1, D, KP, G, MAGIC, HALF)
+    q20 = load_q_pair(q_vec, rmask, qk_scale, 2, 0, D, KP, G, MAGIC, HALF)
+    q21 = load_q_pair(q_vec, rmask, qk_scale, 2, 1, D, KP, G, MAGIC, HALF)
+    q30 = load_q_pair(q_vec, rmask, qk_scale, 3, 0, D, KP, G, MAGIC, HALF)
+    q31 = load_q_pair(q_vec, rmask, qk_scale, 3, 1, D, KP, G, MAGIC, HALF)
     sums = (tl.sum(q00.to(tl.float32), 0) + tl.sum(q01.to(tl.float32), 0),
             tl.sum(q10.to(tl.float32), 0) + tl.sum(q11.to(tl.float32), 0),
             tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
@@ -379,10 +384,9 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
                 mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
             if g == 0:
                 s = d * sc[:, None] + mn[:, None] * qg[g][None, :]
-            else:  # two FMAs per element and group; qk_scale once for all groups
+            else:  # two FMAs per element and group (qk_scale is in q' and qg)
                 s = d * sc[:, None] + s
                 s = mn[:, None] * qg[g][None, :] + s
-        s = s * qk_scale
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
@@ -395,7 +399,6 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
                                  ssc_g, ssc_s, GK, OFF)
             s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
             s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
-        s = s * qk_scale
     if MASKED:
         s = tl.where(mask[:, None], s, float("-inf"))
     return s
