@@ -289,7 +289,16 @@ class DecodeConfig:
     # requests, else BLOCK_N (timed: see max_registers)
     block_n: int = 0
     small_batch_max: int = 4
-    block_n_bf16: int = 32  # sink/ring tokens per inner step
+    # sink/ring tokens per inner step; 0: BF16_BLOCK_N where stage 1 is uncapped, else
+    # CAPPED_BF16_BLOCK_N. The BF16 program (sink 16 + ring 128 tokens, one per request and KV
+    # head) is the critical path at batch 1: a chain of dependent loads per step. Timed on the
+    # H200 (session 13, same run, cold L2, keys 32 / values 128 / float8, uncapped) 128 / 64 /
+    # 32: batch 1 / 64k 31.46 / 32.93 / 38.67 us, 1 / 16k 29.30 / 29.64 / 35.96, 8 / 64k
+    # 154.56 / 152.53 / 156.50, 64 / 128k 2,353 / 2,329 / 2,307 (larger tiles cost the INT2
+    # loop registers; at 64 this loop spills 34 instructions in sm_90 SASS, for its 2-3
+    # iterations per request). Under the register cap (batches above small_batch_max when
+    # groups span the head) 32 spills in the loop and 16 does not (tests/aot_sm90.py).
+    block_n_bf16: int = 0
     # One warp: the V-side dots have 16-row tiles (D/8 byte pairs), which a second warp would
     # only duplicate; sm_90 SASS (tests/aot_sm90.py): ~13 warp instructions per token and KV
     # head at block_n 64 (the 2-warp kernel before this one: ~23).
@@ -383,6 +392,12 @@ class DecodeConfig:
             regs = REGISTER_CAP if block_n <= BLOCK_N and groups_span_head else None
         return block_n, regs
 
+    def bf16_block_for(self, max_registers: int | None) -> int:
+        """BF16 sink/ring tokens per step for a stage 1 compiled under ``max_registers``."""
+        if self.block_n_bf16:
+            return self.block_n_bf16
+        return BF16_BLOCK_N if max_registers is None else CAPPED_BF16_BLOCK_N
+
     def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
         an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
@@ -421,6 +436,8 @@ def batch_invariant_config(max_context: int, max_batch: int, num_q_heads: int, h
 BLOCK_N = 64  # INT2 tokens per stage-1 step above DecodeConfig.small_batch_max requests
 SMALL_BATCH_BLOCK_N = 128  # ... and up to it: fewer, longer steps where programs are few
 REGISTER_CAP = 168  # stage 1's maxnreg at block_n <= BLOCK_N (DecodeConfig.max_registers)
+BF16_BLOCK_N = 64  # BF16 sink/ring tokens per stage-1 step, uncapped (DecodeConfig.block_n_bf16)
+CAPPED_BF16_BLOCK_N = 16  # ... under a register cap
 
 
 def _default_target(device, cfg: DecodeConfig, batch: int, groups_span_head: bool = True) -> int:
@@ -586,7 +603,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
         mid_o, mid_lse, sm_scale * LOG2E,
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
-        S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.block_n_bf16,
+        S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), SLOT_AHEAD=cfg.slot_ahead,
         PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -112,7 +112,7 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
             causal = jmask[None, :] & (j[None, :] <= tq[:, None])
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
-            acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], qk_scale * 0.0, USE_DOT, INTERP)
+            acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], USE_DOT, INTERP)
         if BF16_PREFIX:  # every row attends to its own token at least: l_i > 0
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         else:

@@ -62,12 +62,23 @@ def mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def fresh_dot(a, b, acc, alpha, zero, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+def opaque(x, INTERP: tl.constexpr):
+    """x, through an identity Triton cannot see into (a PTX mov, which ptxas removes): the
+    sum acc * alpha + opaque(dot(a, b, 0)) then stays an FMA after the dot instead of being
+    combined into dot(a, b, acc * alpha)."""
+    if INTERP:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def fresh_dot(a, b, acc, alpha, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
     """acc * alpha + a @ b with the dot started from zero: the tensor cores only sum one
-    block, the running sum is an ordinary float32 FMA. ``zero`` is a runtime 0.0 (e.g.
-    x * 0.0, which IEEE rules keep unfolded) so that Triton does not rewrite the sum back
-    into dot(a, b, acc * alpha) (a long truncating accumulation chain)."""
-    return acc * alpha + mm(a, b, tl.zeros(acc.shape, tl.float32) + zero, USE_DOT, INTERP)
+    block (their accumulator starts from the zero register), the running sum is an
+    ordinary float32 FMA (Triton would otherwise rewrite it into dot(a, b, acc * alpha), a
+    long truncating accumulation chain; see opaque)."""
+    return acc * alpha + opaque(mm(a, b, tl.zeros(acc.shape, tl.float32), USE_DOT, INTERP), INTERP)
 
 
 @triton.jit
@@ -324,12 +335,12 @@ def fold16(x):
 
 
 @triton.jit
-def _v_pair(acc, vt, w, alpha, zero, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
+def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
             INTERP: tl.constexpr):
     """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
     ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
-    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
-    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
+    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
+    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
 
 
 @triton.jit
@@ -435,16 +446,15 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     p = tl.exp2(s - m_safe[None, :])
     l_t = l_t * alpha[None, :] + fold16(p)
     # ---- values: fresh dots per block, added to the running accumulators
-    zero = qk_scale * 0.0
     if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
-            wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], zero, USE_DOT, INTERP))
+            wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, zero, g * PG_V + j, MAGIC, USE_DOT, INTERP)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -455,8 +465,8 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
                                  ssc_g, ssc_s, GV, OFF)
             co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
                                  ssc_g, ssc_s, GV, OFF)
-            acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], zero, USE_DOT, INTERP))
-            acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], zero, USE_DOT, INTERP))
+            acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
+            acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
     return m_new, l_t, pm, wsum, acc
 
 
@@ -592,7 +602,7 @@ def bf16_range(q, m_i, l_i, acc, k_base, v_base, row_stride, lo, hi, MOD: tl.con
         s = mm(q, k, tl.zeros([q.shape[0], BN], tl.float32), USE_DOT, INTERP) * qk_scale
         p, alpha, m_i, l_i = online_softmax(s, mask[None, :], m_i, l_i)
         v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-        acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], qk_scale * 0.0, USE_DOT, INTERP)
+        acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], USE_DOT, INTERP)
     return m_i, l_i, acc
 
 
@@ -612,7 +622,6 @@ def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_
     DQ: tl.constexpr = D // 4
     dq = tl.arange(0, DQ)
     nb = tl.arange(0, BN)
-    zero = qk_scale * 0.0
     q0 = tl.load(q_vec[None, :] + dq[:, None], mask=rmask[None, :], other=0.0)  # [D/4, R]
     q1 = tl.load(q_vec[None, :] + DQ + dq[:, None], mask=rmask[None, :], other=0.0)
     q2 = tl.load(q_vec[None, :] + 2 * DQ + dq[:, None], mask=rmask[None, :], other=0.0)
@@ -649,7 +658,7 @@ def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_
         vp = vrow[None, :] + dq[:, None]
         for c in tl.static_range(4):
             v = tl.load(vp + c * DQ, mask=mask[None, :], other=0.0)  # [D/4, BN]
-            acc = setk(acc, c, fresh_dot(v, pb, acc[c], alpha[None, :], zero, USE_DOT, INTERP))
+            acc = setk(acc, c, fresh_dot(v, pb, acc[c], alpha[None, :], USE_DOT, INTERP))
     return m_i, l_t, acc
 
 
