@@ -104,6 +104,7 @@ def _ptxas_stats(compiled) -> dict:
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) if spill else None,
+            "griddepcontrol": sorted(set(re.findall(r"griddepcontrol\.(\w+)", compiled.asm["ptx"]))),
             "shared_bytes": compiled.metadata.shared, **_loop_stats(compiled.asm["cubin"])}
 
 

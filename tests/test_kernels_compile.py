@@ -49,6 +49,23 @@ def test_default_kernels_compile_for_sm90_without_spills():
             assert x["spill_bytes"] <= 256, f"stage 1 spills {x['spill_bytes']} bytes"
 
 
+def test_decode_launches_chain_with_programmatic_dependent_launch():
+    """On sm_90 the decode's query rotation lets the next kernel start (launch_dependents),
+    and stage 1, the merge and the un-rotation wait for their predecessor before reading
+    its output (griddepcontrol.wait); the store and extend kernels use neither."""
+    recs = _run("k32_v128_float8_scales")
+    _check(recs)
+    rotations = [x for x in recs if x["kernel"] == "_rotate_q_kernel"]
+    # decode: the query rotation (releases stage 1), the un-rotation after the split merge
+    # (waits); then extend's two rotations (neither)
+    assert [x["griddepcontrol"] for x in rotations] == [["launch_dependents"], ["wait"], [], []]
+    for x in recs:
+        if x["kernel"] in ("_decode_stage1", "_decode_merge_split"):
+            assert x["griddepcontrol"] == ["wait"], x
+        if x["kernel"] in ("_store_kernel", "_extend_kernel"):
+            assert x["griddepcontrol"] == [], x
+
+
 def test_bf16_prefix_extend_compiles_for_sm90_without_spills():
     """The BF16 prefix read with its default tiles: the materialising kernel and the BF16 extend."""
     recs = [x for x in _run("g128_bf16_prefix") if x["kernel"] in ("_materialize_kernel", "_extend_kernel")]

@@ -389,3 +389,50 @@ def test_kernels_are_batch_invariant(kernels):
         alone = te.triton_extend(qx[seg], k_rot[seg], v_rot[seg], *ext, sc.rows[i:i + 1], pre[i:i + 1], one, n,
                                  sc.sm_scale)
         assert torch.equal(alone, batched[seg]), f"extend: request {i} changed with the batch"
+
+
+# ---------------------------------------------------------------- programmatic dependent launch
+@pytest.mark.parametrize("lens", [[20000], [3000, 3037, 3074], [5000 + 37 * i for i in range(8)]])
+def test_programmatic_launch_gives_the_same_output(kernels, lens):
+    """Stage 1, the merge and the un-rotation launched with PDL (the default on sm_90) give
+    bitwise the output of plain launches, eagerly and replayed from a CUDA graph, close to
+    the reference (batch 1 runs the split merge and its un-rotation launch, batch 8 the
+    query_head merge). The same checks ran as a device script before this test existed
+    (session 13, call 1)."""
+    _, _, td, _ = kernels
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    sc = kc.build_random(lens, H=8, D=128, G=32, GV=128, S=16, W=64, page=64,
+                         scale_dtype=torch.float8_e4m3fn, seed=len(lens))
+    b = len(lens)
+    q = kc.random_q(sc, 32)
+    seq = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
+    want = kc.decode_reference(sc, q)
+    outs = {}
+    for pdl in (True, False):
+        cfg = td.DecodeConfig(programmatic_launch=pdl)
+        ws = td.DecodeWorkspace(b, 32, 8, 128, "cuda", cfg)
+        out = torch.empty_like(q)
+
+        def run():
+            td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, seq, sc.sm_scale,
+                             out=out, workspace=ws, config=cfg)
+        run()
+        torch.cuda.synchronize()
+        eager = out.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        out.zero_()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"pdl={pdl}: graph replay differs from the eager launch"
+        torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+        outs[pdl] = out.clone()
+    assert torch.equal(outs[True], outs[False])

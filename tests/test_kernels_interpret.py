@@ -274,6 +274,13 @@ def test_rotate_token_blocks_match_the_full_rotation(hq, tokens):
         triton_decode_mod.rotate_queries(q, rot, torch.empty(tokens + 3, hq, 64), tokens_per_program=3)
 
 
+def test_programmatic_launch_needs_a_cuda_device():
+    """PDL launch attributes are only set for CUDA devices of compute capability 9.0+, never
+    in the interpreter (the kernels' griddepcontrol calls are then compiled out)."""
+    from oscar_kernels import triton_common
+    assert not triton_common.pdl_supported("cpu")
+
+
 def test_stage1_shape_follows_the_batch():
     """block_n 0 / max_registers 0 resolve per batch: 128 tokens per step, uncapped, up to
     small_batch_max requests; 64 under the register cap above; explicit values win."""
@@ -289,6 +296,10 @@ def test_stage1_shape_follows_the_batch():
     assert cfg.stage1_shape_for(1, groups_span_head=False) == (64, None)
     assert cfg.resident_per_sm(64, groups_span_head=False) == 8
     assert td.DecodeConfig(max_registers=168).stage1_shape_for(64, groups_span_head=False) == (64, 168)
+    # BF16 sink/ring steps follow the cap: 64 tokens uncapped, 16 under it; explicit wins
+    assert [cfg.bf16_block_for(cfg.stage1_shape_for(b)[1]) for b in (1, 64)] == [64, 16]
+    assert cfg.bf16_block_for(cfg.stage1_shape_for(64, groups_span_head=False)[1]) == 64
+    assert td.DecodeConfig(block_n_bf16=32).bf16_block_for(168) == 32
     sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)
     small = dict(block_n_bf16=16, min_chunk=16, target_programs=8, max_splits=4)
     for small_batch_max in (2, 1):  # batch 2: block_n 128, then 64
