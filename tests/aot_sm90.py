@@ -5,12 +5,15 @@ kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 
 then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
 layouts, shared memory) on a machine without CUDA.
 
-Usage: python tests/aot_sm90.py [--case NAME ...]   (prints one JSON line per kernel)
+Usage: python tests/aot_sm90.py [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes]
+(prints one JSON line per kernel: registers, spills, and per loop of its SASS the instruction
+count, spill instructions and, with --opcodes, the opcode histogram)
 Must run without TRITON_INTERPRET (tests/test_kernels_compile.py runs it as a subprocess).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -71,9 +74,15 @@ def _compile(kernel, args, kwargs):
     return triton.compile(src, target=TARGET, options=opts)
 
 
+def _opcode(instruction: str) -> str:
+    """'@!P0 LDGSTS.E.BYPASS.128 [R1], ...' -> 'LDGSTS'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
 def _loop_stats(cubin: bytes) -> dict:
     """SASS of the cubin (cuobjdump): instructions of the largest loop (the body between
-    a backward branch and its target) and spill instructions (STL/LDL) inside any loop."""
+    a backward branch and its target), spill instructions (STL/LDL) inside any loop, and
+    per loop its instruction count, spills and opcode histogram (most frequent first)."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
@@ -87,8 +96,16 @@ def _loop_stats(cubin: bytes) -> dict:
             loops.append((int(m.group(1), 16), addr))
     inside = [body for addr, body in ins if any(lo <= addr <= hi for lo, hi in loops)]
     largest = max((sum(lo <= a <= hi for a, _ in ins) for lo, hi in loops), default=0)
+    per_loop = []
+    for lo, hi in sorted(set(loops)):
+        body = [b for a, b in ins if lo <= a <= hi]
+        ops = collections.Counter(_opcode(b) for b in body)
+        per_loop.append({"start": hex(lo), "instructions": len(body),
+                         "spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in body),
+                         "opcodes": dict(ops.most_common())})
     return {"main_loop_instructions": largest,
-            "loop_spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in inside)}
+            "loop_spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in inside),
+            "loops": per_loop}
 
 
 def _ptxas_stats(compiled) -> dict:
@@ -206,12 +223,23 @@ def main(argv=None):
         sys.exit("aot_sm90: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: all")
+    ap.add_argument("--decode-config", type=json.loads, default={}, metavar="JSON",
+                    help='DecodeConfig fields over each case\'s own (e.g. \'{"max_registers": 224}\')')
+    ap.add_argument("--kernel", help="print only this kernel's records (e.g. _decode_stage1)")
+    ap.add_argument("--opcodes", action="store_true", help="keep each loop's opcode histogram in the records")
     args = ap.parse_args(argv)
     failed = 0
     for case in args.case or list(CASES):
+        scen, dcfg, ecfg, hq = CASES[case]
+        CASES[case] = (scen, {**dcfg, **args.decode_config}, ecfg, hq)
         for rec in run(case):
-            print(json.dumps(rec), flush=True)
             failed += not rec["ok"]
+            if args.kernel and rec["kernel"] != args.kernel:
+                continue
+            if not args.opcodes:
+                for loop in rec.get("loops", []):
+                    loop.pop("opcodes")
+            print(json.dumps(rec), flush=True)
     sys.exit(1 if failed else 0)
 
 
