@@ -70,17 +70,13 @@ def pdl_supported(device) -> bool:
     """Programmatic dependent launch is available: a CUDA device of compute capability 9.0
     or newer, outside the interpreter."""
     device = torch.device(device)
-    return not INTERPRET and device.type == "cuda" and _capability_major(device.index) >= 9
-
-
-def _capability_major(index: int | None) -> int:
-    if index is None:
-        index = torch.cuda.current_device()
-    return _capability_major_cached(index)
+    if INTERPRET or device.type != "cuda":
+        return False
+    return _capability_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major_cached(index: int) -> int:
+def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 

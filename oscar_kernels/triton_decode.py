@@ -97,6 +97,17 @@ def store_lse(ptrs, mask, m_i, l_i):
     tl.store(ptrs, lse, mask=mask)
 
 
+@triton.jit
+def int2_split(s_b, ring_lo, split, NS, MIN_CHUNK: tl.constexpr, BN: tl.constexpr):
+    """[lo, hi) of INT2 split ``split`` of [s_b, ring_lo): ns = min(NS, max(1, cdiv(L,
+    MIN_CHUNK))) splits of whole BN blocks (empty, lo >= hi, for split >= ns)."""
+    length = ring_lo - s_b
+    ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
+    chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
+    lo = s_b + split * chunk
+    return lo, tl.minimum(lo + chunk, ring_lo)
+
+
 # The split count is a runtime argument, never specialised: one compiled kernel serves every
 # batch size (a constexpr NS compiled once per CUDA-graph batch size: ~120 s of start-up).
 @triton.jit(do_not_specialize=["NS"])
@@ -150,11 +161,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
     elif TWO_STREAMS:
         # ---- INT2 history as two token streams in one tile, column 2 r + s (triton_two_streams)
-        length = ring_lo - s_b
-        ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
-        chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
-        lo = s_b + (sp - 1) * chunk
-        hi = tl.minimum(lo + chunk, ring_lo)
+        lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
         head = g // 2
         q_pair = qr_ptr + b * sqr_b + (h * GQ + head).to(tl.int64) * sqr_h
         qops0, qs0 = int2_query(q_pair, (head < GQ) & (g % 2 == 0), qk_scale, D, GK, MAGIC, HALF)
@@ -171,11 +178,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         store_lse(mid_lse_ptr + row_h, gh < GQ, m_h, l_h)
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
-        length = ring_lo - s_b
-        ns = tl.minimum(tl.maximum(tl.cdiv(length, MIN_CHUNK), 1), NS)
-        chunk = tl.cdiv(tl.cdiv(length, ns), BN) * BN
-        lo = s_b + (sp - 1) * chunk
-        hi = tl.minimum(lo + chunk, ring_lo)
+        lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
         qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
@@ -323,7 +326,7 @@ class DecodeConfig:
     # H200 (session 13, same run, cold L2, keys 32 / values 128 / float8, uncapped) 128 / 64 /
     # 32: batch 1 / 64k 31.46 / 32.93 / 38.67 us, 1 / 16k 29.30 / 29.64 / 35.96, 8 / 64k
     # 154.56 / 152.53 / 156.50, 64 / 128k 2,353 / 2,329 / 2,307 (larger tiles cost the INT2
-    # loop registers; at 64 this loop spills 34 instructions in sm_90 SASS, for its 2-3
+    # loop registers; at 64 this loop spills 30 instructions in sm_90 SASS, for its 2-3
     # iterations per request). Under the register cap (batches above small_batch_max when
     # groups span the head) 32 spills in the loop and 16 does not (tests/aot_sm90.py).
     block_n_bf16: int = 0

@@ -335,6 +335,19 @@ def fold16(x):
 
 
 @triton.jit
+def online_softmax_t(s, m_i, l_t):
+    """Base-2 online-softmax step of transposed scores s^T [BN, R] over the token axis (0),
+    safe for columns with every score -inf: (p, alpha, m_new, l_t_new) with
+    l_t_new = l_t * alpha + fold16(p) ([16, R], rows summed at the end) and
+    acc_new = acc * alpha + (p-weighted sums of this block)."""
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[None, :])
+    return p, alpha, m_new, l_t * alpha[None, :] + fold16(p)
+
+
+@triton.jit
 def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
             INTERP: tl.constexpr):
     """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
@@ -439,12 +452,7 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
         mask = None
         vmask = None
     vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
-    # ---- online softmax over the token axis (0)
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[None, :])
-    l_t = l_t * alpha[None, :] + fold16(p)
+    p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
     if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
@@ -648,12 +656,7 @@ def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_
         s = mm(tl.load(kp + 2 * DQ, mask=mask[:, None], other=0.0), q2, s, USE_DOT, INTERP)
         s = mm(tl.load(kp + 3 * DQ, mask=mask[:, None], other=0.0), q3, s, USE_DOT, INTERP)
         s = tl.where(mask[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        m_i = m_new
-        l_t = l_t * alpha[None, :] + fold16(p)
+        p, alpha, m_i, l_t = online_softmax_t(s, m_i, l_t)
         pb = p.to(tl.bfloat16)
         vp = vrow[None, :] + dq[:, None]
         for c in tl.static_range(4):

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .int2 import check_group_size
-from .triton_common import (SCALE_TL_DTYPES, check_cache_layout, check_last_dim_contiguous, to_scale_dtype,
-                            mma_f32, sink_slot_of_row)
+from .triton_common import (SCALE_TL_DTYPES, check_cache_layout, check_last_dim_contiguous, head_index, mma_f32,
+                            sink_slot_of_row, to_scale_dtype)
 
 
 @triton.jit
@@ -71,10 +71,11 @@ def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
         packed = tl.sum(planes << shift, axis=1).to(tl.uint8)
         slot64 = slot.to(tl.int64)
         q = tl.arange(0, D // 4)
-        tl.store(pk_ptr + slot64[:, None] * spk_s + h.to(tl.int64) * spk_h + q[None, :], packed,
+        hh = head_index(h, True)  # head offsets span head-major buffers: int64
+        tl.store(pk_ptr + slot64[:, None] * spk_s + hh * spk_h + q[None, :], packed,
                  mask=tmask[:, None])
         g = tl.arange(0, NG)
-        sc_row = sc_ptr + slot64[:, None] * ssc_s + h.to(tl.int64) * ssc_h + g[None, :] * ssc_g
+        sc_row = sc_ptr + slot64[:, None] * ssc_s + hh * ssc_h + g[None, :] * ssc_g
         tl.store(sc_row, scale_q, mask=tmask[:, None])
         tl.store(sc_row + 1, lo_q, mask=tmask[:, None])
         if S > 0:

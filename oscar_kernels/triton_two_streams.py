@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .triton_hybrid_attn import (_block_slots, code_offset, fold16, fresh_dot, group_count, group_scales, load_or0,
-                                 mm, opaque, plane_step, setk, unpack_pair)
+                                 mm, online_softmax_t, opaque, plane_step, setk, unpack_pair)
 
 
 @triton.jit
@@ -100,11 +100,7 @@ def _ts_accumulate(st, s, slot0, slot1, mask0, mask1, vpk_ptr, spk_s, hoff_pk, v
     dh = tl.arange(0, DH)
     vt0 = load_or0(vpk_ptr + slot0[None, :] * spk_s + hoff_pk + dh[:, None], mask0[None, :] if MASKED else None)
     vt1 = load_or0(vpk_ptr + slot1[None, :] * spk_s + hoff_pk + dh[:, None], mask1[None, :] if MASKED else None)
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[None, :])
-    l_t = l_t * alpha[None, :] + fold16(p)
+    p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)
     ones = tl.full([16, BH2], 1.0, tl.float32).to(tl.bfloat16)
     stream1 = (stream_of_column(R) == 1)[None, :]
     for g in tl.static_range(NG):
@@ -195,9 +191,9 @@ def int2_two_streams_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.con
     l0, l1 = merge_column_pairs(l)
     m = tl.maximum(m0, m1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    f0 = l0 * tl.exp2(m0 - m_safe)  # each stream's share of the head's softmax sum
-    f1 = l1 * tl.exp2(m1 - m_safe)
-    lh = f0 + f1
+    e0 = tl.exp2(m0 - m_safe)  # each stream's weight in the head's common frame
+    e1 = tl.exp2(m1 - m_safe)
+    lh = l0 * e0 + l1 * e1
     inv = 1.0 / tl.where(lh > 0, lh, 1.0)
     outs = ()
     for i in tl.static_range(4):
@@ -206,6 +202,6 @@ def int2_two_streams_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.con
             a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
                  + tl.sum(pm[i // PG], 0)[None, :])
             a0, a1 = merge_column_pairs(a)  # sums (not yet normalised) of the two streams
-            outs = outs + ((a0 * tl.exp2(m0 - m_safe)[None, :] + a1 * tl.exp2(m1 - m_safe)[None, :])
+            outs = outs + ((a0 * e0[None, :] + a1 * e1[None, :])
                            * inv[None, :],)
     return outs, m, lh
