@@ -317,7 +317,8 @@ class DecodeConfig:
     """Launch parameters of the decode kernels (the benchmark sweeps them)."""
 
     # INT2 tokens per inner step; 0: by batch, SMALL_BATCH_BLOCK_N up to small_batch_max
-    # requests, else BLOCK_N (timed: see max_registers)
+    # requests, else BLOCK_N (timed: see max_registers); the pipeline depth also follows
+    # small_batch_max (pipeline_for)
     block_n: int = 0
     small_batch_max: int = 4
     # sink/ring tokens per inner step; 0: BF16_BLOCK_N where stage 1 is uncapped, else
@@ -334,7 +335,10 @@ class DecodeConfig:
     # only duplicate; sm_90 SASS (tests/aot_sm90.py): ~13 warp instructions per token and KV
     # head at block_n 64 (the 2-warp kernel before this one: ~23).
     num_warps: int = 1
-    num_stages: int = 2
+    # stage 1's pipeline depth (0: pipeline_for) and slot / head offsets in int64 (None:
+    # pipeline_for; True: always; False: only where int32 cannot hold them, needs_int64_slots)
+    num_stages: int = 0
+    int64_slots: bool | None = None
     # ptxas register cap (maxnreg) of stage 1 when one quantisation group spans the head
     # (G = D, the calibration default): at 168, 12 one-warp programs fit an SM (uncapped,
     # ~230 registers: 8) and no value spills inside the token loops. Timed on the H200
@@ -428,6 +432,24 @@ class DecodeConfig:
         if regs == 0:
             regs = REGISTER_CAP if block_n <= BLOCK_N and groups_span_head else None
         return block_n, regs
+
+    def pipeline_for(self, batch: int, max_registers: int | None) -> tuple[int, bool]:
+        """(num_stages, int64 slot offsets) of stage 1 for a batch of ``batch`` requests
+        compiled under ``max_registers`` (0 / None fields resolved). Above small_batch_max
+        requests an uncapped stage 1 runs 3 stages with int64 offsets: sm_90 then issues a
+        block's copies a full step before its wait (2 stages: at the step's end, so the
+        warp waits for them at the top of the next; Nsight Compute, batch 64 / 128k: 23% of
+        the warps' samples on that wait), and the int64 schedule does not wait on the
+        next-but-one block's slot load inside the step that issues it (with int32 a select
+        on the loaded slots did: 9-12% of the samples at batch 8 / 64k). Timed on the H200
+        (session 14, same run, cold L2, keys 32 / values 128 / float8) against 2 stages with
+        int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
+        314.6, 64 / 64k 1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
+        3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8
+        blocks per program) 34.5 vs 32.5, so small batches keep 2 stages and int32."""
+        deep = batch > self.small_batch_max and max_registers is None
+        stages = self.num_stages or (3 if deep else 2)
+        return stages, deep if self.int64_slots is None else self.int64_slots
 
     def bf16_block_for(self, max_registers: int | None) -> int:
         """BF16 sink/ring tokens per step for a stage 1 compiled under ``max_registers``."""
@@ -636,6 +658,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     lay = layer
     bh = _block_h(gq, cfg)
     block_n, max_registers = cfg.stage1_shape_for(b, spans)
+    num_stages, int64_slots = cfg.pipeline_for(b, max_registers)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)
@@ -651,8 +674,9 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay), SLOT_AHEAD=cfg.slot_ahead,
-        PDL=pdl, TWO_STREAMS=two_streams_apply(cfg, lay, gq, bh), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, TWO_STREAMS=two_streams_apply(cfg, lay, gq, bh), num_warps=cfg.num_warps,
+        num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )
     if merge_grid == "split":

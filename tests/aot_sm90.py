@@ -5,9 +5,10 @@ kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 
 then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
 layouts, shared memory) on a machine without CUDA.
 
-Usage: python tests/aot_sm90.py [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes]
+Usage: python tests/aot_sm90.py [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes] [--dump DIR]
 (prints one JSON line per kernel: registers, spills, and per loop of its SASS the instruction
-count, spill instructions and, with --opcodes, the opcode histogram)
+count, spill instructions and, with --opcodes, the opcode histogram; --dump writes each
+kernel's TTGIR, PTX and SASS to DIR/CASE.KERNEL.{ttgir,ptx,sass})
 Must run without TRITON_INTERPRET (tests/test_kernels_compile.py runs it as a subprocess).
 """
 from __future__ import annotations
@@ -79,16 +80,19 @@ def _opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
-def _loop_stats(cubin: bytes) -> dict:
-    """SASS of the cubin (cuobjdump): instructions of the largest loop (the body between
-    a backward branch and its target), spill instructions (STL/LDL) inside any loop, and
-    per loop its instruction count, spills and opcode histogram (most frequent first)."""
+def _sass(cubin: bytes) -> str:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(cubin)
-        r = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True)
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", r.stdout)]
+        return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
+
+
+def _loop_stats(cubin: bytes) -> dict:
+    """SASS of the cubin (cuobjdump): instructions of the largest loop (the body between
+    a backward branch and its target), spill instructions (STL/LDL) inside any loop, and
+    per loop its instruction count, spills and opcode histogram (most frequent first)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _sass(cubin))]
     loops = []
     for addr, body in ins:
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", body)
@@ -125,6 +129,9 @@ def _ptxas_stats(compiled) -> dict:
             "shared_bytes": compiled.metadata.shared, **_loop_stats(compiled.asm["cubin"])}
 
 
+DUMP_DIR: Path | None = None  # main's --dump
+
+
 class _Recorder:
     """Stands in for a JIT kernel: ``kernel[grid](...)`` compiles instead of launching."""
 
@@ -135,8 +142,14 @@ class _Recorder:
         def launch(*args, **kwargs):
             rec = {"case": self.case, "kernel": self.kernel.__name__, "grid": [int(g) for g in grid]}
             try:
-                rec.update(_ptxas_stats(_compile(self.kernel, args, dict(kwargs))))
+                compiled = _compile(self.kernel, args, dict(kwargs))
+                rec.update(_ptxas_stats(compiled))
                 rec["ok"] = True
+                if DUMP_DIR is not None:
+                    stem = f"{self.case}.{self.kernel.__name__}"
+                    for ext in ("ttgir", "ptx"):
+                        (DUMP_DIR / f"{stem}.{ext}").write_text(compiled.asm[ext])
+                    (DUMP_DIR / f"{stem}.sass").write_text(_sass(compiled.asm["cubin"]))
             except Exception as e:  # report, keep compiling the others
                 rec["ok"] = False
                 rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
@@ -230,7 +243,12 @@ def main(argv=None):
                     help='DecodeConfig fields over each case\'s own (e.g. \'{"max_registers": 224}\')')
     ap.add_argument("--kernel", help="print only this kernel's records (e.g. _decode_stage1)")
     ap.add_argument("--opcodes", action="store_true", help="keep each loop's opcode histogram in the records")
+    ap.add_argument("--dump", type=Path, metavar="DIR", help="write each kernel's TTGIR, PTX and SASS here")
     args = ap.parse_args(argv)
+    global DUMP_DIR
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        DUMP_DIR = args.dump
     failed = 0
     for case in args.case or list(CASES):
         scen, dcfg, ecfg, hq = CASES[case]
