@@ -304,7 +304,8 @@ def test_cuda_graph_store_and_decode(kernels):
 
 
 # ---------------------------------------------------------------- start-up cost
-def test_one_compilation_serves_every_batch_size(kernels):
+@pytest.mark.parametrize("layout", [dict(G=128), dict(G=32, GV=128, scale_dtype=torch.float8_e4m3fn)])
+def test_one_compilation_serves_every_batch_size(kernels, layout):
     """CUDA-graph capture runs decode and store at ~36 batch sizes; each kernel must compile
     once for all of them (a batch-dependent constexpr cost ~3 s per size at server start)."""
     api, ts, td, _ = kernels
@@ -317,7 +318,7 @@ def test_one_compilation_serves_every_batch_size(kernels):
     ws = api.make_decode_workspace(64, hq, h, d, "cuda")
     for b in (1, 3, 8, 17, 64):
         lens = [700 + 37 * i for i in range(b)]
-        sc = kc.build_random(lens, H=h, D=d, G=128, S=16, W=128, page=64, seed=b)
+        sc = kc.build_random(lens, H=h, D=d, S=16, W=128, page=64, seed=b, **layout)
         q = kc.random_q(sc, hq, seed=b)
         td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                          torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale, workspace=ws)
@@ -328,9 +329,13 @@ def test_one_compilation_serves_every_batch_size(kernels):
                      pos, rows, pos + 1)
     torch.cuda.synchronize()
     added = {fn.__name__: variants(fn) - n for fn, n in before.items()}
-    # stage 1 compiles once per launch shape (DecodeConfig.stage1_shape_for: one up to
-    # small_batch_max requests, one above), the others once
-    shapes = len({ws.config.stage1_shape_for(b) for b in (1, 3, 8, 17, 64)})
+    # stage 1 compiles once per launch shape and pipeline (DecodeConfig.stage1_shape_for /
+    # pipeline_for: one up to small_batch_max requests, one above), the others once
+    spans = layout["G"] == d
+    cfg = ws.config
+    shapes = len({(shape, cfg.pipeline_for(b, shape[1])) for b in (1, 3, 8, 17, 64)
+                  for shape in [cfg.stage1_shape_for(b, spans)]})
+    assert shapes == 2
     allowed = {"_decode_stage1": shapes, "_decode_merge": 1, "_store_kernel": 1}
     assert all(v <= allowed[k] for k, v in added.items()), (added, allowed)
 
