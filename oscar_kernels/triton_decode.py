@@ -442,7 +442,7 @@ class DecodeConfig:
         the warps' samples on that wait), and the int64 schedule does not wait on the
         next-but-one block's slot load inside the step that issues it (with int32 a select
         on the loaded slots did: 9-12% of the samples at batch 8 / 64k). Timed on the H200
-        (session 14, same run, cold L2, keys 32 / values 128 / float8) against 2 stages with
+        (session 14 call E, same run, cold L2, keys 32 / values 128 / float8) against 2 stages with
         int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
         314.6, 64 / 64k 1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
         3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8

@@ -190,6 +190,10 @@ CASES = {
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
     "k32_v128_float8_scales": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
                                {}, {}, 32),
+    # what runs above batch 4 on the default layout (DecodeConfig.pipeline_for: 3 stages,
+    # int64 slot offsets; the cases compile at batch 2)
+    "k32_v128_deep": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
+                      dict(small_batch_max=0), {}, 32),
     # DecodeConfig.two_streams (triton_two_streams) on the default layout
     "k32_v128_two_streams": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
                              dict(two_streams=True), {}, 32),

@@ -66,6 +66,19 @@ def test_decode_launches_chain_with_programmatic_dependent_launch():
             assert x["griddepcontrol"] == [], x
 
 
+def test_default_layout_above_batch_4_compiles_for_sm90():
+    """The default layout's stage 1 as it runs above batch 4 (3 pipeline stages, int64 slot
+    offsets): it compiles, its INT2 token loop (the largest) does not spill, and the deeper
+    pipeline holds more shared memory than the 2-stage build of the same layout."""
+    deep = [x for x in _run("k32_v128_deep") if x["kernel"] == "_decode_stage1"]
+    shallow = [x for x in _run("k32_v128_float8_scales") if x["kernel"] == "_decode_stage1"]
+    assert deep and shallow and all(x["ok"] for x in deep + shallow), deep + shallow
+    for x in deep:
+        largest = max(x["loops"], key=lambda loop: loop["instructions"])
+        assert largest["spill_instructions"] == 0, x
+        assert x["shared_bytes"] > shallow[0]["shared_bytes"], (x["shared_bytes"], shallow[0]["shared_bytes"])
+
+
 def test_bf16_prefix_extend_compiles_for_sm90_without_spills():
     """The BF16 prefix read with its default tiles: the materialising kernel and the BF16 extend."""
     recs = [x for x in _run("g128_bf16_prefix") if x["kernel"] in ("_materialize_kernel", "_extend_kernel")]
