@@ -48,7 +48,6 @@ from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contig
                             release_dependent_grid, wait_for_prior_grid)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
-from .triton_two_streams import int2_two_streams_finish, int2_two_streams_range
 
 LOG2E = 1.4426950408889634
 
@@ -123,7 +122,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, TWO_STREAMS: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
@@ -159,23 +158,6 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
             tl.store(mid_o_ptr + mid_row[None, :] * D + j * (D // 4) + dq[:, None], acc[j] * inv[None, :],
                      mask=hmask[None, :])
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
-    elif TWO_STREAMS:
-        # ---- INT2 history as two token streams in one tile, column 2 r + s (triton_two_streams)
-        lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
-        head = g // 2
-        q_pair = qr_ptr + b * sqr_b + (h * GQ + head).to(tl.int64) * sqr_h
-        qops0, qs0 = int2_query(q_pair, (head < GQ) & (g % 2 == 0), qk_scale, D, GK, MAGIC, HALF)
-        qops1, qs1 = int2_query(q_pair, (head < GQ) & (g % 2 == 1), qk_scale, D, GK, MAGIC, HALF)
-        qsums = (qs0[0] + qs1[0], qs0[1] + qs1[1], qs0[2] + qs1[2], qs0[3] + qs1[3])
-        hh = head_index(h, SLOT64)
-        st = int2_two_streams_range(qops0, qops1, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
-                                    kpk_ptr, vpk_ptr, spk_s, hh * spk_h, kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, BN, D,
-                                    GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-        outs, m_h, l_h = int2_two_streams_finish(st, D, GV, MAGIC)
-        gh = tl.arange(0, BH // 2)
-        row_h = (b * num_h * GQ + (h * GQ + gh).to(tl.int64)) * (NS + 1) + sp
-        store_pairs(mid_o_ptr + row_h * D, (gh < GQ) & (lo < hi), outs, D)
-        store_lse(mid_lse_ptr + row_h, gh < GQ, m_h, l_h)
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
@@ -401,12 +383,6 @@ class DecodeConfig:
     # its output (griddepcontrol), so each launch's latency and stage 1's reads of the
     # request layout overlap the previous kernel
     programmatic_launch: bool = True
-    # INT2 blocks as two token streams in one score tile (triton_two_streams) where 4 query
-    # heads share a KV head (half the tile's columns are otherwise padding; two_streams_apply).
-    # Not timed yet: sm_90 INT2 loop 919 instructions against 976 (session 13, tests/aot_sm90.py
-    # --case k32_v128_two_streams): FFMA 176 -> 112 and the softmax halve, but masking the
-    # weights per stream and the second query-operand set add register moves
-    two_streams: bool = False
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -549,13 +525,6 @@ class DecodeWorkspace:
         return ns, q_rot, mid_o, mid_lse
 
 
-def two_streams_apply(cfg: DecodeConfig, layer: HybridLayerCache, gq: int, block_h: int) -> bool:
-    """DecodeConfig.two_streams where the layout allows it: two query heads' worth of padding
-    columns per stream (block_h = 2 * next_pow2(Hq/H)), keys in one group per plane, values in
-    groups of a plane or more, magic unpacking and tensor cores."""
-    d = layer.head_dim
-    return (cfg.two_streams and block_h == 2 * triton.next_power_of_2(gq) and layer.key_group_size == d // 4
-            and layer.value_group_size >= d // 4 and cfg.magic_unpack and cfg.use_dot)
 
 
 def _block_h(gq: int, cfg: DecodeConfig) -> int:
@@ -675,7 +644,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, TWO_STREAMS=two_streams_apply(cfg, lay, gq, bh), num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

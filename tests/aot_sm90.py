@@ -194,9 +194,6 @@ CASES = {
     # int64 slot offsets; the cases compile at batch 2)
     "k32_v128_deep": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
                       dict(small_batch_max=0), {}, 32),
-    # DecodeConfig.two_streams (triton_two_streams) on the default layout
-    "k32_v128_two_streams": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
-                             dict(two_streams=True), {}, 32),
     "g128_whole_row_rotation": (dict(D=128, G=128, S=16, W=64, page=64),
                                 dict(rotate_out_block=0, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
     "g128_kv_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="kv_head"), {}, 32),

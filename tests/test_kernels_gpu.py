@@ -138,7 +138,7 @@ def test_split_group_sizes_gpu(kernels):
 
 
 @pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3),
-                                  dict(float8_words=False), dict(two_streams=True), dict(small_batch_max=0),
+                                  dict(float8_words=False), dict(small_batch_max=0),
                                   dict(small_batch_max=0, int64_slots=False), dict(num_stages=2, int64_slots=True)])
 def test_loop_variants_split_groups_gpu(kernels, loop):
     """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
@@ -147,7 +147,6 @@ def test_loop_variants_split_groups_gpu(kernels, loop):
     kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
     cfg = td.DecodeConfig(**loop)
     sc = kc.build([5, 80, 81, 144, 900, 3000], seed=3, device="cuda", **kw)
-    assert td.two_streams_apply(cfg, sc.layer, 4, 8) == cfg.two_streams
     kc.check_decode(sc, 32, td.triton_decode, cfg)
     lens = [131072, 4096, 1]
     sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})

@@ -100,31 +100,6 @@ def test_decode_query_head_merge_matches_reference(hq, h):
     _check_decode(sc, hq, triton_decode_mod.DecodeConfig(merge_grid="query_head", **_SMALL))
 
 
-@pytest.mark.parametrize("d, grp, gv, scale_dtype", [(64, 16, 16, torch.float16), (64, 16, 64, torch.float8_e4m3fn),
-                                                      (128, 32, 128, torch.float8_e4m3fn)])
-def test_decode_two_streams_matches_reference(d, grp, gv, scale_dtype):
-    """DecodeConfig.two_streams (4 query heads per KV head, keys in one group per plane):
-    blocks as two token streams in one tile give the reference output, with tails of
-    either stream masked and splits of several blocks."""
-    td = triton_decode_mod
-    sc = kc.build([1, 13, 40, 77, 150], H=2, D=d, G=grp, GV=gv, S=4, W=8, page=8, seed=d + grp + gv,
-                  scale_dtype=scale_dtype)
-    cfg = td.DecodeConfig(two_streams=True, **{**_SMALL, "block_n": 32})
-    assert td.two_streams_apply(cfg, sc.layer, 4, 8)
-    _check_decode(sc, 8, cfg)
-
-
-def test_two_streams_apply_only_where_half_the_tile_is_padding():
-    td = triton_decode_mod
-    sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
-    cfg = td.DecodeConfig(two_streams=True)
-    assert td.two_streams_apply(cfg, sc.layer, 4, 8) and td.two_streams_apply(cfg, sc.layer, 3, 8)
-    assert not td.two_streams_apply(cfg, sc.layer, 8, 8)  # no padding columns
-    assert not td.two_streams_apply(cfg, sc.layer, 2, 8)  # four streams' worth
-    assert not td.two_streams_apply(td.DecodeConfig(), sc.layer, 4, 8)
-    assert not td.two_streams_apply(cfg, kc.build([9], H=2, D=64, G=64, S=4, W=8, page=8).layer, 4, 8)
-
-
 def test_decode_unknown_merge_grid_is_refused():
     sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
     with pytest.raises(ValueError, match="merge_grid"):
