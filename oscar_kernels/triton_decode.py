@@ -299,8 +299,7 @@ class DecodeConfig:
     """Launch parameters of the decode kernels (the benchmark sweeps them)."""
 
     # INT2 tokens per inner step; 0: by batch, SMALL_BATCH_BLOCK_N up to small_batch_max
-    # requests, else BLOCK_N (timed: see max_registers); the pipeline depth also follows
-    # small_batch_max (pipeline_for)
+    # requests, else BLOCK_N (timed: see max_registers)
     block_n: int = 0
     small_batch_max: int = 4
     # sink/ring tokens per inner step; 0: BF16_BLOCK_N where stage 1 is uncapped, else
@@ -318,9 +317,11 @@ class DecodeConfig:
     # head at block_n 64 (the 2-warp kernel before this one: ~23).
     num_warps: int = 1
     # stage 1's pipeline depth (0: pipeline_for) and slot / head offsets in int64 (None:
-    # pipeline_for; True: always; False: only where int32 cannot hold them, needs_int64_slots)
+    # pipeline_for; True: always; False: only where int32 cannot hold them, needs_int64_slots);
+    # up to shallow_pipeline_max requests pipeline_for picks 2 stages and int32
     num_stages: int = 0
     int64_slots: bool | None = None
+    shallow_pipeline_max: int = 1
     # ptxas register cap (maxnreg) of stage 1 when one quantisation group spans the head
     # (G = D, the calibration default): at 168, 12 one-warp programs fit an SM (uncapped,
     # ~230 registers: 8) and no value spills inside the token loops. Timed on the H200
@@ -409,10 +410,11 @@ class DecodeConfig:
             regs = REGISTER_CAP if block_n <= BLOCK_N and groups_span_head else None
         return block_n, regs
 
-    def pipeline_for(self, batch: int, max_registers: int | None) -> tuple[int, bool]:
-        """(num_stages, int64 slot offsets) of stage 1 for a batch of ``batch`` requests
-        compiled under ``max_registers`` (0 / None fields resolved). Above small_batch_max
-        requests an uncapped stage 1 runs 3 stages with int64 offsets: sm_90 then issues a
+    def pipeline_for(self, batch: int, block_n: int, max_registers: int | None) -> tuple[int, bool]:
+        """(num_stages, int64 slot offsets) of stage 1 for a batch of ``batch`` requests at
+        the shape (block_n, max_registers) of stage1_shape_for (0 / None fields resolved).
+        Above shallow_pipeline_max requests an uncapped stage 1 of BLOCK_N-token steps runs 3
+        stages with int64 offsets: sm_90 then issues a
         block's copies a full step before its wait (2 stages: at the step's end, so the
         warp waits for them at the top of the next; Nsight Compute, batch 64 / 128k: 23% of
         the warps' samples on that wait), and the int64 schedule does not wait on the
@@ -422,8 +424,10 @@ class DecodeConfig:
         int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
         314.6, 64 / 64k 1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
         3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8
-        blocks per program) 34.5 vs 32.5, so small batches keep 2 stages and int32."""
-        deep = batch > self.small_batch_max and max_registers is None
+        blocks per program) 34.5 vs 32.5, so batch 1 keeps 2 stages and int32; at 64k (call I)
+        batch 2 45.77 vs 47.78, 4 91.86 vs 93.61, 5 92.71 vs 96.15, 16 275.96 vs 285.97. Other
+        shapes (128-token steps, register caps) keep 2 stages / int32: not timed deeper."""
+        deep = batch > self.shallow_pipeline_max and block_n <= BLOCK_N and max_registers is None
         stages = self.num_stages or (3 if deep else 2)
         return stages, deep if self.int64_slots is None else self.int64_slots
 
@@ -452,8 +456,8 @@ def batch_invariant_config(max_context: int, max_batch: int, num_q_heads: int, h
                            workspace_bytes: int = BATCH_INVARIANT_WORKSPACE_BYTES,
                            base: DecodeConfig | None = None) -> DecodeConfig:
     """A DecodeConfig whose output for a request does not depend on the rest of the batch
-    (deterministic inference): one stage-1 shape (BLOCK_N under the register cap) and one
-    merge grid at every batch, and INT2 splits that depend on the request's length only:
+    (deterministic inference): one stage-1 shape (BLOCK_N under the register cap) and pipeline
+    (pipeline_for: 3 stages where uncapped) and one merge grid at every batch, and INT2 splits that depend on the request's length only:
         NS = max_splits at every batch, the most whose partials for ``max_batch`` rows fit
              ``workspace_bytes`` (max_batch (1 + NS) Hq (D + 1) 4 bytes), at most base's
         MIN_CHUNK = max(base.min_chunk, round_up(cdiv(max_context, NS), BLOCK_N))
@@ -465,7 +469,7 @@ def batch_invariant_config(max_context: int, max_batch: int, num_q_heads: int, h
     per_split = -(-max(1, max_context) // splits)
     min_chunk = max(base.min_chunk, -(-per_split // BLOCK_N) * BLOCK_N)
     return replace(base, block_n=BLOCK_N, max_registers=0, small_batch_max=0, merge_grid="query_head",
-                   max_splits=splits, min_chunk=min_chunk, target_programs=1 << 30)
+                   max_splits=splits, min_chunk=min_chunk, target_programs=1 << 30, shallow_pipeline_max=0)
 
 
 BLOCK_N = 64  # INT2 tokens per stage-1 step above DecodeConfig.small_batch_max requests
@@ -627,7 +631,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     lay = layer
     bh = _block_h(gq, cfg)
     block_n, max_registers = cfg.stage1_shape_for(b, spans)
-    num_stages, int64_slots = cfg.pipeline_for(b, max_registers)
+    num_stages, int64_slots = cfg.pipeline_for(b, block_n, max_registers)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)

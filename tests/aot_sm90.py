@@ -190,10 +190,10 @@ CASES = {
     "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
     "k32_v128_float8_scales": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
                                {}, {}, 32),
-    # what runs above batch 4 on the default layout (DecodeConfig.pipeline_for: 3 stages,
-    # int64 slot offsets; the cases compile at batch 2)
-    "k32_v128_deep": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
-                      dict(small_batch_max=0), {}, 32),
+    # what runs at batch 1 on the default layout (DecodeConfig.pipeline_for: 2 stages, int32
+    # slot offsets; the cases compile at batch 2, where it runs 3 stages and int64)
+    "k32_v128_shallow": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
+                         dict(shallow_pipeline_max=2), {}, 32),
     "g128_whole_row_rotation": (dict(D=128, G=128, S=16, W=64, page=64),
                                 dict(rotate_out_block=0, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
     "g128_kv_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="kv_head"), {}, 32),

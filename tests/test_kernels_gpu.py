@@ -138,8 +138,8 @@ def test_split_group_sizes_gpu(kernels):
 
 
 @pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3),
-                                  dict(float8_words=False), dict(small_batch_max=0),
-                                  dict(small_batch_max=0, int64_slots=False), dict(num_stages=2, int64_slots=True)])
+                                  dict(float8_words=False), dict(shallow_pipeline_max=0),
+                                  dict(shallow_pipeline_max=0, int64_slots=False), dict(num_stages=2, int64_slots=True)])
 def test_loop_variants_split_groups_gpu(kernels, loop):
     """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
     short, medium and 128k requests against the reference."""
@@ -332,7 +332,7 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
     # pipeline_for: one up to small_batch_max requests, one above), the others once
     spans = layout["G"] == d
     cfg = ws.config
-    shapes = len({(shape, cfg.pipeline_for(b, shape[1])) for b in (1, 3, 8, 17, 64)
+    shapes = len({(shape, cfg.pipeline_for(b, *shape)) for b in (1, 3, 8, 17, 64)
                   for shape in [cfg.stage1_shape_for(b, spans)]})
     assert shapes == 2
     allowed = {"_decode_stage1": shapes, "_decode_merge": 1, "_store_kernel": 1}

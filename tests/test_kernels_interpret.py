@@ -300,13 +300,14 @@ def test_stage1_shape_follows_the_batch():
     assert [cfg.bf16_block_for(cfg.stage1_shape_for(b)[1]) for b in (1, 64)] == [64, 16]
     assert cfg.bf16_block_for(cfg.stage1_shape_for(64, groups_span_head=False)[1]) == 64
     assert td.DecodeConfig(block_n_bf16=32).bf16_block_for(168) == 32
-    # pipeline: 3 stages with int64 slot offsets above small_batch_max when uncapped, else 2
-    # with int32 (where int32 holds them); explicit values win
-    assert [cfg.pipeline_for(b, None) for b in (1, 4, 5, 64)] == [(2, False), (2, False), (3, True), (3, True)]
-    assert cfg.pipeline_for(64, 168) == (2, False)
-    assert td.DecodeConfig(num_stages=2).pipeline_for(64, None) == (2, True)
-    assert td.DecodeConfig(int64_slots=False).pipeline_for(64, None) == (3, False)
-    assert td.DecodeConfig(small_batch_max=0).pipeline_for(1, None) == (3, True)
+    # pipeline: 3 stages with int64 slot offsets above shallow_pipeline_max requests at
+    # uncapped 64-token steps, else 2 with int32 (where int32 holds them); explicit values win
+    assert [cfg.pipeline_for(b, 64, None) for b in (1, 2, 4, 64)] == [(2, False), (3, True), (3, True), (3, True)]
+    assert cfg.pipeline_for(64, 64, 168) == (2, False) and cfg.pipeline_for(2, 128, None) == (2, False)
+    assert td.DecodeConfig(num_stages=2).pipeline_for(64, 64, None) == (2, True)
+    assert td.DecodeConfig(int64_slots=False).pipeline_for(64, 64, None) == (3, False)
+    assert td.DecodeConfig(shallow_pipeline_max=0).pipeline_for(1, 64, None) == (3, True)
+    assert td.batch_invariant_config(4096, 8, 4, 128).pipeline_for(1, 64, None) == (3, True)
     sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)
     small = dict(block_n_bf16=16, min_chunk=16, target_programs=8, max_splits=4)
     for small_batch_max in (2, 1):  # batch 2: block_n 128, then 64
