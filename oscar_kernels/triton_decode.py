@@ -414,8 +414,8 @@ class DecodeConfig:
         """(num_stages, int64 slot offsets) of stage 1 for a batch of ``batch`` requests at
         the shape (block_n, max_registers) of stage1_shape_for (0 / None fields resolved).
         Above shallow_pipeline_max requests an uncapped stage 1 of BLOCK_N-token steps runs 3
-        stages with int64 offsets: sm_90 then issues a
-        block's copies a full step before its wait (2 stages: at the step's end, so the
+        stages with int64 offsets: sm_90 then issues a block's copies a full step before
+        their wait (2 stages: at the end of the step before, so the
         warp waits for them at the top of the next; Nsight Compute, batch 64 / 128k: 23% of
         the warps' samples on that wait), and the int64 schedule does not wait on the
         next-but-one block's slot load inside the step that issues it (with int32 a select
@@ -426,7 +426,8 @@ class DecodeConfig:
         3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8
         blocks per program) 34.5 vs 32.5, so batch 1 keeps 2 stages and int32; at 64k (call I)
         batch 2 45.77 vs 47.78, 4 91.86 vs 93.61, 5 92.71 vs 96.15, 16 275.96 vs 285.97. Other
-        shapes (128-token steps, register caps) keep 2 stages / int32: not timed deeper."""
+        shapes (128-token steps, register caps) keep 2 stages / int32 (not timed deeper with
+        this session's kernels)."""
         deep = batch > self.shallow_pipeline_max and block_n <= BLOCK_N and max_registers is None
         stages = self.num_stages or (3 if deep else 2)
         return stages, deep if self.int64_slots is None else self.int64_slots
