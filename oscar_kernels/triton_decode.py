@@ -415,13 +415,12 @@ class DecodeConfig:
         the shape (block_n, max_registers) of stage1_shape_for (0 / None fields resolved).
         Above shallow_pipeline_max requests an uncapped stage 1 of BLOCK_N-token steps runs 3
         stages with int64 offsets: sm_90 then issues a block's copies a full step before
-        their wait (2 stages: at the end of the step before, so the
-        warp waits for them at the top of the next; Nsight Compute, batch 64 / 128k: 23% of
-        the warps' samples on that wait), and the int64 schedule does not wait on the
-        next-but-one block's slot load inside the step that issues it (with int32 a select
-        on the loaded slots did: 9-12% of the samples at batch 8 / 64k). Timed on the H200
-        (session 14 call E, same run, cold L2, keys 32 / values 128 / float8) against 2 stages with
-        int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
+        their wait (2 stages: at the end of the step before, so the warp waits for them at
+        the top of the next; Nsight Compute, batch 64 / 128k: 23% of the warps' samples on
+        that wait), and the int64 schedule does not wait on the next-but-one block's slot
+        load inside the step that issues it (with int32 a select on the loaded slots did:
+        9-12% of the samples at batch 8 / 64k). Timed on the H200 (session 14 call E, same
+        run, cold L2, keys 32 / values 128 / float8) against 2 stages with int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
         314.6, 64 / 64k 1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
         3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8
         blocks per program) 34.5 vs 32.5, so batch 1 keeps 2 stages and int32; at 64k (call I)
@@ -457,8 +456,9 @@ def batch_invariant_config(max_context: int, max_batch: int, num_q_heads: int, h
                            workspace_bytes: int = BATCH_INVARIANT_WORKSPACE_BYTES,
                            base: DecodeConfig | None = None) -> DecodeConfig:
     """A DecodeConfig whose output for a request does not depend on the rest of the batch
-    (deterministic inference): one stage-1 shape (BLOCK_N under the register cap) and pipeline
-    (pipeline_for: 3 stages where uncapped) and one merge grid at every batch, and INT2 splits that depend on the request's length only:
+    (deterministic inference): one stage-1 shape (BLOCK_N under the register cap) and
+    pipeline (pipeline_for: 3 stages where uncapped) and one merge grid at every batch, and
+    INT2 splits that depend on the request's length only:
         NS = max_splits at every batch, the most whose partials for ``max_batch`` rows fit
              ``workspace_bytes`` (max_batch (1 + NS) Hq (D + 1) 4 bytes), at most base's
         MIN_CHUNK = max(base.min_chunk, round_up(cdiv(max_context, NS), BLOCK_N))
@@ -528,8 +528,6 @@ class DecodeWorkspace:
         mid_o = self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d)
         mid_lse = self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1)
         return ns, q_rot, mid_o, mid_lse
-
-
 
 
 def _block_h(gq: int, cfg: DecodeConfig) -> int:

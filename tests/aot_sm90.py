@@ -88,31 +88,31 @@ def _sass(cubin: bytes) -> str:
         return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
 
 
-def _loop_stats(cubin: bytes) -> dict:
-    """SASS of the cubin (cuobjdump): instructions of the largest loop (the body between
-    a backward branch and its target), spill instructions (STL/LDL) inside any loop, and
-    per loop its instruction count, spills and opcode histogram (most frequent first)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _sass(cubin))]
-    loops = []
+def _spills(body: list[str]) -> int:
+    return sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in body)
+
+
+def _loop_stats(sass: str) -> dict:
+    """From SASS text (cuobjdump): instructions of the largest loop (the body between a
+    backward branch and its target), spill instructions (STL/LDL) inside any loop, and per
+    loop its instruction count, spills and opcode histogram (most frequent first)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = set()
     for addr, body in ins:
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", body)
         if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
-    inside = [body for addr, body in ins if any(lo <= addr <= hi for lo, hi in loops)]
-    largest = max((sum(lo <= a <= hi for a, _ in ins) for lo, hi in loops), default=0)
+            loops.add((int(m.group(1), 16), addr))
     per_loop = []
-    for lo, hi in sorted(set(loops)):
+    for lo, hi in sorted(loops):
         body = [b for a, b in ins if lo <= a <= hi]
-        ops = collections.Counter(_opcode(b) for b in body)
-        per_loop.append({"start": hex(lo), "instructions": len(body),
-                         "spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in body),
-                         "opcodes": dict(ops.most_common())})
-    return {"main_loop_instructions": largest,
-            "loop_spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", b)) for b in inside),
-            "loops": per_loop}
+        per_loop.append({"start": hex(lo), "instructions": len(body), "spill_instructions": _spills(body),
+                         "opcodes": dict(collections.Counter(_opcode(b) for b in body).most_common())})
+    inside = [body for addr, body in ins if any(lo <= addr <= hi for lo, hi in loops)]
+    return {"main_loop_instructions": max((x["instructions"] for x in per_loop), default=0),
+            "loop_spill_instructions": _spills(inside), "loops": per_loop}
 
 
-def _ptxas_stats(compiled) -> dict:
+def _ptxas_stats(compiled, sass: str) -> dict:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as d:
         ptx = Path(d) / "k.ptx"
@@ -126,7 +126,7 @@ def _ptxas_stats(compiled) -> dict:
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) if spill else None,
             "griddepcontrol": sorted(set(re.findall(r"griddepcontrol\.(\w+)", compiled.asm["ptx"]))),
-            "shared_bytes": compiled.metadata.shared, **_loop_stats(compiled.asm["cubin"])}
+            "shared_bytes": compiled.metadata.shared, **_loop_stats(sass)}
 
 
 DUMP_DIR: Path | None = None  # main's --dump
@@ -143,13 +143,14 @@ class _Recorder:
             rec = {"case": self.case, "kernel": self.kernel.__name__, "grid": [int(g) for g in grid]}
             try:
                 compiled = _compile(self.kernel, args, dict(kwargs))
-                rec.update(_ptxas_stats(compiled))
+                sass = _sass(compiled.asm["cubin"])
+                rec.update(_ptxas_stats(compiled, sass))
                 rec["ok"] = True
                 if DUMP_DIR is not None:
                     stem = f"{self.case}.{self.kernel.__name__}"
                     for ext in ("ttgir", "ptx"):
                         (DUMP_DIR / f"{stem}.{ext}").write_text(compiled.asm[ext])
-                    (DUMP_DIR / f"{stem}.sass").write_text(_sass(compiled.asm["cubin"]))
+                    (DUMP_DIR / f"{stem}.sass").write_text(sass)
             except Exception as e:  # report, keep compiling the others
                 rec["ok"] = False
                 rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"

@@ -5,6 +5,7 @@ checks every kernel launch of store / decode / extend compiled, and that the dec
 kernels do not spill registers. The main configuration runs by default; the variants
 (group sizes, head_dim 64, MHA, CUDA-core / convert fallbacks) with OSCAR_AOT_ALL=1.
 """
+import functools
 import json
 import os
 import subprocess
@@ -16,13 +17,14 @@ import pytest
 SCRIPT = Path(__file__).with_name("aot_sm90.py")
 
 
-def _run(case: str) -> list[dict]:
+@functools.lru_cache(maxsize=None)  # several tests read the same case's records
+def _run(case: str) -> tuple[dict, ...]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(SCRIPT), "--case", case], capture_output=True, text=True,
                        env=env, timeout=1200)
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert recs, f"no kernels compiled:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return recs
+    return tuple(recs)
 
 
 def _check(recs):

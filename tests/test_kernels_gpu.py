@@ -137,9 +137,10 @@ def test_split_group_sizes_gpu(kernels):
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
 
 
-@pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3),
-                                  dict(float8_words=False), dict(shallow_pipeline_max=0),
-                                  dict(shallow_pipeline_max=0, int64_slots=False), dict(num_stages=2, int64_slots=True)])
+# dict(): 3 stages / int64 at both batches tested (6 and 3); shallow_pipeline_max=8: what batch 1 runs
+@pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(float8_words=False),
+                                  dict(shallow_pipeline_max=8), dict(int64_slots=False),
+                                  dict(num_stages=2, int64_slots=True)])
 def test_loop_variants_split_groups_gpu(kernels, loop):
     """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
     short, medium and 128k requests against the reference."""
@@ -329,7 +330,8 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
     torch.cuda.synchronize()
     added = {fn.__name__: variants(fn) - n for fn, n in before.items()}
     # stage 1 compiles once per launch shape and pipeline (DecodeConfig.stage1_shape_for /
-    # pipeline_for: one up to small_batch_max requests, one above), the others once
+    # pipeline_for: G = D, one shape up to small_batch_max requests and one above; keys 32,
+    # one pipeline at batch 1 and one above), the others once
     spans = layout["G"] == d
     cfg = ws.config
     shapes = len({(shape, cfg.pipeline_for(b, *shape)) for b in (1, 3, 8, 17, 64)
