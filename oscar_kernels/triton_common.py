@@ -200,14 +200,6 @@ def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
     return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
 
 
-def half_values(enabled: bool, magic_unpack: bool, layer) -> bool:
-    """Whether V codes unpack as float16 (HALF_V, int2_range): asked for, magic unpacking, one
-    group per plane or wider (values' G >= D/4) and float8 scales: the P@V weights
-    w = p * scale * VALUE_WEIGHT_BOOST then stay within float16 (scale <= 448: w <= 57344)."""
-    return (enabled and magic_unpack and layer.value_group_size >= layer.head_dim // 4
-            and layer.v_scales.dtype == torch.float8_e4m3fn)
-
-
 def element_extent(t: torch.Tensor) -> int:
     """One past the largest element offset a view reaches from its first element, in bytes
     (whatever the order of its strides: allocate_layer's buffers are head-major views)."""

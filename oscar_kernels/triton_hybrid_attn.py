@@ -21,8 +21,6 @@ register of two int16 elements into two 16-bit floats:
               every field fits in place)
 applied to the register and to the register shifted right by 8 (the odd bytes): 9 (K) or
 11 (V) integer instructions per 16 codes, no byte permutes, no int->float conversions.
-V codes unpack as float16 too (HALF_V, half_values: float8 scales only) with the P@V
-weights w = p * scale * 128 in float16 (9 instructions per 16 codes, as K).
 Each (plane, parity) is one [tokens, D/8] (K) or [D/8, tokens] (V) tile, so the channel
 order inside a dot is (2p + e); q' operands are gathered in the same order once per program
 and divided by STEP_i (exact), and outputs are stored back to their channels. V stays bf16:
@@ -112,12 +110,6 @@ _HALF_ASM_0: tl.constexpr = _unpack_asm(0x64006400, 0x00030003)
 _HALF_ASM_1: tl.constexpr = _unpack_asm(0x64006400, 0x000C000C)
 _HALF_ASM_2: tl.constexpr = _unpack_asm(0x64006400, 0x00300030)
 _HALF_ASM_3: tl.constexpr = _unpack_asm(0x64006400, 0x00C000C0)
-
-
-# float16 P@V weights are w = p * scale * VALUE_WEIGHT_BOOST (exact power of two, divided out in
-# int2_finish): with float8 scales (2^-9 <= scale <= 448) w stays below float16's 65504 and
-# above its subnormals for every p > 2^-12.
-VALUE_WEIGHT_BOOST: tl.constexpr = tl.constexpr(128.0)
 
 
 @triton.jit
@@ -357,10 +349,9 @@ def online_softmax_t(s, m_i, l_t):
 
 @triton.jit
 def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-            INTERP: tl.constexpr, HALF: tl.constexpr = False):
-    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w
-    (codes as float16 when HALF, else bf16)."""
-    ce, co = unpack_pair(vt, i, MAGIC, INTERP, HALF)
+            INTERP: tl.constexpr):
+    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
     acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
     return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
 
@@ -442,11 +433,10 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                     SLOT64: tl.constexpr, HALF_V: tl.constexpr = False):
+                     SLOT64: tl.constexpr):
     """The value half of a block: online softmax of its scores s^T [BN, R] over the token
     axis (0) and the P@V dots of the BN positions from p0, added to the state st
-    (int2_state). GV: the values' group size. HALF_V: V codes and the weights
-    w = p * scale * VALUE_WEIGHT_BOOST as float16 (half_values), else bf16 w = p * scale."""
+    (int2_state). GV: the values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     GRP_V: tl.constexpr = GV >= DQ
@@ -465,20 +455,14 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
     if GRP_V:
-        if HALF_V:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.float16)
-        else:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
+        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            if HALF_V:
-                w = (p * (sc * VALUE_WEIGHT_BOOST)[:, None]).to(tl.float16)
-            else:
-                w = (p * sc[:, None]).to(tl.bfloat16)
+            w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP, HALF_V)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -499,18 +483,17 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr, HALF_V: tl.constexpr):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only), V codes when HALF_V (_int2_accumulate). GK / GV:
-    the keys' / values' group size."""
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
     s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                      hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
                      INTERP, SLOT64, HALF)
     return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, HALF_V)
+                            SLOT64)
 
 
 @triton.jit
@@ -518,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, HALF_V: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -534,7 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-    HALF_V: V codes and P@V weights as float16 (half_values; int2_finish takes the same flag).
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -564,7 +546,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
         st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
@@ -572,19 +554,18 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, HALF_V: tl.constexpr = False):
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
-    GV: the values' group size; HALF_V as given to int2_range."""
+    GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
-    OFF: tl.constexpr = (1024.0 if HALF_V else 128.0) if MAGIC else 0.0
-    BOOST: tl.constexpr = VALUE_WEIGHT_BOOST if HALF_V else 1.0
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
     l = tl.sum(l_t, 0)
     inv = 1.0 / tl.where(l > 0, l, 1.0)
@@ -593,8 +574,8 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, HALF
         for e in tl.static_range(2):
             a = acc[2 * i + e]
             if GV >= D // 4:
-                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :])
-                     * (1.0 / (plane_step(i, MAGIC, HALF_V) * BOOST)) + tl.sum(pm[i // PG], 0)[None, :])
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
+                     + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)
     return outs, m_i, l
 

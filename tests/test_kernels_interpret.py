@@ -32,8 +32,7 @@ def _interpreted_modules():
     return mods
 
 
-triton_common, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = (
-    _interpreted_modules())
+_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = _interpreted_modules()
 
 
 # ---------------------------------------------------------------- store
@@ -239,20 +238,6 @@ def test_decode_loop_variants_match_reference(layout, max_splits, loop):
     lens = [12, 13, 28, 44, 52, 95]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83
     sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=23, **layout)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
-
-
-@pytest.mark.parametrize("layout", [dict(D=128, G=32, GV=128), dict(D=64, G=16, GV=64), dict(D=64, G=16, GV=8)])
-def test_decode_half_values_matches_reference(layout):
-    """half_values (float16 V codes and P@V weights, float8 scales): the INT2 loop with full
-    blocks and a tail matches the reference; half_values applies only to float8 scales with
-    one value group per plane or wider."""
-    lens = [12, 28, 95]
-    sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=29, scale_dtype=torch.float8_e4m3fn, **layout)
-    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "half_values": True}))
-    assert triton_common.half_values(True, True, sc.layer) == (layout["GV"] >= layout["D"] // 4)
-    assert not triton_common.half_values(True, False, sc.layer)
-    fp16 = kc.build(lens, H=2, S=4, W=8, page=8, seed=29, **layout)
-    assert not triton_common.half_values(True, True, fp16.layer)
 
 
 def test_rotate_queries_column_blocks_match_the_full_rotation():
