@@ -46,8 +46,8 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, wait_for_prior_grid)
-from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, merge_parts,
-                                 request_layout, store_pairs)
+from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
+                                 store_pairs)
 
 LOG2E = 1.4426950408889634
 
@@ -122,13 +122,11 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PACK: tl.constexpr = 1, PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid.
-    PACK > 1 (GQ <= BH / PACK): the INT2 loop packs PACK parts of each block side by side
-    (int2_range), column c of its tiles for query head c % (BH / PACK)."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -163,22 +161,16 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
-        HP: tl.constexpr = BH // PACK  # query heads per part
-        gc = g % HP  # the query head of each column
-        qc_vec = qr_ptr + b * sqr_b + (h * GQ + gc).to(tl.int64) * sqr_h
-        qops, qsums = int2_query(qc_vec, gc < GQ, qk_scale, D, GK, MAGIC, HALF, PACK)
+        qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF, SLOT_AHEAD, PACK)
-        outs, m_c, l_c = int2_finish(st, D, GV, MAGIC)
-        outs, m_r, l_r = merge_parts(outs, m_c, l_c, PACK)  # per column -> per query head
-        gp = tl.arange(0, HP)
-        prow = (b * num_h * GQ + (h * GQ + gp).to(tl.int64)) * (NS + 1) + sp
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
+        outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
-        store_pairs(mid_o_ptr + prow * D, (gp < GQ) & (lo < hi), outs, D)
-        store_lse(mid_lse_ptr + prow, gp < GQ, m_r, l_r)
+        store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
+        store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
 
 
 @triton.jit
@@ -355,11 +347,6 @@ class DecodeConfig:
     # K codes and q' as float16 (magic, G >= D/4): all four planes unpack without shifts; q'
     # (rotated queries) must stay below 65504 in magnitude, as in any fp16 attention.
     half_keys: bool = True
-    # INT2 loop: the two halves of each block side by side in one dot (int2_range PACK = 2)
-    # when a program's query-head rows are at most half used (GQ <= block_h / 2) and K and V
-    # have one group per plane or wider: score tiles [block_n / 2, block_h] instead of
-    # [block_n, block_h] with half of their columns empty
-    pack_halves: bool = False
     use_dot: bool = True  # tensor cores for q.k and p.v
     # float8 (scale, min) pairs read as aligned 4-byte words (triton_common.float8_words_view)
     # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step.
@@ -547,13 +534,6 @@ def _block_h(gq: int, cfg: DecodeConfig) -> int:
     return max(triton.next_power_of_2(gq), cfg.min_block_h)
 
 
-def _pack(cfg: DecodeConfig, gq: int, bh: int, layer) -> int:
-    """int2_range's PACK for stage 1 (DecodeConfig.pack_halves)."""
-    quarter = layer.head_dim // 4
-    grouped = min(layer.key_group_size, layer.value_group_size) >= quarter
-    return 2 if cfg.pack_halves and 2 * gq <= bh and grouped else 1
-
-
 def check_decode_inputs(q, layer, rotation, rows, seq_lens):
     b, hq, d = q.shape
     h = layer.num_kv_heads
@@ -667,7 +647,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PACK=_pack(cfg, gq, bh, lay), PDL=pdl, num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

@@ -262,20 +262,14 @@ def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G:
 
 @triton.jit
 def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-                G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr, PACK: tl.constexpr = 1):
+                G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
     """q'^T operand of (plane i, parity e): [KP, R] bf16 (float16 when HALF), element
     (p, r) = q'[r, i D/4 + 2p + e] * scale / STEP_i (no division when G < D/4: dequantised
     codes), zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows; ``scale``: the
-    softmax scale (sm_scale log2 e), applied once here instead of to every score.
-    PACK > 1 (packed token blocks, int2_range): [PACK KP, R], block-diagonal: rows
-    [j KP, (j + 1) KP) hold the operand for the columns [j R/PACK, (j + 1) R/PACK), zero
-    elsewhere."""
-    R: tl.constexpr = q_vec.shape[0]
-    p = tl.arange(0, PACK * KP)
-    col = tl.arange(0, R)
-    ch = i * (D // 4) + 2 * (p % KP) + e
-    mask = ((p % KP) < D // 8)[:, None] & rmask[None, :] & ((p // KP)[:, None] == (col // (R // PACK))[None, :])
-    qt = tl.load(q_vec[None, :] + ch[:, None], mask=mask, other=0.0)
+    softmax scale (sm_scale log2 e), applied once here instead of to every score."""
+    p = tl.arange(0, KP)
+    ch = i * (D // 4) + 2 * p + e
+    qt = tl.load(q_vec[None, :] + ch[:, None], mask=(p < D // 8)[:, None] & rmask[None, :], other=0.0)
     if G >= D // 4:
         qt = qt.to(tl.float32) * (scale / plane_step(i, MAGIC, HALF))
     else:
@@ -289,20 +283,19 @@ def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.con
 
 @triton.jit
 def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
-               HALF: tl.constexpr, PACK: tl.constexpr = 1):
+               HALF: tl.constexpr):
     """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e), scaled by qk_scale
     (sm_scale log2 e: the dots give base-2 scores directly), and, per plane, the float32
-    [R] column sums of its two operands (what the dots see). G: the keys' group size.
-    PACK: as int2_range's (block-diagonal operands)."""
+    [R] column sums of its two operands (what the dots see). G: the keys' group size."""
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    q00 = load_q_pair(q_vec, rmask, qk_scale, 0, 0, D, KP, G, MAGIC, HALF, PACK)
-    q01 = load_q_pair(q_vec, rmask, qk_scale, 0, 1, D, KP, G, MAGIC, HALF, PACK)
-    q10 = load_q_pair(q_vec, rmask, qk_scale, 1, 0, D, KP, G, MAGIC, HALF, PACK)
-    q11 = load_q_pair(q_vec, rmask, qk_scale, 1, 1, D, KP, G, MAGIC, HALF, PACK)
-    q20 = load_q_pair(q_vec, rmask, qk_scale, 2, 0, D, KP, G, MAGIC, HALF, PACK)
-    q21 = load_q_pair(q_vec, rmask, qk_scale, 2, 1, D, KP, G, MAGIC, HALF, PACK)
-    q30 = load_q_pair(q_vec, rmask, qk_scale, 3, 0, D, KP, G, MAGIC, HALF, PACK)
-    q31 = load_q_pair(q_vec, rmask, qk_scale, 3, 1, D, KP, G, MAGIC, HALF, PACK)
+    q00 = load_q_pair(q_vec, rmask, qk_scale, 0, 0, D, KP, G, MAGIC, HALF)
+    q01 = load_q_pair(q_vec, rmask, qk_scale, 0, 1, D, KP, G, MAGIC, HALF)
+    q10 = load_q_pair(q_vec, rmask, qk_scale, 1, 0, D, KP, G, MAGIC, HALF)
+    q11 = load_q_pair(q_vec, rmask, qk_scale, 1, 1, D, KP, G, MAGIC, HALF)
+    q20 = load_q_pair(q_vec, rmask, qk_scale, 2, 0, D, KP, G, MAGIC, HALF)
+    q21 = load_q_pair(q_vec, rmask, qk_scale, 2, 1, D, KP, G, MAGIC, HALF)
+    q30 = load_q_pair(q_vec, rmask, qk_scale, 3, 0, D, KP, G, MAGIC, HALF)
+    q31 = load_q_pair(q_vec, rmask, qk_scale, 3, 1, D, KP, G, MAGIC, HALF)
     sums = (tl.sum(q00.to(tl.float32), 0) + tl.sum(q01.to(tl.float32), 0),
             tl.sum(q10.to(tl.float32), 0) + tl.sum(q11.to(tl.float32), 0),
             tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
@@ -356,69 +349,25 @@ def online_softmax_t(s, m_i, l_t):
 
 @triton.jit
 def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-            INTERP: tl.constexpr, PACK: tl.constexpr = 1):
-    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w;
-    with PACK = 2 vt and w are pairs (halves of a packed block, _int2_accumulate) whose
-    dots are chained in one fresh accumulator."""
-    if PACK == 2:
-        e0, o0 = unpack_pair(vt[0], i, MAGIC, INTERP, False)
-        e1, o1 = unpack_pair(vt[1], i, MAGIC, INTERP, False)
-        z = tl.zeros(acc[2 * i].shape, tl.float32)
-        de = mm(e1, w[1], mm(e0, w[0], z, USE_DOT, INTERP), USE_DOT, INTERP)
-        do = mm(o1, w[1], mm(o0, w[0], z, USE_DOT, INTERP), USE_DOT, INTERP)
-        acc = setk(acc, 2 * i, acc[2 * i] * alpha[None, :] + opaque(de, INTERP))
-        return setk(acc, 2 * i + 1, acc[2 * i + 1] * alpha[None, :] + opaque(do, INTERP))
-    else:
-        ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
-        acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
-        return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
+            INTERP: tl.constexpr):
+    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
+    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
+    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
 
 
 @triton.jit
-def block_positions(p0, BN: tl.constexpr, PACK: tl.constexpr):
-    """Positions of a block of BN from p0: [BN], or with PACK = 2 its two halves, a pair of
-    [BN/2] (positions p0 + t and p0 + BN/2 + t)."""
-    if PACK == 1:
-        return p0 + tl.arange(0, BN)
+def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr):
+    """slot [BN] of the BN positions from p0 (0 at positions >= hi when MASKED), int64 when
+    SLOT64 (a buffer with 2^31 or more elements)."""
+    pos = p0 + tl.arange(0, BN)
+    if MASKED:
+        slot = tl.load(r2t_row + pos, mask=pos < hi, other=0)
     else:
-        return p0 + tl.arange(0, BN // 2), p0 + BN // 2 + tl.arange(0, BN // 2)
-
-
-@triton.jit
-def side_by_side(pair):
-    """A pair of [BN/2] per-token vectors as one [BN/2, 2] tile (column j: half j)."""
-    return tl.join(pair[0], pair[1])
-
-
-@triton.jit
-def columns_of_parts(x, R: tl.constexpr, PACK: tl.constexpr):
-    """Per-token values x ([BN] or, packed, [BN/2, 2] (side_by_side)) laid out against score
-    tiles [BN/PACK, R]: [BN, 1], or packed [BN/2, R] with column c taking half c // (R/2)."""
-    if PACK == 1:
-        return x[:, None]
-    else:
-        HB: tl.constexpr = x.shape[0]
-        return tl.reshape(tl.broadcast_to(x[:, :, None], [HB, 2, R // 2]), [HB, R])
-
-
-@triton.jit
-def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr,
-                 PACK: tl.constexpr = 1):
-    """slot of the BN positions from p0 (0 at positions >= hi when MASKED), int64 when
-    SLOT64 (a buffer with 2^31 or more elements): [BN], or with PACK = 2 a pair of [BN/2]
-    (block_positions)."""
-    if PACK == 2:
-        return (_block_slots(p0, hi, r2t_row, MASKED, BN // 2, SLOT64),
-                _block_slots(p0 + BN // 2, hi, r2t_row, MASKED, BN // 2, SLOT64))
-    else:
-        pos = p0 + tl.arange(0, BN)
-        if MASKED:
-            slot = tl.load(r2t_row + pos, mask=pos < hi, other=0)
-        else:
-            slot = tl.load(r2t_row + pos)
-        if SLOT64:
-            slot = slot.to(tl.int64)
-        return slot
+        slot = tl.load(r2t_row + pos)
+    if SLOT64:
+        slot = slot.to(tl.int64)
+    return slot
 
 
 @triton.jit
@@ -426,12 +375,9 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
                  kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
                  PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                 SLOT64: tl.constexpr, HALF: tl.constexpr, PACK: tl.constexpr = 1):
-    """Scores s^T [BN/PACK, R] (base 2, scaled; -inf at masked positions) of the BN
-    positions from p0: the key half of a block. GK: the keys' group size. PACK > 1: slot
-    [BN/PACK, PACK]; the codes of the PACK parts of the block lie side by side along the
-    dot's K ([BN/PACK, PACK KP] against int2_query's block-diagonal operands), so column c
-    holds its row's scores for part c // (R/PACK)."""
+                 SLOT64: tl.constexpr, HALF: tl.constexpr):
+    """Scores s^T [BN, R] (base 2, scaled; -inf at masked positions) of the BN positions
+    from p0: the key half of a block. GK: the keys' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
@@ -440,36 +386,17 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
     PG_K: tl.constexpr = 4 // NG_K  # planes per key group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     kp = tl.arange(0, KP)
-    if MASKED and PACK == 2:
-        pos = block_positions(p0, BN, PACK)
-        mask = (pos[0] < hi, pos[1] < hi)
-    elif MASKED:
-        mask = block_positions(p0, BN, PACK) < hi
+    if MASKED:
+        mask = (p0 + tl.arange(0, BN)) < hi
+        kmask = mask[:, None] & (kp < DH)[None, :]
     else:
         mask = None
-    if PACK == 1:
-        if MASKED:
-            kmask = mask[:, None] & (kp < DH)[None, :]
-        else:
-            kmask = (kp < DH)[None, :] if KP > DH else None
-        kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
-    else:  # [BN/2, 2 KP]: half j's codes in columns [j KP, (j + 1) KP)
-        kk = tl.arange(0, 2 * KP)
-        first = (kk < KP)[None, :]
-        krow = tl.where(first, (slot[0] * spk_s)[:, None], (slot[1] * spk_s)[:, None])
-        kptr = kpk_ptr + krow + hoff_pk + (kk % KP)[None, :]
-        if MASKED:
-            kmask = tl.where(first, mask[0][:, None], mask[1][:, None]) & ((kk % KP) < DH)[None, :]
-        else:
-            kmask = ((kk % KP) < DH)[None, :] if KP > DH else None
-        kt = load_or0(kptr, kmask)
-        slot = side_by_side(slot)  # [BN/2, 2] for the scales
-        if MASKED:
-            mask = side_by_side(mask)
+        kmask = (kp < DH)[None, :] if KP > DH else None
+    kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
     if GRP_K:
         for g in tl.static_range(NG_K):
             if PG_K == 1:  # zero start; the offset leaves with the min (below)
-                d = tl.zeros([BN // PACK, R], tl.float32)
+                d = tl.zeros([BN, R], tl.float32)
             else:
                 d = c0[g]
             for j in tl.static_range(PG_K):
@@ -479,13 +406,11 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
             sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             if PG_K == 1:  # d = OFF sum(q'_g) / STEP_g + q'_g.c: OFF / STEP_g per unit of qg
                 mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
-            sc = columns_of_parts(sc, R, PACK)
-            mn = columns_of_parts(mn, R, PACK)
             if g == 0:
-                s = d * sc + mn * qg[g][None, :]
+                s = d * sc[:, None] + mn[:, None] * qg[g][None, :]
             else:  # two FMAs per element and group (qk_scale is in q' and qg)
-                s = d * sc + s
-                s = mn * qg[g][None, :] + s
+                s = d * sc[:, None] + s
+                s = mn[:, None] * qg[g][None, :] + s
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
@@ -499,7 +424,7 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
             s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
             s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
     if MASKED:
-        s = tl.where(columns_of_parts(mask, R, PACK), s, float("-inf"))
+        s = tl.where(mask[:, None], s, float("-inf"))
     return s
 
 
@@ -508,13 +433,10 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                     SLOT64: tl.constexpr, PACK: tl.constexpr = 1):
-    """The value half of a block: online softmax of its scores s^T [BN/PACK, R] over the
-    token axis (0) and the P@V dots of the BN positions from p0, added to the state st
-    (int2_state). GV: the values' group size. PACK = 2 (_int2_scores; slot: a pair of
-    [BN/2]): every column keeps its own softmax state over its half of each block; each
-    half's codes [DH, BN/2] meet the weights w [BN/2, R] with the other half's columns zeroed,
-    both dots of a tile chained in one fresh accumulator."""
+                     SLOT64: tl.constexpr):
+    """The value half of a block: online softmax of its scores s^T [BN, R] over the token
+    axis (0) and the P@V dots of the BN positions from p0, added to the state st
+    (int2_state). GV: the values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     GRP_V: tl.constexpr = GV >= DQ
@@ -522,46 +444,25 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     PG_V: tl.constexpr = 4 // NG_V  # planes per value group
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
-    R: tl.constexpr = s.shape[1]
     dh = tl.arange(0, DH)
-    if PACK == 2:
-        if MASKED:
-            pos = block_positions(p0, BN, PACK)
-            mask = (pos[0] < hi, pos[1] < hi)
-            vmask = (mask[0][None, :], mask[1][None, :])
-        else:
-            mask = (None, None)
-            vmask = (None, None)
-        vt = (load_or0(vpk_ptr + slot[0][None, :] * spk_s + hoff_pk + dh[:, None], vmask[0]),  # [DH, BN/2]
-              load_or0(vpk_ptr + slot[1][None, :] * spk_s + hoff_pk + dh[:, None], vmask[1]))
-        slot = side_by_side(slot)
-        if MASKED:
-            mask = side_by_side(mask)
-        else:
-            mask = None
+    if MASKED:
+        mask = (p0 + tl.arange(0, BN)) < hi
+        vmask = mask[None, :]
     else:
-        if MASKED:
-            mask = (p0 + tl.arange(0, BN)) < hi
-            vmask = mask[None, :]
-        else:
-            mask = None
-            vmask = None
-        vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+        mask = None
+        vmask = None
+    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
     p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
     if GRP_V:
-        ones = tl.full([16, BN // PACK], 1.0, tl.float32).to(tl.bfloat16)
+        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            w = (p * columns_of_parts(sc, R, PACK)).to(tl.bfloat16)
-            pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * columns_of_parts(mn, R, PACK)))
-            # the column sums of w need no masking: column c holds only its half's tokens
+            w = (p * sc[:, None]).to(tl.bfloat16)
+            pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
-            if PACK == 2:  # each half's weights, the other half's columns zero
-                first = (tl.arange(0, R) < R // 2)[None, :]
-                w = (tl.where(first, w, 0.0), tl.where(first, 0.0, w))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP, PACK)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -582,18 +483,17 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr, PACK: tl.constexpr = 1):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size.
-    PACK: as int2_range's."""
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
     s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                      hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
-                     INTERP, SLOT64, HALF, PACK)
+                     INTERP, SLOT64, HALF)
     return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, PACK)
+                            SLOT64)
 
 
 @triton.jit
@@ -601,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, PACK: tl.constexpr = 1):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -617,13 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-
-    PACK > 1 (decode with R >= PACK x the rows used; one group per plane or wider for K and
-    V): each block of BN positions is cut into PACK consecutive parts that share one dot,
-    side by side along its K (int2_query's operands block-diagonal with the same PACK, R/PACK
-    columns per part, column c for row c % (R/PACK)): score tiles and their per-element
-    work shrink to [BN/PACK, R]. Each column keeps its own state; merge_parts combines the
-    parts of a row after int2_finish.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -640,28 +533,28 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             cs += qsums[g * PG + j]
             qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
         if PG > 1:
-            c0 = c0 + (tl.zeros([BN // PACK, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
     if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
-        slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64, PACK)
+        slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
     for p0 in range(lo, hi_full, BN):
         if SLOT_AHEAD:
             slot = slot_n
-            slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64, PACK)
+            slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
         else:
-            slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64, PACK)
+            slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
         st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, PACK)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
         else:
-            slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64, PACK)
+            slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, PACK)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
@@ -685,29 +578,6 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
                      + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)
     return outs, m_i, l
-
-
-@triton.jit
-def merge_parts(outs, m, l, PACK: tl.constexpr):
-    """Combine the PACK part columns of each row (int2_range PACK; column c holds row
-    c % (R/PACK)): int2_finish's (outs, m, l) over R columns -> over R/PACK rows, each part
-    weighted by 2^(m_j - M) l_j with M the largest m_j (log-sum-exp merge)."""
-    if PACK == 1:
-        return outs, m, l
-    else:
-        R: tl.constexpr = m.shape[0]
-        RP: tl.constexpr = R // PACK
-        m2 = tl.reshape(m, [PACK, RP])
-        big = tl.max(m2, 0)
-        big_safe = tl.where(big == float("-inf"), 0.0, big)
-        wgt = tl.exp2(m2 - big_safe[None, :]) * tl.reshape(l, [PACK, RP])  # 0 for empty parts
-        tot = tl.sum(wgt, 0)
-        share = wgt / tl.where(tot > 0, tot, 1.0)[None, :]
-        merged = ()
-        for k in tl.static_range(len(outs)):
-            a = tl.reshape(outs[k], [outs[k].shape[0], PACK, RP])
-            merged = merged + (tl.sum(a * share[None, :, :], 1),)
-        return merged, big, tot
 
 
 @triton.jit

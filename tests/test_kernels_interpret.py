@@ -240,30 +240,6 @@ def test_decode_loop_variants_match_reference(layout, max_splits, loop):
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
 
 
-@pytest.mark.parametrize("layout, hq", [(dict(D=64, G=16), 4), (dict(D=64, G=16), 8), (dict(D=64, G=64), 2),
-                                        (dict(D=128, G=32, GV=128, scale_dtype=torch.float8_e4m3fn), 8)])
-@pytest.mark.parametrize("max_splits", [1, 3])
-def test_decode_pack_halves_matches_reference(layout, hq, max_splits):
-    """pack_halves (both halves of each INT2 block in one dot, GQ <= block_h / 2): empty,
-    partial, one-block and several-block INT2 ranges, with and without a tail, against the
-    reference; heads of both halves merged per query head."""
-    lens = [12, 13, 28, 44, 52, 95, 140]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83, 128
-    sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=31, **layout)
-    cfg = triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, "block_n": 32, "pack_halves": True})
-    assert triton_decode_mod._pack(cfg, hq // 2, triton_decode_mod._block_h(hq // 2, cfg), sc.layer) == 2
-    _check_decode(sc, hq, cfg)
-
-
-def test_pack_halves_applies_to_grouped_layouts_with_spare_rows():
-    cfg = triton_decode_mod.DecodeConfig(pack_halves=True)
-    grouped = kc.build([5], H=2, D=64, G=16).layer
-    per_channel = kc.build([5], H=2, D=64, G=8).layer
-    assert triton_decode_mod._pack(cfg, 4, 8, grouped) == 2
-    assert triton_decode_mod._pack(cfg, 8, 8, grouped) == 1  # every row used
-    assert triton_decode_mod._pack(cfg, 4, 8, per_channel) == 1  # G < D/4: codes dequantised per channel
-    assert triton_decode_mod._pack(triton_decode_mod.DecodeConfig(), 4, 8, grouped) == 1
-
-
 def test_rotate_queries_column_blocks_match_the_full_rotation():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 8, 64, generator=g).bfloat16()
