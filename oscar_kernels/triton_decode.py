@@ -420,8 +420,9 @@ class DecodeConfig:
         that wait), and the int64 schedule does not wait on the next-but-one block's slot
         load inside the step that issues it (with int32 a select on the loaded slots did:
         9-12% of the samples at batch 8 / 64k). Timed on the H200 (session 14 call E, same
-        run, cold L2, keys 32 / values 128 / float8) against 2 stages with int32: batch 8 / 64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs
-        314.6, 64 / 64k 1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
+        run, cold L2, keys 32 / values 128 / float8) against 2 stages with int32: batch 8 /
+        64k 151.4 vs 157.0 us, 8 / 128k 274.3 vs 282.6, 64 / 16k 305.9 vs 314.6, 64 / 64k
+        1,046 vs 1,071, 64 / 128k 2,036 vs 2,320 (int64 there either way);
         3 stages with int32 were 1.06-1.07x slower except at 64 / 128k; batch 1 / 64k (8
         blocks per program) 34.5 vs 32.5, so batch 1 keeps 2 stages and int32; at 64k (call I)
         batch 2 45.77 vs 47.78, 4 91.86 vs 93.61, 5 92.71 vs 96.15, 16 275.96 vs 285.97. Other
