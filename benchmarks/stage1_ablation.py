@@ -1,0 +1,177 @@
+"""Where stage 1's time goes: the default decode timed side by side with ablated builds of its
+INT2 loop, each with a cold cache (as bench_kernels times it) and with an L2-resident one.
+
+    python benchmarks/stage1_ablation.py --cases 8x65536,64x131072 --out OUT.json [--tag T]
+    python benchmarks/stage1_ablation.py --sass      # CPU: sm_90 loop instructions per build
+
+Builds (``ABLATIONS``): the kernels are compiled with a @triton.jit helper of
+oscar_kernels.triton_hybrid_attn swapped for a cheaper one, so their numerics are wrong on
+purpose: timing only, never a DecodeConfig (the production kernels are not touched):
+  default         the shipped loop
+  no_scale_loads  each (scale, min) pair computed from the slot index (two float ops) instead
+                  of loaded, converted and moved into the score tiles' layout
+  no_unpack       the packed code registers handed to the dots as they are (no LOP3 / shift
+                  per 16-bit code pair)
+  neither         both
+Memory (``--resident``, on by default): every position of every request reads the slots of
+request 1's first RESIDENT_TOKENS positions, one layer only (~2.4 MB of INT2 cache): the same
+instruction stream with (nearly) no DRAM traffic, so cold / resident says how much of a
+build's time memory adds.
+Each build is a fresh JITFunction of the same kernel source compiled with the helper swapped
+(TRITON_ALWAYS_COMPILE: no kernel cached under another build's key).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # before triton is imported: no cross-build cache hits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402  (puts the checkout and tests/ on sys.path)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import oscar_kernels.triton_decode as td  # noqa: E402
+import oscar_kernels.triton_hybrid_attn as tha  # noqa: E402
+
+RESIDENT_TOKENS = 4096
+
+
+@triton.jit
+def scales_from_slot(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr,
+                     INTERP: tl.constexpr = False):
+    """group_scales' signature, nothing loaded: scale 0.25 + slot 2^-20, min -0.5 - g slot 2^-22."""
+    x = slot.to(tl.float32)
+    return 0.25 + x * 9.5367431640625e-07, -0.5 - x * (g * 2.384185791015625e-07)
+
+
+@triton.jit
+def codes_as_they_are(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
+    """unpack_pair's signature: the register of two int16 code pairs reinterpreted as two
+    16-bit floats, twice (no instruction: ptxas drops the moves)."""
+    if HALF:
+        return tl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $2;", "=r,=r,r", [x],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $2;", "=r,=r,r", [x],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
+ABLATIONS = {
+    "default": {},
+    "no_scale_loads": {"group_scales": scales_from_slot},
+    "no_unpack": {"unpack_pair": codes_as_they_are},
+    "neither": {"group_scales": scales_from_slot, "unpack_pair": codes_as_they_are},
+}
+
+
+@contextmanager
+def ablated(name: str):
+    """triton_hybrid_attn's helpers swapped per ABLATIONS[name] and triton_decode._decode_stage1
+    replaced by a fresh JITFunction of the same source (its own compiled-kernel cache)."""
+    swaps = ABLATIONS[name]
+    saved = {k: getattr(tha, k) for k in swaps}
+    stage1 = td._decode_stage1
+    try:
+        for k, fn in swaps.items():
+            setattr(tha, k, fn)
+        td._decode_stage1 = triton.jit(do_not_specialize=["NS"])(stage1.fn)
+        yield
+    finally:
+        for k, fn in saved.items():
+            setattr(tha, k, fn)
+        td._decode_stage1 = stage1
+
+
+def resident(sc):
+    """The scenario with every request's positions mapped onto request 1's first
+    RESIDENT_TOKENS slots (sinks and rings unchanged)."""
+    r2t = sc.req_to_token.clone()
+    cols = r2t.shape[1]
+    src = r2t[1, :min(cols, RESIDENT_TOKENS)]
+    reps = -(-cols // src.numel())
+    r2t[1:, :] = src.repeat(reps)[:cols]
+    return type(sc)(sc.layer, sc.index, sc.rotation, r2t, sc.rows, sc.lens, sc.sm_scale)
+
+
+def time_case(b: int, n: int, builds, use_resident: bool) -> list[dict]:
+    import kernel_cases as kc
+    import torch
+    layout = bk.Layout()
+    copies = bk.layout_copies(b, n, bk.l2_bytes(), layout)
+    q = kc.random_q(copies[0], bk.HQ)
+    sets = [("cold", copies)] + ([("resident", [resident(copies[0])])] if use_resident else [])
+    out = []
+    for name in builds:
+        with ablated(name):
+            for memory, scs in sets:
+                rec = bk.sweep_record(f"{name} {memory}", {}, layout.key_group, scs, q, b, n)
+                rec.update(build=name, memory=memory)
+                out.append(rec)
+    del copies, q, sets
+    torch.cuda.empty_cache()
+    return out
+
+
+def sass_counts(builds) -> list[dict]:
+    """sm_90 stage-1 build of each ablation (tests/aot_sm90.py, no GPU): registers, spills,
+    the INT2 loop's instructions and opcodes, for the deep (3 stages, int64) and shallow pipelines."""
+    import aot_sm90
+    out = []
+    for name in builds:
+        for case in ("k32_v128_float8_scales", "k32_v128_shallow"):
+            with ablated(name):
+                recs = [r for r in aot_sm90.run(case) if r["kernel"] == "_decode_stage1"]
+            for r in recs:
+                loops = r.get("loops", [])
+                loop = loops[-1] if loops else {}  # the INT2 loop: the kernel's last (the BF16 side's comes first)
+                out.append({"build": name, "case": case, "registers": r.get("registers"),
+                            "spill_bytes": r.get("spill_bytes"), "loops": [x["instructions"] for x in loops],
+                            "int2_loop_instructions": loop.get("instructions"),
+                            "int2_loop_spills": loop.get("spill_instructions"),
+                            "int2_loop_opcodes": loop.get("opcodes"), "ok": r["ok"], "error": r.get("error")})
+                print(json.dumps({k: v for k, v in out[-1].items() if k != "int2_loop_opcodes"}), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=bk.parse_cases, help="BxN,... (GPU timing)")
+    ap.add_argument("--builds", default=",".join(ABLATIONS), help=f"comma-separated subset of {list(ABLATIONS)}")
+    ap.add_argument("--no-resident", action="store_true", help="time the cold cache only")
+    ap.add_argument("--sass", action="store_true", help="CPU: sm_90 loop statistics of each build instead")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    builds = [b for b in args.builds.split(",") if b]
+    bad = [b for b in builds if b not in ABLATIONS]
+    if bad:
+        ap.error(f"unknown builds {bad}; choose from {list(ABLATIONS)}")
+    if not args.sass and not args.cases:
+        ap.error("give --cases (GPU timing) or --sass (offline statistics)")
+    result = json.loads(args.out.read_text()) if args.out and args.out.exists() else {"runs": []}
+    run = {"tag": args.tag, "builds": builds}
+    result["runs"].append(run)
+    if args.sass:
+        run["sass"] = sass_counts(builds)
+    else:
+        import torch
+        run["device"] = torch.cuda.get_device_name(0)
+        run["copy_GBps"] = round(bk.copy_bandwidth(), 1)
+        run["sweep"] = []
+        for b, n in args.cases:
+            run["sweep"] += time_case(b, n, builds, not args.no_resident)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
