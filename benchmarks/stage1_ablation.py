@@ -139,6 +139,34 @@ def sass_counts(builds) -> list[dict]:
     return out
 
 
+def plot(run: dict, path: Path) -> None:
+    """Effective GB/s (int2_bytes_read / time) of every build per case, cold and resident
+    side by side, with 0.7 x the run's copy bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = [r for r in run["sweep"] if r.get("oscar_GBps")]
+    cases = sorted({(r["batch"], r["context"]) for r in recs})
+    bars = list(dict.fromkeys((r["build"], r["memory"]) for r in recs))
+    width = 0.8 / max(1, len(bars))
+    fig, ax = plt.subplots(figsize=(14, 6))
+    for k, (build, memory) in enumerate(bars):
+        got = {(r["batch"], r["context"]): r["oscar_GBps"] for r in recs if (r["build"], r["memory"]) == (build, memory)}
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i, c in enumerate(cases) if c in got]
+        ax.bar(xs, [got[c] for c in cases if c in got], width, label=f"{build} ({memory})",
+               hatch="//" if memory == "resident" else None, color=f"C{list(ABLATIONS).index(build)}",
+               alpha=0.55 if memory == "resident" else 1.0)
+    ax.set_xticks(range(len(cases)), [f"b{b}\n{n // 1024}k" for b, n in cases])
+    if run.get("copy_GBps"):
+        ax.axhline(0.7 * run["copy_GBps"], color="k", ls="--", lw=0.8, label="0.7 x copy")
+    ax.set_ylabel("decode effective bandwidth (GB/s)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=4)
+    fig.suptitle(f"{run.get('device', 'GPU')}: stage-1 INT2 loop ablations (timing only), cold vs L2-resident cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=bk.parse_cases, help="BxN,... (GPU timing)")
@@ -170,6 +198,8 @@ def main(argv=None) -> int:
                 args.out.write_text(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+        if run.get("sweep"):
+            plot(run, args.out.with_suffix(".png"))
     return 0
 
 
