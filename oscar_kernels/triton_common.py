@@ -164,22 +164,6 @@ def group_scale_args(layer, float8_words: bool = True):
     return ks, vs, ks.stride(0), ks.stride(1), None
 
 
-def joint_scale_words(layer, kgs: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernels may read a token's key and value (scale, min) pairs as one row
-    through ``kgs`` (group_scale_args' keys view; triton_hybrid_attn.scale_words): float8
-    pairs read as words, one group per plane or wider for keys and values, and the values'
-    pairs right after the keys' in every (slot, head) row with the same strides
-    (allocate_layer's one [.., D/G_K + D/G_V, 2] tensor)."""
-    ks, vs = layer.k_scales, layer.v_scales
-    if kgs.dtype != torch.int32 or ks.element_size() != 1 or ks.numel() == 0:
-        return False
-    if min(layer.key_group_size, layer.value_group_size) < head_dim // 4:
-        return False
-    ngk = ks.shape[2]
-    return (ks.stride() == vs.stride() and ks.stride(2) == 2 and ks.untyped_storage().data_ptr() ==
-            vs.untyped_storage().data_ptr() and vs.storage_offset() == ks.storage_offset() + 2 * ngk)
-
-
 def float8_words_view(scales: torch.Tensor) -> torch.Tensor | None:
     """int32 view of a float8 (scale, min) tensor's storage from its first element, so that
     pair i (int16 index i from the view's start) lies in word i >> 1, bits 16 (i & 1) up:

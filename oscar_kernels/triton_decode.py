@@ -44,8 +44,8 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, head_index, joint_scale_words, mma_f32, needs_int64_slots, pair_views,
-                            pdl_supported, release_dependent_grid, wait_for_prior_grid)
+                            half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
+                            release_dependent_grid, wait_for_prior_grid)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -122,7 +122,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, JOINT: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
@@ -166,7 +166,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF, SLOT_AHEAD, JOINT)
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -352,10 +352,6 @@ class DecodeConfig:
     # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step.
     # Timed (session 11, same run): 0.83-0.93 x the time at batch 4-64 (16k-128k), equal at batch 1
     float8_words: bool = True
-    # float8 words (above) with the keys' and values' pairs of a token read as one row
-    # (triton_common.joint_scale_words): 3 word loads per token and block at keys 32 /
-    # values 128 instead of one per group (5), each group's pair picked by the row's parity
-    joint_scales: bool = False
     # stage 1 loads each block's slots one step ahead (int2_range SLOT_AHEAD). Timed on the
     # H200 (session 11, same run, cold L2): 0.90-0.93 x the time at batch 4-32 (64k, 128k)
     # and batch 64 (16k), equal at batch 1 (64k) and batch 64 (128k)
@@ -652,8 +648,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, JOINT=cfg.joint_scales and joint_scale_words(lay, scale_args[0], d),
-        num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

@@ -250,40 +250,6 @@ def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.con
 
 
 @triton.jit
-def scale_words(ws_ptr, slot, hoff, s_slot, mask, NP: tl.constexpr):
-    """(words, par): the NP // 2 + 1 int32 words that hold a token's NP consecutive float8
-    (scale, min) pairs from pair p0 = slot s_slot + hoff (JOINT scales: the keys' groups
-    then the values', one row per token), words p0 >> 1 up, and par = p0 & 1: pair p0 + g
-    lies in word (par + g) >> 1 of them, bits 16 ((par + g) & 1) up. One load per word and
-    token for every group (group_scales: one per group)."""
-    p0 = slot * s_slot + hoff
-    w = ws_ptr + (p0 >> 1)
-    words = ()
-    for j in tl.static_range(NP // 2 + 1):
-        words = words + (load_or0(w + j, mask),)
-    return words, (p0 & 1).to(tl.int32)
-
-
-@triton.jit
-def pair_of_words(sw, g: tl.constexpr, INTERP: tl.constexpr):
-    """(scale, min) float32 of pair p0 + g from scale_words' (words, par): word g // 2 at
-    bits 16 par for even g; for odd g word g // 2 at bits 16 (par 0) or word g // 2 + 1 at
-    bits 0 (par 1)."""
-    words, par = sw
-    if g % 2 == 0:
-        x = words[g // 2]
-        sh = par * 16
-    else:
-        x = tl.where(par == 0, words[g // 2], words[g // 2 + 1])
-        sh = (1 - par) * 16
-    if INTERP:
-        return _fp8_pair_bits(x >> sh)
-    else:
-        return tl.inline_asm_elementwise(_FP8_WORD_ASM, "=r,=r,r,r", [x, sh], dtype=(tl.float32, tl.float32),
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
 def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G: tl.constexpr,
                     OFF: tl.constexpr):
     """Dequantise unpacked codes per channel (G < D/4): bf16 min_g + code * scale_g, with
@@ -406,13 +372,12 @@ def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64
 
 @triton.jit
 def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
-                 kgs_ptr, sgs_s, hoff_gs, qk_scale, sw, R: tl.constexpr,
+                 kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
                  PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                  SLOT64: tl.constexpr, HALF: tl.constexpr):
     """Scores s^T [BN, R] (base 2, scaled; -inf at masked positions) of the BN positions
-    from p0: the key half of a block. GK: the keys' group size; sw: the block's
-    scale_words (JOINT scales) or None."""
+    from p0: the key half of a block. GK: the keys' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
@@ -438,10 +403,7 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
                 ce, co = unpack_pair(kt, g * PG_K + j, MAGIC, INTERP, HALF)
                 d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
                 d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
-            if sw is None:
-                sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            else:
-                sc, mn = pair_of_words(sw, g, INTERP)
+            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             if PG_K == 1:  # d = OFF sum(q'_g) / STEP_g + q'_g.c: OFF / STEP_g per unit of qg
                 mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
             if g == 0:
@@ -468,14 +430,13 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
 
 @triton.jit
 def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                     vgs_ptr, sgs_s, hoff_gs, qk_scale, sw, NG_K: tl.constexpr,
+                     vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                      SLOT64: tl.constexpr):
     """The value half of a block: online softmax of its scores s^T [BN, R] over the token
     axis (0) and the P@V dots of the BN positions from p0, added to the state st
-    (int2_state). GV: the values' group size; sw: the block's scale_words (JOINT scales,
-    the values' pairs after the NG_K keys') or None."""
+    (int2_state). GV: the values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     GRP_V: tl.constexpr = GV >= DQ
@@ -496,10 +457,7 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
-            if sw is None:
-                sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            else:
-                sc, mn = pair_of_words(sw, NG_K + g, INTERP)
+            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
             w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
@@ -525,28 +483,17 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr, JOINT: tl.constexpr = False):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size.
-    JOINT (triton_common.joint_scale_words): every (scale, min) pair of a token is read
-    through kgs as one row of NG_K + NG_V pairs, scale_words' words loaded once per block."""
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
-    NG_K: tl.constexpr = group_count(D, GK)
-    if JOINT:
-        if MASKED:
-            smask = (p0 + tl.arange(0, BN)) < hi
-        else:
-            smask = None
-        sw = scale_words(kgs_ptr, slot, hoff_gs, sgs_s, smask, NG_K + group_count(D, GV))
-    else:
-        sw = None
     s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
-                     hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, sw, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
+                     hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
                      INTERP, SLOT64, HALF)
     return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                            vgs_ptr, sgs_s, hoff_gs, qk_scale, sw, NG_K, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT,
-                            INTERP, SLOT64)
+                            vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
+                            SLOT64)
 
 
 @triton.jit
@@ -554,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, JOINT: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -570,8 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-    JOINT: the float8 (scale, min) pairs of keys and values read as one row per token through
-    kgs (triton_common.joint_scale_words; vgs unused), NG_K + NG_V pairs in NG // 2 + 1 words.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -601,7 +546,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
         st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, JOINT)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
@@ -609,7 +554,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, JOINT)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 

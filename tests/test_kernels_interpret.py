@@ -240,38 +240,6 @@ def test_decode_loop_variants_match_reference(layout, max_splits, loop):
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
 
 
-@pytest.mark.parametrize("layout", [dict(D=128, G=32, GV=128), dict(D=64, G=16, GV=64), dict(D=128, G=64),
-                                    dict(D=128, G=32)])
-def test_decode_joint_scale_words_match_reference(layout):
-    """float8 (scale, min) pairs of keys and values read as one row per token (joint_scales:
-    NG_K + NG_V pairs = 5, 5, 4 and 8 here, so 3, 3, 3 and 5 words; with an odd row length
-    rows start on both word halves) over INT2 ranges that are empty, partial, whole blocks
-    and a tail."""
-    from oscar_kernels.triton_common import group_scale_args, joint_scale_words
-    lens = [12, 13, 28, 44, 52, 95]
-    sc = kc.build(lens, H=3, S=4, W=8, page=8, seed=29, scale_dtype=torch.float8_e4m3fn, **layout)
-    assert joint_scale_words(sc.layer, group_scale_args(sc.layer)[0], sc.layer.head_dim)
-    _check_decode(sc, 6, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": 3, "joint_scales": True}))
-
-
-def test_joint_scale_words_declines_other_layouts():
-    """No joint rows without float8 words, with keys dequantised per channel, or with the
-    values' pairs not right after the keys'."""
-    from dataclasses import replace
-
-    from oscar_kernels.triton_common import group_scale_args, joint_scale_words
-    f8 = dict(H=2, D=64, S=4, W=8, page=8, fill=False, scale_dtype=torch.float8_e4m3fn)
-    half = kc.build([20], H=2, D=64, G=16, GV=64, S=4, W=8, page=8, fill=False)
-    assert not joint_scale_words(half.layer, group_scale_args(half.layer)[0], 64)
-    per_channel = kc.build([20], G=8, GV=64, **f8)
-    assert not joint_scale_words(per_channel.layer, group_scale_args(per_channel.layer)[0], 64)
-    ok = kc.build([20], G=16, GV=64, **f8)
-    words = group_scale_args(ok.layer)[0]
-    assert joint_scale_words(ok.layer, words, 64)
-    apart = replace(ok.layer, v_scales=ok.layer.v_scales.clone())
-    assert not joint_scale_words(apart, words, 64)
-
-
 def test_rotate_queries_column_blocks_match_the_full_rotation():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 8, 64, generator=g).bfloat16()
