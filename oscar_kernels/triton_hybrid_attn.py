@@ -501,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, SCORES_AHEAD: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -517,9 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-    SCORES_AHEAD: the step that accumulates full block j computes the scores of full block
-    j + 1 (carried to the next step), so the key half of one block and the value half of the
-    previous, independent of each other, are in one step for ptxas to interleave.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -539,11 +536,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
-    if SCORES_AHEAD:
-        return _int2_range_scores_ahead(qops, c0, qg, st, lo, hi, hi_full, r2t_row, kpk_ptr, vpk_ptr, spk_s,
-                                        hoff_pk, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s,
-                                        hoff_gs, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64,
-                                        HALF)
     if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
         slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
     for p0 in range(lo, hi_full, BN):
@@ -561,49 +553,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
         else:
             slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    return st
-
-
-@triton.jit
-def _int2_range_scores_ahead(qops, c0, qg, st, lo, hi, hi_full, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
-                             BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                             PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-                             INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr):
-    """int2_range's loop skewed by one block (SCORES_AHEAD): the scores s of full block j are
-    computed one step before its value half. Each step loads the slots of the blocks its
-    successor reads (j + 2 for the keys, j + 1 again for the values: an L1 hit), so every
-    slot vector feeding a copy comes from the step before (Triton's pipeliner prefetches
-    nothing whose address is two steps old). Then the tail block as in int2_range."""
-    R: tl.constexpr = st[0].shape[0]
-    if hi_full > lo:
-        slot_v = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
-        slot_k = _block_slots(lo + BN, hi, r2t_row, True, BN, SLOT64)
-        s = _int2_scores(slot_v, lo, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
-                         kgs_ptr, sgs_s, hoff_gs, qk_scale, R, False, BN, D, GK, PAIR, MAGIC, USE_DOT, INTERP,
-                         SLOT64, HALF)
-        for p0 in range(lo, hi_full - BN, BN):  # blocks p0 and p0 + BN both full
-            slot_k_n = _block_slots(p0 + 2 * BN, hi, r2t_row, True, BN, SLOT64)
-            slot_v_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
-            s_n = _int2_scores(slot_k, p0 + BN, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
-                               hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, False, BN, D, GK, PAIR, MAGIC,
-                               USE_DOT, INTERP, SLOT64, HALF)
-            st = _int2_accumulate(st, s, slot_v, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                                  vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GV, PAIR, MAGIC, USE_DOT,
-                                  INTERP, SLOT64)
-            s = s_n
-            slot_k = slot_k_n
-            slot_v = slot_v_n
-        st = _int2_accumulate(st, s, slot_v, hi_full - BN, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g,
-                              hoff_sc, vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GV, PAIR, MAGIC, USE_DOT,
-                              INTERP, SLOT64)
-        slot_t = slot_k  # the tail block's (at hi_full)
-    else:
-        slot_t = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
-    if hi_full < hi:
-        st = _int2_block(st, slot_t, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
                          qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st

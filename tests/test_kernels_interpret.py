@@ -230,11 +230,11 @@ def test_decode_variants(variant, monkeypatch):
 
 @pytest.mark.parametrize("layout", [dict(D=64, G=16), dict(D=64, G=64), dict(D=64, G=8), dict(D=128, G=32, GV=128)])
 @pytest.mark.parametrize("max_splits", [1, 3])
-@pytest.mark.parametrize("loop", [dict(slot_ahead=True), dict(slot_ahead=False), dict(scores_ahead=True)])
+@pytest.mark.parametrize("loop", [dict(slot_ahead=True), dict(slot_ahead=False)])
 def test_decode_loop_variants_match_reference(layout, max_splits, loop):
-    """The INT2 loop with and without slot_ahead (next block's slots loaded a step ahead),
-    and skewed (scores_ahead: a block's scores one step before its values), over INT2 ranges
-    that are empty, one partial block, exactly one / two full blocks, full blocks then a tail."""
+    """The INT2 loop with and without slot_ahead (next block's slots loaded a step ahead)
+    over INT2 ranges that are empty, one partial block, exactly one / two full blocks,
+    full blocks then a tail."""
     lens = [12, 13, 28, 44, 52, 95]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83
     sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=23, **layout)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
