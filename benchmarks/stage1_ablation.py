@@ -18,7 +18,7 @@ request 1's first RESIDENT_TOKENS positions, one layer only (~2.4 MB of INT2 cac
 instruction stream with (nearly) no DRAM traffic, so cold / resident says how much of a
 build's time memory adds.
 Each build is a fresh JITFunction of the same kernel source compiled with the helper swapped
-(TRITON_ALWAYS_COMPILE: no kernel cached under another build's key).
+(TRITON_ALWAYS_COMPILE while it is swapped: no kernel cached under another build's key).
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-
-os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # before triton is imported: no cross-build cache hits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402  (puts the checkout and tests/ on sys.path)
@@ -77,7 +75,9 @@ def ablated(name: str):
     swaps = ABLATIONS[name]
     saved = {k: getattr(tha, k) for k in swaps}
     stage1 = td._decode_stage1
+    always = os.environ.get("TRITON_ALWAYS_COMPILE")
     try:
+        os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the on-disk cache keys miss swapped helpers
         for k, fn in swaps.items():
             setattr(tha, k, fn)
         td._decode_stage1 = triton.jit(do_not_specialize=["NS"])(stage1.fn)
@@ -86,6 +86,10 @@ def ablated(name: str):
         for k, fn in saved.items():
             setattr(tha, k, fn)
         td._decode_stage1 = stage1
+        if always is None:
+            os.environ.pop("TRITON_ALWAYS_COMPILE", None)
+        else:
+            os.environ["TRITON_ALWAYS_COMPILE"] = always
 
 
 def resident(sc):
@@ -118,13 +122,16 @@ def time_case(b: int, n: int, builds, use_resident: bool) -> list[dict]:
     return out
 
 
-def sass_counts(builds) -> list[dict]:
+SASS_CASES = ("k32_v128_float8_scales", "k32_v128_shallow")  # tests/aot_sm90.py: deep / shallow pipeline
+
+
+def sass_counts(builds, cases=SASS_CASES) -> list[dict]:
     """sm_90 stage-1 build of each ablation (tests/aot_sm90.py, no GPU): registers, spills,
     the INT2 loop's instructions and opcodes, for the deep (3 stages, int64) and shallow pipelines."""
     import aot_sm90
     out = []
     for name in builds:
-        for case in ("k32_v128_float8_scales", "k32_v128_shallow"):
+        for case in cases:
             with ablated(name):
                 recs = [r for r in aot_sm90.run(case) if r["kernel"] == "_decode_stage1"]
             for r in recs:
