@@ -48,7 +48,6 @@ from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contig
                             release_dependent_grid, wait_for_prior_grid)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
-from .triton_paired_int2 import pair_query, pair_range
 
 LOG2E = 1.4426950408889634
 
@@ -123,37 +122,25 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, PAIRED: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid.
-    PAIRED (DecodeConfig.pair_heads): grid (B, H / 2, 2 + NS); program (b, p, s) with s < 2
-    attends to the BF16 side cache of KV head 2 p + s, program (b, p, 2 + s) to INT2 split s
-    of both heads 2 p, 2 p + 1 (triton_paired_int2: rows r < BH / 2 the first head's query
-    heads, the others the second's)."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
     b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     sp = tl.program_id(2)
+    num_h = tl.num_programs(1)
     g = tl.arange(0, BH)
-    if PAIRED:
-        num_h = tl.num_programs(1) * 2
-        h = 2 * tl.program_id(1) + tl.minimum(sp, 1)  # the BF16 program's head
-        side = sp < 2
-        split = sp - 2
-    else:
-        num_h = tl.num_programs(1)
-        h = tl.program_id(1)
-        side = sp == 0
-        split = sp - 1
+    hmask = g < GQ
+    hq = (h * GQ + g).to(tl.int64)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
     wait_for_prior_grid(PDL)
-    if side:
+    mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
+    q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
+    if sp == 0:
         # ---- BF16 side cache: sinks [0, s_b) and ring [ring_lo, n), transposed tiles
-        hmask = g < GQ
-        hq = (h * GQ + g).to(tl.int64)
-        mid_row = (b * num_h * GQ + hq) * (NS + 1)  # [BH] index of (b, hq, 0)
-        q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_t = tl.zeros([16, BH], tl.float32)
         za = tl.zeros([D // 4, BH], tl.float32)
@@ -172,31 +159,14 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                      mask=hmask[None, :])
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
     else:
-        # ---- INT2 history: chunk ``split`` of [s_b, ring_lo), transposed tiles [*, BH]
-        lo, hi = int2_split(s_b, ring_lo, split, NS, MIN_CHUNK, BN)
-        if PAIRED:  # row r: query head r % (BH / 2) of KV head 2 p + r // (BH / 2)
-            h0 = 2 * tl.program_id(1)
-            hmask = g % (BH // 2) < GQ
-            hq = ((h0 + g // (BH // 2)) * GQ + g % (BH // 2)).to(tl.int64)
-        else:
-            hmask = g < GQ
-            hq = (h * GQ + g).to(tl.int64)
-        mid_row = (b * num_h * GQ + hq) * (NS + 1) + 1 + split  # [BH] index of (b, hq, 1 + split)
-        q_vec = qr_ptr + b * sqr_b + hq * sqr_h
-        if PAIRED:
-            ops, qsums = pair_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
-            hh = head_index(h0, SLOT64)
-            st = pair_range(ops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
-                            kpk_ptr, vpk_ptr, spk_s, (hh * spk_h, (hh + 1) * spk_h), kgs_ptr, vgs_ptr, sgs_s,
-                            (hh * sgs_h, (hh + 1) * sgs_h), BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, HALF)
-        else:
-            qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
-            hh = head_index(h, SLOT64)
-            st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
-                            kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
-                            kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                            INTERP, SLOT64, HALF, SLOT_AHEAD)
+        # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
+        lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
+        qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
+        hh = head_index(h, SLOT64)
+        st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
+                        kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
+                        kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -386,10 +356,6 @@ class DecodeConfig:
     # H200 (session 11, same run, cold L2): 0.90-0.93 x the time at batch 4-32 (64k, 128k)
     # and batch 64 (16k), equal at batch 1 (64k) and batch 64 (128k)
     slot_ahead: bool = True
-    # two KV heads per INT2 program (triton_paired_int2) where their query heads fit one
-    # score tile (2 Hq/H <= the tile's rows; H even; groups of a plane or wider): with 4 query
-    # heads per KV head the tiles have no padding columns; steps of block_n / 2 tokens of both
-    pair_heads: bool = False
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
@@ -478,19 +444,9 @@ class DecodeConfig:
         regs = -(-(self.stage1_shape_for(batch, groups_span_head)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
-    def pairs_heads(self, num_q_heads: int, num_kv_heads: int, grouped: bool = True) -> bool:
-        """Whether stage 1 runs two KV heads per INT2 program (pair_heads; ``grouped``: keys'
-        and values' groups of a plane or wider)."""
-        gq = num_q_heads // max(1, num_kv_heads)
-        return (self.pair_heads and grouped and num_kv_heads % 2 == 0
-                and 2 * gq <= max(triton.next_power_of_2(gq), self.min_block_h))
-
-    def splits_for(self, batch: int, num_kv_heads: int, device, groups_span_head: bool = True,
-                   paired: bool = False) -> int:
-        """INT2 splits per request: the target programs over batch x (KV heads, or head pairs)."""
+    def splits_for(self, batch: int, num_kv_heads: int, device, groups_span_head: bool = True) -> int:
         target = self.target_programs or _default_target(device, self, batch, groups_span_head)
-        programs = batch * (num_kv_heads // 2 if paired else num_kv_heads)
-        return max(1, min(self.max_splits, target // max(1, programs)))
+        return max(1, min(self.max_splits, target // max(1, batch * num_kv_heads)))
 
 
 # scratch a batch-invariant decode may take for its partials (1 + max_splits per request row)
@@ -548,8 +504,7 @@ class DecodeWorkspace:
         self.max_batch, self.num_q_heads, self.num_kv_heads, self.head_dim = (
             max_batch, num_q_heads, num_kv_heads, head_dim)
         self.device = torch.device(device)
-        may_pair = self.config.pairs_heads(num_q_heads, num_kv_heads)  # more splits: size for them
-        cap = max(b * (self.config.splits_for(b, num_kv_heads, self.device, paired=may_pair) + 1)
+        cap = max(b * (self.config.splits_for(b, num_kv_heads, self.device) + 1)
                   for b in range(1, max_batch + 1))
         # lse vector width of the merge: one value for every batch size (one compilation)
         self.merge_width = triton.next_power_of_2(self.config.max_splits + 1)
@@ -560,19 +515,15 @@ class DecodeWorkspace:
         split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
         self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
-    def views(self, batch: int, config: DecodeConfig | None = None, groups_span_head: bool = True,
-              paired: bool = False):
+    def views(self, batch: int, config: DecodeConfig | None = None, groups_span_head: bool = True):
         """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
         another ``config`` may only lower NS below what the workspace was sized for (as may
-        groups smaller than the head: fewer resident programs, DecodeConfig.stage1_shape_for).
-        ``paired``: stage 1 runs two KV heads per INT2 program (DecodeConfig.pairs_heads)."""
+        groups smaller than the head: fewer resident programs, DecodeConfig.stage1_shape_for)."""
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
-        if paired and not self.config.pairs_heads(self.num_q_heads, self.num_kv_heads):
-            raise ValueError("pair_heads needs a workspace made with a config that pairs heads")
-        ns = self.config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head, paired)
+        ns = self.config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
         if config is not None:
-            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head, paired))
+            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head))
         hq, d = self.num_q_heads, self.head_dim
         q_rot = self.q_rot[:batch * hq * d].view(batch, hq, d)
         mid_o = self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d)
@@ -673,21 +624,18 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
     spans = min(layer.key_group_size, layer.value_group_size) >= d
-    paired = cfg.pairs_heads(hq, h, min(layer.key_group_size, layer.value_group_size) >= d // 4)
-    ns, q_rot, mid_o, mid_lse = workspace.views(b, config, spans, paired)
+    ns, q_rot, mid_o, mid_lse = workspace.views(b, config, spans)
     pdl = cfg.programmatic_launch and pdl_supported(q.device)
     rotate_queries(q, rotation.k_rot.contiguous(), q_rot, cfg.fp32_precision, out_block=cfg.rotate_out_block,
                    pdl_release=pdl)
     lay = layer
     bh = _block_h(gq, cfg)
     block_n, max_registers = cfg.stage1_shape_for(b, spans)
-    if paired:  # the same bytes per step: half the tokens of two heads
-        block_n = max(16, block_n // 2)
     num_stages, int64_slots = cfg.pipeline_for(b, block_n, max_registers)
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)
-    _decode_stage1[(b, h // 2, ns + 2) if paired else (b, h, ns + 1)](
+    _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
@@ -700,7 +648,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, PAIRED=paired, num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

@@ -497,29 +497,6 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
 
 
 @triton.jit
-def key_group_terms(qsums, R: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
-                    MAGIC: tl.constexpr, HALF: tl.constexpr):
-    """(c0, qg) per key group from int2_query's plane sums: qg_g, the multiplier of the
-    group's min, sum(q'_g) ([R]); and, for groups of several planes only, c0_g, the dot
-    chain's start -OFF * sum(q'_i / STEP_i) ([BN, R]). One-plane groups start from zero:
-    their offset is OFF / STEP_g per unit of sum(q'_g), folded into the min per token."""
-    NG: tl.constexpr = group_count(D, GK)
-    PG: tl.constexpr = 4 // NG  # planes per key group
-    c0 = ()
-    qg = ()
-    for g in tl.static_range(NG):
-        cs = qsums[g * PG]
-        qs = qsums[g * PG] * plane_step(g * PG, MAGIC, HALF)
-        for j in tl.static_range(1, PG):
-            cs += qsums[g * PG + j]
-            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
-        if PG > 1:
-            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
-        qg = qg + (qs,)
-    return c0, qg
-
-
-@triton.jit
 def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
@@ -541,7 +518,23 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
     """
-    c0, qg = key_group_terms(qsums, st[0].shape[0], BN, D, GK, MAGIC, HALF)
+    NG: tl.constexpr = group_count(D, GK)
+    PG: tl.constexpr = 4 // NG  # planes per key group
+    R: tl.constexpr = st[0].shape[0]
+    # per key group: the min multiplier sum(q'_g) and, for groups of several planes, the
+    # dot-chain start -OFF * sum(q'_i / STEP_i) (one-plane groups start from zero: their
+    # offset is OFF / STEP_g per unit of sum(q'_g), folded into the min per token)
+    c0 = ()
+    qg = ()
+    for g in tl.static_range(NG):
+        cs = qsums[g * PG]
+        qs = qsums[g * PG] * plane_step(g * PG, MAGIC, HALF)
+        for j in tl.static_range(1, PG):
+            cs += qsums[g * PG + j]
+            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
+        if PG > 1:
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
+        qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
     if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
         slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)

@@ -140,8 +140,7 @@ def test_split_group_sizes_gpu(kernels):
 # dict(): 3 stages / int64 at both batches tested (6 and 3); shallow_pipeline_max=8: what batch 1 runs
 @pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(float8_words=False),
                                   dict(shallow_pipeline_max=8), dict(int64_slots=False),
-                                  dict(num_stages=2, int64_slots=True), dict(pair_heads=True),
-                                  dict(pair_heads=True, shallow_pipeline_max=8)])
+                                  dict(num_stages=2, int64_slots=True)])
 def test_loop_variants_split_groups_gpu(kernels, loop):
     """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
     short, medium and 128k requests against the reference."""

@@ -240,34 +240,6 @@ def test_decode_loop_variants_match_reference(layout, max_splits, loop):
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
 
 
-@pytest.mark.parametrize("layout, hq", [(dict(D=128, G=32, GV=128), 8), (dict(D=64, G=16), 4), (dict(D=64, G=64), 2),
-                                        (dict(D=128, G=64, scale_dtype=torch.float8_e4m3fn), 8)])
-@pytest.mark.parametrize("max_splits", [1, 3])
-def test_decode_paired_heads_match_reference(layout, hq, max_splits):
-    """pair_heads (two KV heads per INT2 program, 1-4 query heads each) over INT2 ranges that
-    are empty, one partial block, exactly one / two full blocks, full blocks then a tail."""
-    lens = [12, 13, 28, 44, 52, 95]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83
-    sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=31, **layout)
-    cfg = triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, "pair_heads": True})
-    assert cfg.pairs_heads(hq, 2)
-    _check_decode(sc, hq, cfg)
-
-
-def test_paired_heads_only_where_they_fit():
-    """No pairing with an odd KV head count, with more query heads per KV head than half a
-    score tile, or with keys dequantised per channel; a workspace made without pairing
-    refuses a paired view."""
-    cfg = triton_decode_mod.DecodeConfig(pair_heads=True)
-    assert cfg.pairs_heads(32, 8) and cfg.pairs_heads(8, 8)
-    assert not cfg.pairs_heads(24, 3) and not cfg.pairs_heads(64, 8) and not cfg.pairs_heads(32, 8, grouped=False)
-    assert not triton_decode_mod.DecodeConfig().pairs_heads(32, 8)
-    ws = triton_decode_mod.DecodeWorkspace(2, 32, 8, 128, "cpu")
-    with pytest.raises(ValueError, match="pair_heads"):
-        ws.views(2, paired=True)
-    paired = triton_decode_mod.DecodeWorkspace(2, 32, 8, 128, "cpu", cfg)
-    assert paired.views(2, paired=True)[0] >= paired.views(2)[0]
-
-
 def test_rotate_queries_column_blocks_match_the_full_rotation():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 8, 64, generator=g).bfloat16()
