@@ -13,8 +13,9 @@ purpose: timing only, never a DecodeConfig (the production kernels are not touch
   no_unpack       the packed code registers handed to the dots as they are (no LOP3 / shift
                   per 16-bit code pair)
   neither         both
-Memory (``--resident``, on by default): every position of every request reads the slots of
-request 1's first RESIDENT_TOKENS positions, one layer only (~2.4 MB of INT2 cache): the same
+Memory: besides the cold copies, each build is timed L2-resident (``--no-resident``: not):
+every position of every request reads the slots of request 1's first RESIDENT_TOKENS
+positions, one layer only (~2.4 MB of INT2 cache at 8 KV heads): the same
 instruction stream with (nearly) no DRAM traffic, so cold / resident says how much of a
 build's time memory adds.
 Each build is a fresh JITFunction of the same kernel source compiled with the helper swapped
