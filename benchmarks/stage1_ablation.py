@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -101,7 +102,7 @@ def resident(sc):
     src = r2t[1, :min(cols, RESIDENT_TOKENS)]
     reps = -(-cols // src.numel())
     r2t[1:, :] = src.repeat(reps)[:cols]
-    return type(sc)(sc.layer, sc.index, sc.rotation, r2t, sc.rows, sc.lens, sc.sm_scale)
+    return replace(sc, req_to_token=r2t)
 
 
 def time_case(b: int, n: int, builds, use_resident: bool) -> list[dict]:
