@@ -18,8 +18,11 @@ every position of every request reads the slots of request 1's first RESIDENT_TO
 positions, one layer only (~2.4 MB of INT2 cache at 8 KV heads): the same
 instruction stream with (nearly) no DRAM traffic, so cold / resident says how much of a
 build's time memory adds.
-Each build is a fresh JITFunction of the same kernel source compiled with the helper swapped
-(TRITON_ALWAYS_COMPILE while it is swapped: no kernel cached under another build's key).
+Each build is a fresh JITFunction of the same kernel source compiled with the helper swapped,
+into a Triton cache directory of its own that is deleted afterwards: the on-disk cache keys
+do not see swapped helpers, so an ablated kernel written to the shared cache would be loaded
+later by the production decode under the same key (seen in session 17: the CPU sm_90 report
+of the shipped kernel read a cached no_unpack build).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -73,25 +77,27 @@ ABLATIONS = {
 @contextmanager
 def ablated(name: str):
     """triton_hybrid_attn's helpers swapped per ABLATIONS[name] and triton_decode._decode_stage1
-    replaced by a fresh JITFunction of the same source (its own compiled-kernel cache)."""
+    replaced by a fresh JITFunction of the same source (its own compiled-kernel cache), compiled
+    into a temporary TRITON_CACHE_DIR (never the shared one)."""
     swaps = ABLATIONS[name]
     saved = {k: getattr(tha, k) for k in swaps}
     stage1 = td._decode_stage1
-    always = os.environ.get("TRITON_ALWAYS_COMPILE")
-    try:
-        os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # the on-disk cache keys miss swapped helpers
-        for k, fn in swaps.items():
-            setattr(tha, k, fn)
-        td._decode_stage1 = triton.jit(do_not_specialize=["NS"])(stage1.fn)
-        yield
-    finally:
-        for k, fn in saved.items():
-            setattr(tha, k, fn)
-        td._decode_stage1 = stage1
-        if always is None:
-            os.environ.pop("TRITON_ALWAYS_COMPILE", None)
-        else:
-            os.environ["TRITON_ALWAYS_COMPILE"] = always
+    cache_dir = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix=f"oscar-ablation-{name}-") as tmp:
+        try:
+            os.environ["TRITON_CACHE_DIR"] = tmp
+            for k, fn in swaps.items():
+                setattr(tha, k, fn)
+            td._decode_stage1 = triton.jit(do_not_specialize=["NS"])(stage1.fn)
+            yield
+        finally:
+            for k, fn in saved.items():
+                setattr(tha, k, fn)
+            td._decode_stage1 = stage1
+            if cache_dir is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = cache_dir
 
 
 def resident(sc):

@@ -31,13 +31,15 @@ def test_resident_table_maps_every_request_onto_request_one_first_slots():
 
 def test_ablated_swaps_helpers_and_restores_them():
     tha, td = sa.tha, sa.td
-    before = (tha.group_scales, tha.unpack_pair, td._decode_stage1, os.environ.get("TRITON_ALWAYS_COMPILE"))
+    before = (tha.group_scales, tha.unpack_pair, td._decode_stage1, os.environ.get("TRITON_CACHE_DIR"))
     with sa.ablated("neither"):
         assert tha.group_scales is sa.scales_from_slot and tha.unpack_pair is sa.codes_as_they_are
         assert td._decode_stage1 is not before[2] and td._decode_stage1.fn is before[2].fn
-        assert os.environ["TRITON_ALWAYS_COMPILE"] == "1"
+        tmp = os.environ["TRITON_CACHE_DIR"]
+        assert tmp != before[3] and Path(tmp).is_dir()
+    assert not Path(tmp).exists()
     assert (tha.group_scales, tha.unpack_pair, td._decode_stage1,
-            os.environ.get("TRITON_ALWAYS_COMPILE")) == before
+            os.environ.get("TRITON_CACHE_DIR")) == before
     with pytest.raises(SystemExit):
         sa.main(["--sass", "--builds", "default,nope"])
 
@@ -54,3 +56,19 @@ def test_swapped_build_compiles_to_a_loop_without_the_unpacking(tmp_path):
     assert default["ok"] and no_unpack["ok"]
     assert no_unpack["int2_loop_instructions"] < default["int2_loop_instructions"]
     assert default["int2_loop_opcodes"]["LOP3"] - no_unpack["int2_loop_opcodes"].get("LOP3", 0) >= 200
+
+
+def test_ablated_build_leaves_the_shared_cache_to_the_shipped_kernel(tmp_path):
+    """Regression (session 17): an ablated build compiled before the shipped one, both against
+    one TRITON_CACHE_DIR, must not be what the shipped decode then loads (the on-disk keys do
+    not see swapped helpers)."""
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); sys.path.insert(0, 'tests'); "
+            "import stage1_ablation as sa, aot_sm90; sa.sass_counts(['no_unpack'], ['k32_v128_float8_scales']); "
+            "r = [x for x in aot_sm90.run('k32_v128_float8_scales') if x['kernel'] == '_decode_stage1'][0]; "
+            "print(json.dumps(r['loops'][-1]['opcodes']))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shipped = json.loads(r.stdout.strip().splitlines()[-1])
+    assert shipped["LOP3"] >= 200  # the unpacking is there (no_unpack's loop has ~40)
