@@ -153,7 +153,11 @@ class _Recorder:
                     (DUMP_DIR / f"{stem}.sass").write_text(sass)
             except Exception as e:  # report, keep compiling the others
                 rec["ok"] = False
-                rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+                root = e
+                while root.__cause__ is not None:  # Triton nests one CompilationError per call level
+                    root = root.__cause__
+                rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}" + (f" | innermost: {str(root)[-1500:]}"
+                                                                           if root is not e else "")
             self.results.append(rec)
         return launch
 
