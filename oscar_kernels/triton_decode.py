@@ -122,13 +122,11 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, NSTR: tl.constexpr = 1):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid. NSTR: token
-    streams of the INT2 loop (int2_range; 2 needs GQ <= BH / 2): column c of its tiles
-    holds query row c % (BH / NSTR)."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -163,22 +161,16 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     else:
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
-        RS: tl.constexpr = BH // NSTR  # columns per token stream
-        gc = g % RS  # the query row of each column
-        q_cols = qr_ptr + b * sqr_b + (h * GQ + gc).to(tl.int64) * sqr_h
-        qops, qsums = int2_query(q_cols, gc < GQ, qk_scale, D, GK, MAGIC, HALF, NSTR)
+        qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
         st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF, SLOT_AHEAD, NSTR)
-        outs, m_r, l_r = int2_finish(st, D, GV, MAGIC, NSTR)  # [*, RS] tiles, one column per row
-        gr = tl.arange(0, RS)
-        rmask = gr < GQ
-        out_row = (b * num_h * GQ + (h * GQ + gr).to(tl.int64)) * (NS + 1) + sp
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
+        outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
-        store_pairs(mid_o_ptr + out_row * D, rmask & (lo < hi), outs, D)
-        store_lse(mid_lse_ptr + out_row, rmask, m_r, l_r)
+        store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
+        store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
 
 
 @triton.jit
@@ -365,10 +357,6 @@ class DecodeConfig:
     # and batch 64 (16k), equal at batch 1 (64k) and batch 64 (128k)
     slot_ahead: bool = True
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
-    # INT2 token streams (int2_range NSTR): 2 fills the padding columns of the [tokens, rows]
-    # score tiles with a second half-block of positions where the KV head's query heads take
-    # at most half of them (GQ <= block_h / 2; groups spanning a plane or more); 1: off
-    token_streams: int = 2
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
     # partials the merge loads at once (power of two); 0: per merge grid, 64 for "query_head"
@@ -396,15 +384,6 @@ class DecodeConfig:
     # its output (griddepcontrol), so each launch's latency and stage 1's reads of the
     # request layout overlap the previous kernel
     programmatic_launch: bool = True
-
-    def token_streams_for(self, gq: int, block_h: int, head_dim: int, key_group: int, value_group: int,
-                          block_n: int) -> int:
-        """The NSTR stage 1 runs: token_streams (1 or 2) where the layout allows two."""
-        if self.token_streams not in (1, 2):
-            raise ValueError(f"DecodeConfig.token_streams must be 1 or 2, not {self.token_streams!r}")
-        fits = (2 * triton.next_power_of_2(gq) <= block_h and min(key_group, value_group) >= head_dim // 4
-                and block_n // 2 >= 16)
-        return 2 if self.token_streams == 2 and fits else 1
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -669,9 +648,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, NSTR=cfg.token_streams_for(gq, bh, d, lay.key_group_size,
-                                                                      lay.value_group_size, block_n),
-        num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

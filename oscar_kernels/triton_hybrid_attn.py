@@ -282,8 +282,8 @@ def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def int2_query_rows(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
-                    HALF: tl.constexpr):
+def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
+               HALF: tl.constexpr):
     """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e), scaled by qk_scale
     (sm_scale log2 e: the dots give base-2 scores directly), and, per plane, the float32
     [R] column sums of its two operands (what the dots see). G: the keys' group size."""
@@ -301,23 +301,6 @@ def int2_query_rows(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MA
             tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
             tl.sum(q30.to(tl.float32), 0) + tl.sum(q31.to(tl.float32), 0))
     return (q00, q01, q10, q11, q20, q21, q30, q31), sums
-
-
-@triton.jit
-def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
-               HALF: tl.constexpr, NSTR: tl.constexpr = 1):
-    """int2_query_rows for NSTR token streams (1 or 2; see int2_range): with 2, ops holds 16
-    operands, stream s's at 8 s + 2 i + e, each zero outside the columns of its stream
-    (column c: stream c // (R / 2)); the sums are over both (each column's row once)."""
-    if NSTR == 1:
-        return int2_query_rows(q_vec, rmask, qk_scale, D, G, MAGIC, HALF)
-    else:
-        R: tl.constexpr = rmask.shape[0]
-        col = tl.arange(0, R)
-        ops_a, sums_a = int2_query_rows(q_vec, rmask & (col < R // 2), qk_scale, D, G, MAGIC, HALF)
-        ops_b, sums_b = int2_query_rows(q_vec, rmask & (col >= R // 2), qk_scale, D, G, MAGIC, HALF)
-        return ops_a + ops_b, (sums_a[0] + sums_b[0], sums_a[1] + sums_b[1], sums_a[2] + sums_b[2],
-                               sums_a[3] + sums_b[3])
 
 
 @triton.constexpr_function
@@ -496,125 +479,6 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
 
 
 @triton.jit
-def _stream_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr):
-    """(slot, mask) [BN/2, 2] of the two token streams of the block at p0: element (m, s) is
-    position p0 + s BN/2 + m (slot 0 and mask false at positions >= hi when MASKED; mask None
-    otherwise), int64 slots when SLOT64."""
-    HB: tl.constexpr = BN // 2
-    pos = p0 + tl.arange(0, HB)[:, None] + HB * tl.arange(0, 2)[None, :]
-    if MASKED:
-        mask = pos < hi
-        slot = tl.load(r2t_row + pos, mask=mask, other=0)
-    else:
-        mask = None
-        slot = tl.load(r2t_row + pos)
-    if SLOT64:
-        slot = slot.to(tl.int64)
-    return slot, mask
-
-
-@triton.jit
-def _stream_scores(slot2, mask2, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, kgs_ptr, sgs_s, hoff_gs, R: tl.constexpr,
-                   BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
-                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
-    """_int2_scores for two token streams (GK >= D/4): s^T [BN/2, R], column c of stream
-    c // (R/2) holds row c % (R/2) of the positions of stream (slot2, mask2: _stream_slots).
-    Each plane's dots read both streams' codes against their zero-padded q' operands
-    (int2_query, NSTR 2); a token's (scale, min) pair reaches its stream's columns as a
-    [BN/2, 2, 1] broadcast of the [BN/2, R] tile seen as [BN/2, 2, R/2]."""
-    HB: tl.constexpr = BN // 2
-    RS: tl.constexpr = R // 2
-    DH: tl.constexpr = D // 8
-    KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    NG_K: tl.constexpr = group_count(D, GK)
-    PG_K: tl.constexpr = 4 // NG_K  # planes per key group
-    kp = tl.arange(0, KP)
-    slot_a, slot_b = tl.split(slot2)
-    if mask2 is None:
-        kmask_a = (kp < DH)[None, :] if KP > DH else None
-        kmask_b = kmask_a
-    else:
-        mask_a, mask_b = tl.split(mask2)
-        kmask_a = mask_a[:, None] & (kp < DH)[None, :]
-        kmask_b = mask_b[:, None] & (kp < DH)[None, :]
-    kt_a = load_or0(kpk_ptr + slot_a[:, None] * spk_s + hoff_pk + kp[None, :], kmask_a)  # [BN/2, KP] int16
-    kt_b = load_or0(kpk_ptr + slot_b[:, None] * spk_s + hoff_pk + kp[None, :], kmask_b)
-    for g in tl.static_range(NG_K):
-        if PG_K == 1:  # zero start; the offset leaves with the min (below)
-            d = tl.zeros([HB, R], tl.float32)
-        else:
-            d = c0[g]
-        for j in tl.static_range(PG_K):  # plane g PG_K + j
-            ce, co = unpack_pair(kt_a, g * PG_K + j, MAGIC, INTERP, HALF)
-            d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
-            d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
-            ce, co = unpack_pair(kt_b, g * PG_K + j, MAGIC, INTERP, HALF)
-            d = mm(ce, qops[8 + 2 * (g * PG_K + j)], d, USE_DOT, INTERP)
-            d = mm(co, qops[9 + 2 * (g * PG_K + j)], d, USE_DOT, INTERP)
-        sc, mn = group_scales(kgs_ptr, slot2, hoff_gs, sgs_s, g, mask2, PAIR, INTERP)  # [BN/2, 2]
-        if PG_K == 1:
-            mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
-        d3 = tl.reshape(d, [HB, 2, RS])
-        q3 = tl.reshape(qg[g], [2, RS])[None, :, :]
-        if g == 0:
-            s3 = d3 * sc[:, :, None] + mn[:, :, None] * q3
-        else:
-            s3 = d3 * sc[:, :, None] + s3
-            s3 = mn[:, :, None] * q3 + s3
-    if mask2 is not None:
-        s3 = tl.where(mask2[:, :, None], s3, float("-inf"))
-    return tl.reshape(s3, [HB, R])
-
-
-@triton.jit
-def _stream_accumulate(st, s, slot2, mask2, vpk_ptr, spk_s, hoff_pk, vgs_ptr, sgs_s, hoff_gs,
-                       BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
-                       MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """_int2_accumulate for two token streams (GV >= D/4; s from _stream_scores): every
-    column keeps its own softmax state (its stream's positions); the P@V dots of a plane
-    read stream 0's codes against w zeroed outside stream 0's columns plus stream 1's
-    against w zeroed outside stream 1's, in one fresh dot chain (int2_finish merges the
-    streams' columns)."""
-    HB: tl.constexpr = BN // 2
-    R: tl.constexpr = s.shape[1]
-    RS: tl.constexpr = R // 2
-    DH: tl.constexpr = D // 8
-    NG_V: tl.constexpr = group_count(D, GV)
-    PG_V: tl.constexpr = 4 // NG_V  # planes per value group
-    m_i, l_t, pm, wsum, acc = st
-    dh = tl.arange(0, DH)
-    slot_a, slot_b = tl.split(slot2)
-    if mask2 is None:
-        vmask_a = None
-        vmask_b = None
-    else:
-        mask_a, mask_b = tl.split(mask2)
-        vmask_a = mask_a[None, :]
-        vmask_b = mask_b[None, :]
-    vt_a = load_or0(vpk_ptr + slot_a[None, :] * spk_s + hoff_pk + dh[:, None], vmask_a)  # [DH, BN/2] int16
-    vt_b = load_or0(vpk_ptr + slot_b[None, :] * spk_s + hoff_pk + dh[:, None], vmask_b)
-    p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)
-    p3 = tl.reshape(p, [HB, 2, RS])
-    first = (tl.arange(0, R) < RS)[None, :]
-    ones = tl.full([16, HB], 1.0, tl.float32).to(tl.bfloat16)
-    for g in tl.static_range(NG_V):
-        sc, mn = group_scales(vgs_ptr, slot2, hoff_gs, sgs_s, g, mask2, PAIR, INTERP)
-        w = tl.reshape(p3 * sc[:, :, None], [HB, R]).to(tl.bfloat16)
-        pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(tl.reshape(p3 * mn[:, :, None], [HB, R])))
-        wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
-        za = tl.zeros(acc[0].shape, tl.float32)
-        for j in tl.static_range(PG_V):  # plane g PG_V + j; each stream's codes against all of w,
-            # its own columns kept
-            ae, ao = unpack_pair(vt_a, g * PG_V + j, MAGIC, INTERP, False)
-            be, bo = unpack_pair(vt_b, g * PG_V + j, MAGIC, INTERP, False)
-            de = tl.where(first, mm(ae, w, za, USE_DOT, INTERP), mm(be, w, za, USE_DOT, INTERP))
-            do = tl.where(first, mm(ao, w, za, USE_DOT, INTERP), mm(bo, w, za, USE_DOT, INTERP))
-            acc = setk(acc, 2 * (g * PG_V + j), acc[2 * (g * PG_V + j)] * alpha[None, :] + opaque(de, INTERP))
-            acc = setk(acc, 2 * (g * PG_V + j) + 1, acc[2 * (g * PG_V + j) + 1] * alpha[None, :] + opaque(do, INTERP))
-    return m_new, l_t, pm, wsum, acc
-
-
-@triton.jit
 def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
@@ -637,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, NSTR: tl.constexpr = 1):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -653,13 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-
-    NSTR = 2 (token streams; GK and GV >= D/4, rows in at most half of the R columns): each
-    block is two streams of BN/2 positions (p0 + m and p0 + BN/2 + m), column c holding row
-    c % (R/2) of stream c // (R/2) (qops from int2_query with NSTR 2): the [BN/2, R] score
-    tiles carry no padding columns, so the per-score work (scales, softmax, weights) is
-    half that of [BN, R] tiles with R/2 padding columns; int2_finish(NSTR=2) merges the
-    streams. Each column keeps its own state until then.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -676,85 +533,42 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             cs += qsums[g * PG + j]
             qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
         if PG > 1:
-            c0 = c0 + (tl.zeros([BN // NSTR, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
-    if NSTR == 2:
-        st = _stream_range(qops, c0, qg, st, lo, hi, hi_full, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                           kgs_ptr, vgs_ptr, sgs_s, hoff_gs, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64,
-                           HALF, SLOT_AHEAD)
-    else:
-        if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
-            slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
-        for p0 in range(lo, hi_full, BN):
-            if SLOT_AHEAD:
-                slot = slot_n
-                slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
-            else:
-                slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
-            st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                             qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-        if hi_full < hi:
-            if SLOT_AHEAD:
-                slot = slot_n
-            else:
-                slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
-            st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                             ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                             qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-    return st
-
-
-@triton.jit
-def _stream_range(qops, c0, qg, st, lo, hi, hi_full, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                  kgs_ptr, vgs_ptr, sgs_s, hoff_gs, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
-                  GV: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-                  INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr):
-    """int2_range's loop with two token streams: full blocks [lo, hi_full), then the masked tail."""
-    R: tl.constexpr = st[0].shape[0]
-    if SLOT_AHEAD:
-        slot_n, _ = _stream_slots(lo, hi, r2t_row, True, BN, SLOT64)
+    if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
+        slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
     for p0 in range(lo, hi_full, BN):
         if SLOT_AHEAD:
             slot = slot_n
-            slot_n, _ = _stream_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
+            slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
         else:
-            slot, _ = _stream_slots(p0, hi, r2t_row, False, BN, SLOT64)
-        s = _stream_scores(slot, None, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, kgs_ptr, sgs_s, hoff_gs, R, BN, D,
-                           GK, PAIR, MAGIC, USE_DOT, INTERP, HALF)
-        st = _stream_accumulate(st, s, slot, None, vpk_ptr, spk_s, hoff_pk, vgs_ptr, sgs_s, hoff_gs, BN, D, GV,
-                                PAIR, MAGIC, USE_DOT, INTERP)
+            slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
+        st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
-        slot, mask = _stream_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
-        s = _stream_scores(slot, mask, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, kgs_ptr, sgs_s, hoff_gs, R, BN, D,
-                           GK, PAIR, MAGIC, USE_DOT, INTERP, HALF)
-        st = _stream_accumulate(st, s, slot, mask, vpk_ptr, spk_s, hoff_pk, vgs_ptr, sgs_s, hoff_gs, BN, D, GV,
-                                PAIR, MAGIC, USE_DOT, INTERP)
+        if SLOT_AHEAD:
+            slot = slot_n
+        else:
+            slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
+        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, NSTR: tl.constexpr = 1):
-    """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R / NSTR],
-    channels i D/4 + 2p + e at index 2 i + e), the running max m and the softmax
-    denominators l per row. GV: the values' group size. NSTR = 2: columns c and c + R/2 (one
-    row, two token streams) merged, m = max(m_c, m_c'), l = sum 2^(m_stream - m) l_stream."""
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
+    """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
+    i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
+    GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
     OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
-    R: tl.constexpr = m_i.shape[0]
     l = tl.sum(l_t, 0)
-    if NSTR == 2:
-        m2 = tl.reshape(m_i, [2, R // 2])
-        m_row = tl.max(m2, 0)
-        f2 = tl.exp2(m2 - tl.where(m_row == float("-inf"), 0.0, m_row)[None, :])  # 0 for an empty stream
-        l_row = tl.sum(tl.reshape(l, [2, R // 2]) * f2, 0)
-    else:
-        m_row = m_i
-        l_row = l
-    inv = 1.0 / tl.where(l_row > 0, l_row, 1.0)
+    inv = 1.0 / tl.where(l > 0, l, 1.0)
     outs = ()
     for i in tl.static_range(4):
         for e in tl.static_range(2):
@@ -762,10 +576,8 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, NSTR
             if GV >= D // 4:
                 a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
                      + tl.sum(pm[i // PG], 0)[None, :])
-            if NSTR == 2:
-                a = tl.sum(tl.reshape(a, [a.shape[0], 2, R // 2]) * f2[None, :, :], 1)
             outs = outs + (a * inv[None, :],)
-    return outs, m_row, l_row
+    return outs, m_i, l
 
 
 @triton.jit

@@ -240,37 +240,6 @@ def test_decode_loop_variants_match_reference(layout, max_splits, loop):
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
 
 
-@pytest.mark.parametrize("layout, hq", [
-    (dict(D=128, G=32, GV=128, scale_dtype=torch.float8_e4m3fn), 8),  # the default layout, GQ 4
-    (dict(D=64, G=16), 4),  # GQ 2: rows 2, 3 of each stream padded
-    (dict(D=64, G=64), 2),  # GQ 1, one group for all four planes (dot chains start at -OFF sum q')
-])
-@pytest.mark.parametrize("loop", [dict(slot_ahead=True), dict(slot_ahead=False, max_splits=1)])
-def test_decode_token_streams_match_reference(layout, hq, loop):
-    """Two token streams (int2_range NSTR 2: the padding columns of the score tiles hold a
-    second half-block) over INT2 ranges that are empty, shorter than one stream, one or
-    two full blocks and full blocks then a tail, H = 2 (the second head's odd pair parity)."""
-    lens = [12, 13, 30, 44, 76, 140]  # S + W = 12: INT2 lengths 0, 1, 18, 32, 64, 128
-    sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=29, **layout)
-    cfg = triton_decode_mod.DecodeConfig(**{**_SMALL, "block_n": 32, "min_chunk": 32, **loop})
-    gq = hq // 2
-    assert cfg.token_streams_for(gq, triton_decode_mod._block_h(gq, cfg), layout["D"], layout["G"],
-                                 layout.get("GV", layout["G"]), 32) == 2
-    _check_decode(sc, hq, cfg)
-
-
-def test_token_streams_only_where_the_layout_allows_them():
-    cfg = triton_decode_mod.DecodeConfig()
-    assert cfg.token_streams_for(4, 8, 128, 32, 128, 64) == 2
-    assert cfg.token_streams_for(8, 8, 128, 32, 128, 64) == 1  # no padding columns
-    assert cfg.token_streams_for(3, 8, 128, 32, 128, 64) == 2  # 3 rows padded to 4 per stream
-    assert cfg.token_streams_for(4, 8, 128, 16, 128, 64) == 1  # keys dequantised per channel
-    assert cfg.token_streams_for(4, 8, 128, 32, 128, 16) == 1  # 8-token streams: below a dot's 16 rows
-    assert replace(cfg, token_streams=1).token_streams_for(4, 8, 128, 32, 128, 64) == 1
-    with pytest.raises(ValueError, match="token_streams"):
-        replace(cfg, token_streams=3).token_streams_for(4, 8, 128, 32, 128, 64)
-
-
 def test_rotate_queries_column_blocks_match_the_full_rotation():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 8, 64, generator=g).bfloat16()
