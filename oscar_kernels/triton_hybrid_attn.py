@@ -134,11 +134,6 @@ def code_offset(MAGIC: tl.constexpr, HALF: tl.constexpr):
     return (1024.0 if HALF else 128.0) if MAGIC else 0.0
 
 
-# Value weights in float16 (HALF_V) are p * scale * W_SCALE: p <= 1 and a float8 scale <= 448 give
-# at most 28,672 (float16 max 65,504), and weights down to 2^-24 / 64 of a scale stay nonzero.
-W_SCALE: tl.constexpr = tl.constexpr(64.0)
-
-
 @triton.jit
 def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
     """int16 tile of byte pairs -> (even, odd) tiles of plane i's codes (low / high byte of
@@ -354,10 +349,9 @@ def online_softmax_t(s, m_i, l_t):
 
 @triton.jit
 def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-            INTERP: tl.constexpr, HALF_V: tl.constexpr = False):
-    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w
-    (codes as float16 when HALF_V)."""
-    ce, co = unpack_pair(vt, i, MAGIC, INTERP, HALF_V)
+            INTERP: tl.constexpr):
+    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
     acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
     return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
 
@@ -439,11 +433,10 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                     SLOT64: tl.constexpr, HALF_V: tl.constexpr = False):
+                     SLOT64: tl.constexpr):
     """The value half of a block: online softmax of its scores s^T [BN, R] over the token
     axis (0) and the P@V dots of the BN positions from p0, added to the state st
-    (int2_state). GV: the values' group size. HALF_V (GV >= D/4, MAGIC): value codes and
-    weights as float16, w = fp16(p * scale * W_SCALE) (int2_finish divides W_SCALE out)."""
+    (int2_state). GV: the values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     GRP_V: tl.constexpr = GV >= DQ
@@ -462,20 +455,14 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
     if GRP_V:
-        if HALF_V:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.float16)
-        else:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
+        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            if HALF_V:
-                w = (p * (sc * W_SCALE)[:, None]).to(tl.float16)
-            else:
-                w = (p * sc[:, None]).to(tl.bfloat16)
+            w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP, HALF_V)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -496,18 +483,17 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr, HALF_V: tl.constexpr = False):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only), V codes when HALF_V (GV >= D/4 with MAGIC).
-    GK / GV: the keys' / values' group size."""
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
     s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                      hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
                      INTERP, SLOT64, HALF)
     return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, HALF_V)
+                            SLOT64)
 
 
 @triton.jit
@@ -515,7 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, HALF_V: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -531,9 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-
-    HALF_V: value codes unpack as float16 (1024 + 4^i c: no shift for the top plane) and
-    the weights are float16 (see _int2_accumulate); int2_finish must get the same flag.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -563,7 +546,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
         st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
@@ -571,18 +554,18 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, HALF_V: tl.constexpr = False):
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
-    GV: the values' group size; HALF_V as int2_range's."""
+    GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
-    OFF: tl.constexpr = (1024.0 if HALF_V else 128.0) if MAGIC else 0.0
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
     l = tl.sum(l_t, 0)
     inv = 1.0 / tl.where(l > 0, l, 1.0)
@@ -591,10 +574,7 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, HALF
         for e in tl.static_range(2):
             a = acc[2 * i + e]
             if GV >= D // 4:
-                unit = 1.0 / plane_step(i, MAGIC, HALF_V)
-                if HALF_V:
-                    unit = unit / W_SCALE
-                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * unit
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
                      + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)
     return outs, m_i, l
