@@ -200,12 +200,6 @@ def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
     return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
 
 
-def half_values(enabled: bool, magic_unpack: bool, layer) -> bool:
-    """Whether V codes and weights are float16 (HALF_V): asked for, magic unpacking, and one
-    group per plane or wider (values' G >= D/4)."""
-    return enabled and magic_unpack and layer.value_group_size >= layer.head_dim // 4
-
-
 def element_extent(t: torch.Tensor) -> int:
     """One past the largest element offset a view reaches from its first element, in bytes
     (whatever the order of its strides: allocate_layer's buffers are head-major views)."""

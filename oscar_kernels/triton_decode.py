@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, half_values, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
+                            half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, wait_for_prior_grid)
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
@@ -122,7 +122,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, HALF_V: tl.constexpr = False, VSPLIT: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
@@ -163,11 +163,11 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
         qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
-        st = int2_range(qops, qsums, int2_state(BH, D, GV, VSPLIT), lo, hi, r2t_ptr + row * r2t_stride,
+        st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
                         kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
                         kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                        INTERP, SLOT64, HALF, SLOT_AHEAD, HALF_V, VSPLIT)
-        outs, m_i, l_i = int2_finish(st, D, GV, MAGIC, HALF_V, VSPLIT)
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
+        outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
@@ -347,10 +347,6 @@ class DecodeConfig:
     # K codes and q' as float16 (magic, G >= D/4): all four planes unpack without shifts; q'
     # (rotated queries) must stay below 65504 in magnitude, as in any fp16 attention.
     half_keys: bool = True
-    # V codes and the P@V weights as float16 too (magic, G >= D/4): the top plane unpacks
-    # without a shift (9 integer instructions per 16 codes instead of 11); the weights are
-    # p * scale * 64 (triton_hybrid_attn.W_SCALE), below float16's max for float8 scales
-    half_values: bool = True
     use_dot: bool = True  # tensor cores for q.k and p.v
     # float8 (scale, min) pairs read as aligned 4-byte words (triton_common.float8_words_view)
     # so that Triton's pipeliner prefetches them; False: 2-byte loads in the block's own step.
@@ -652,9 +648,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, HALF_V=half_values(cfg.half_values, magic, lay),
-        VSPLIT=cfg.num_warps == 2 and d == 128 and half_values(cfg.half_values, magic, lay) and lay.value_group_size == d,
-        num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )

@@ -134,11 +134,6 @@ def code_offset(MAGIC: tl.constexpr, HALF: tl.constexpr):
     return (1024.0 if HALF else 128.0) if MAGIC else 0.0
 
 
-# Value weights in float16 (HALF_V) are p * scale * W_SCALE: p <= 1 and a float8 scale <= 448 give
-# at most 28,672 (float16 max 65,504), and weights down to 2^-24 / 64 of a scale stay nonzero.
-W_SCALE: tl.constexpr = tl.constexpr(64.0)
-
-
 @triton.jit
 def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
     """int16 tile of byte pairs -> (even, odd) tiles of plane i's codes (low / high byte of
@@ -178,44 +173,6 @@ def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, H
             return ce.to(tl.float16), co.to(tl.float16)
         else:
             return ce.to(tl.bfloat16), co.to(tl.bfloat16)
-
-
-def _plane_pair_asm(lo: int, hi: int) -> tl.constexpr:
-    """PTX of unpack_plane_pair for planes (lo, hi) on two warps: the first warp (threads
-    0-31, rows [0, D/8) of the stacked tile) masks plane lo's field, the second plane hi's;
-    float16 magic 0x6400: $0 = even bytes, $1 = odd bytes (shifted right by 8)."""
-    ml, mh = (3 << (2 * lo)) * 0x10001, (3 << (2 * hi)) * 0x10001
-    return tl.constexpr(
-        "{ .reg .b32 t, k, m; .reg .pred up; mov.u32 t, %tid.x; setp.ge.u32 up, t, 32; "
-        f"selp.b32 m, 0x{mh:08X}, 0x{ml:08X}, up; mov.b32 k, 0x64006400; "
-        "lop3.b32 $0, $2, m, k, 0xEA; shr.b32 t, $2, 8; lop3.b32 $1, t, m, k, 0xEA; }")
-
-
-_PLANES_02_ASM: tl.constexpr = _plane_pair_asm(0, 2)
-_PLANES_13_ASM: tl.constexpr = _plane_pair_asm(1, 3)
-
-
-@triton.jit
-def unpack_plane_pair(x, ii: tl.constexpr, DH: tl.constexpr, INTERP: tl.constexpr):
-    """[2 DH, BN] int16 tile whose rows r and r + DH hold the same byte pair -> (even, odd)
-    float16 tiles of plane ii (rows < DH) and plane ii + 2 (rows >= DH): 1024 + 4^i code.
-    Compiled for a two-warp program whose first warp holds rows [0, DH) (the tensor-core
-    A operand of a [2 DH, BN] dot with DH = 16)."""
-    if INTERP:
-        r = tl.arange(0, 2 * DH)[:, None]
-        sh = tl.where(r >= DH, 2 * ii + 4, 2 * ii)
-        xi = x.to(tl.int32) & 0xFFFF
-        ce = ((xi >> sh) & 3).to(tl.float32)
-        co = ((xi >> (8 + sh)) & 3).to(tl.float32)
-        step = tl.where(r >= DH, 16.0, 1.0) * (4.0 if ii == 1 else 1.0)
-        return (1024.0 + ce * step).to(tl.float16), (1024.0 + co * step).to(tl.float16)
-    else:
-        if ii == 0:
-            asm: tl.constexpr = _PLANES_02_ASM
-        else:
-            asm: tl.constexpr = _PLANES_13_ASM
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True,
-                                         pack=2)
 
 
 @triton.jit
@@ -354,10 +311,10 @@ def group_count(D, G):
 
 
 @triton.jit
-def int2_state(R: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, VSPLIT: tl.constexpr = False):
+def int2_state(R: tl.constexpr, D: tl.constexpr, GV: tl.constexpr):
     """Zero state of int2_range: (m [R], l (16 x R), pm (per value group 16 x R), wsum (per
     value group 16 x R), acc (8 x [D/8, R])); the [16, R] tiles are summed over their rows
-    at the end. GV: the values' group size. VSPLIT: acc is 4 x [D/4, R] (_int2_accumulate)."""
+    at the end. GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     DH: tl.constexpr = D // 8
     zt = tl.zeros([16, R], tl.float32)
@@ -368,12 +325,7 @@ def int2_state(R: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, VSPLIT: tl.co
         pm = (zt, zt)
     else:
         pm = (zt, zt, zt, zt)
-    if VSPLIT:
-        z2 = tl.zeros([2 * DH, R], tl.float32)
-        acc = (z2, z2, z2, z2)
-    else:
-        acc = (za, za, za, za, za, za, za, za)
-    return tl.full([R], float("-inf"), tl.float32), zt, pm, pm, acc
+    return tl.full([R], float("-inf"), tl.float32), zt, pm, pm, (za, za, za, za, za, za, za, za)
 
 
 @triton.jit
@@ -397,10 +349,9 @@ def online_softmax_t(s, m_i, l_t):
 
 @triton.jit
 def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-            INTERP: tl.constexpr, HALF_V: tl.constexpr = False):
-    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w
-    (codes as float16 when HALF_V)."""
-    ce, co = unpack_pair(vt, i, MAGIC, INTERP, HALF_V)
+            INTERP: tl.constexpr):
+    """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
+    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
     acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
     return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
 
@@ -482,11 +433,10 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
                      vgs_ptr, sgs_s, hoff_gs, qk_scale,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
                      PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                     SLOT64: tl.constexpr, HALF_V: tl.constexpr = False, VSPLIT: tl.constexpr = False):
+                     SLOT64: tl.constexpr):
     """The value half of a block: online softmax of its scores s^T [BN, R] over the token
     axis (0) and the P@V dots of the BN positions from p0, added to the state st
-    (int2_state). GV: the values' group size. HALF_V (GV >= D/4, MAGIC): value codes and
-    weights as float16, w = fp16(p * scale * W_SCALE) (int2_finish divides W_SCALE out)."""
+    (int2_state). GV: the values' group size."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     GRP_V: tl.constexpr = GV >= DQ
@@ -501,38 +451,18 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     else:
         mask = None
         vmask = None
-    if VSPLIT:  # rows r and r + DH: the same byte pairs (planes ii and ii + 2)
-        d2 = tl.arange(0, 2 * DH) % DH
-        vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + d2[:, None], vmask)  # [2 DH, BN]
-    else:
-        vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
     p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
-    if VSPLIT:  # one value group (GV = D), float16 (HALF_V); acc: 4 x [2 DH, R], (ii, e) at 2 ii + e
-        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.float16)
-        sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, 0, mask, PAIR, INTERP)
-        w = (p * (sc * W_SCALE)[:, None]).to(tl.float16)
-        pm = setk(pm, 0, pm[0] * alpha[None, :] + fold16(p * mn[:, None]))
-        wsum = setk(wsum, 0, fresh_dot(ones, w, wsum[0], alpha[None, :], USE_DOT, INTERP))
-        for ii in tl.static_range(2):
-            ce, co = unpack_plane_pair(vt, ii, DH, INTERP)
-            acc = setk(acc, 2 * ii, fresh_dot(ce, w, acc[2 * ii], alpha[None, :], USE_DOT, INTERP))
-            acc = setk(acc, 2 * ii + 1, fresh_dot(co, w, acc[2 * ii + 1], alpha[None, :], USE_DOT, INTERP))
-    elif GRP_V:
-        if HALF_V:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.float16)
-        else:
-            ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
+    if GRP_V:
+        ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
             sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
-            if HALF_V:
-                w = (p * (sc * W_SCALE)[:, None]).to(tl.float16)
-            else:
-                w = (p * sc[:, None]).to(tl.bfloat16)
+            w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
             wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP, HALF_V)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
@@ -553,19 +483,17 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk
                 ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr, HALF_V: tl.constexpr = False,
-                VSPLIT: tl.constexpr = False):
+                SLOT64: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only), V codes when HALF_V (GV >= D/4 with MAGIC).
-    GK / GV: the keys' / values' group size."""
+    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
     s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
                      hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
                      INTERP, SLOT64, HALF)
     return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
                             vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, HALF_V, VSPLIT)
+                            SLOT64)
 
 
 @triton.jit
@@ -573,8 +501,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
                MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False, HALF_V: tl.constexpr = False,
-               VSPLIT: tl.constexpr = False):
+               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
     """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
     BN positions without masks, then a masked tail block.
 
@@ -590,9 +517,6 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
     next step's copies early in the step instead of after a slot load at its end).
-
-    HALF_V: value codes unpack as float16 (1024 + 4^i c: no shift for the top plane) and
-    the weights are float16 (see _int2_accumulate); int2_finish must get the same flag.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -622,7 +546,7 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
         st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V, VSPLIT)
+                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
@@ -630,49 +554,29 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
             slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
         st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
                          ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF, HALF_V, VSPLIT)
+                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr, HALF_V: tl.constexpr = False,
-                VSPLIT: tl.constexpr = False):
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
-    GV: the values' group size; HALF_V and VSPLIT as int2_range's."""
+    GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
-    OFF: tl.constexpr = (1024.0 if HALF_V else 128.0) if MAGIC else 0.0
-    DH: tl.constexpr = D // 8
+    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
     m_i, l_t, pm, wsum, acc = st
     l = tl.sum(l_t, 0)
     inv = 1.0 / tl.where(l > 0, l, 1.0)
     outs = ()
-    if VSPLIT:  # rows [0, DH) of tile 2 ii + e: plane ii, rows [DH, 2 DH): plane ii + 2
-        r = tl.arange(0, 2 * DH)
-        ws = tl.sum(wsum[0], 0) * (1.0 / 16)
-        pms = tl.sum(pm[0], 0)
-        lo = ()
-        hi = ()
-        for ii in tl.static_range(2):
-            unit = tl.where(r >= DH, 1.0 / 16.0, 1.0) * ((0.25 if ii == 1 else 1.0) / W_SCALE)
-            for e in tl.static_range(2):
-                a = ((acc[2 * ii + e] - OFF * ws[None, :]) * unit[:, None] + pms[None, :]) * inv[None, :]
-                a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, [2, DH, a.shape[1]]), (1, 2, 0)))
-                lo = lo + (a_lo,)
-                hi = hi + (a_hi,)
-        outs = lo + hi
-    else:
-        for i in tl.static_range(4):
-            for e in tl.static_range(2):
-                a = acc[2 * i + e]
-                if GV >= D // 4:
-                    unit = 1.0 / plane_step(i, MAGIC, HALF_V)
-                    if HALF_V:
-                        unit = unit / W_SCALE
-                    a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * unit
-                         + tl.sum(pm[i // PG], 0)[None, :])
-                outs = outs + (a * inv[None, :],)
+    for i in tl.static_range(4):
+        for e in tl.static_range(2):
+            a = acc[2 * i + e]
+            if GV >= D // 4:
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
+                     + tl.sum(pm[i // PG], 0)[None, :])
+            outs = outs + (a * inv[None, :],)
     return outs, m_i, l
 
 
