@@ -559,6 +559,120 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
 
 
 @triton.jit
+def _chunk_values(st, s, m_use, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vgs_ptr, sgs_s, hoff_gs,
+                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
+                  MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+    """The value half of a block under a fixed max m_use (int2_range_chunked's second pass):
+    p = 2^(s - m_use), l, pm, wsum and acc summed without rescaling. GV >= D/4."""
+    DH: tl.constexpr = D // 8
+    NG_V: tl.constexpr = group_count(D, GV)
+    PG_V: tl.constexpr = 4 // NG_V
+    m_i, l_t, pm, wsum, acc = st
+    dh = tl.arange(0, DH)
+    if MASKED:
+        mask = (p0 + tl.arange(0, BN)) < hi
+        vmask = mask[None, :]
+    else:
+        mask = None
+        vmask = None
+    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+    p = tl.exp2(s - m_use[None, :])
+    l_t = l_t + fold16(p)
+    ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
+    for g in tl.static_range(NG_V):
+        sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
+        w = (p * sc[:, None]).to(tl.bfloat16)
+        pm = setk(pm, g, pm[g] + fold16(p * mn[:, None]))
+        wsum = setk(wsum, g, wsum[g] + opaque(mm(ones, w, tl.zeros(wsum[g].shape, tl.float32), USE_DOT, INTERP),
+                                              INTERP))
+        for j in tl.static_range(PG_V):
+            ce, co = unpack_pair(vt, g * PG_V + j, MAGIC, INTERP, False)
+            za = tl.zeros(acc[0].shape, tl.float32)
+            acc = setk(acc, 2 * (g * PG_V + j),
+                       acc[2 * (g * PG_V + j)] + opaque(mm(ce, w, za, USE_DOT, INTERP), INTERP))
+            acc = setk(acc, 2 * (g * PG_V + j) + 1,
+                       acc[2 * (g * PG_V + j) + 1] + opaque(mm(co, w, za, USE_DOT, INTERP), INTERP))
+    return m_i, l_t, pm, wsum, acc
+
+
+@triton.jit
+def _int2_chunk(st, cs, ce, hi, r2t_row, qops, c0, qg, scr_ptr, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
+                USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr):
+    """Positions [cs, ce) (at most CH, masked past hi when MASKED) in two passes: the keys'
+    scores of every block into the program's scratch rows (scr_ptr, [CH, R] float32) with
+    their per-column max, then the values under that max (one rescale of the state per chunk
+    instead of one per block)."""
+    m_i, l_t, pm, wsum, acc = st
+    R: tl.constexpr = m_i.shape[0]
+    nb = tl.arange(0, BN)
+    cols = tl.arange(0, R)
+    mloc = tl.full([BN, R], float("-inf"), tl.float32)
+    for p0 in range(cs, ce, BN):
+        slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
+        s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, kpk_ptr, 0, 0, 0,
+                         kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT, INTERP,
+                         SLOT64, HALF)
+        tl.store(scr_ptr + (p0 - cs + nb)[:, None] * R + cols[None, :], s)
+        mloc = tl.maximum(mloc, s)
+    tl.debug_barrier()
+    m_new = tl.maximum(m_i, tl.max(mloc, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    l_t = l_t * alpha[None, :]
+    pm2 = ()
+    ws2 = ()
+    for g in tl.static_range(len(pm)):
+        pm2 = pm2 + (pm[g] * alpha[None, :],)
+        ws2 = ws2 + (wsum[g] * alpha[None, :],)
+    acc2 = ()
+    for k in tl.static_range(8):
+        acc2 = acc2 + (acc[k] * alpha[None, :],)
+    st = (m_new, l_t, pm2, ws2, acc2)
+    for p0 in range(cs, ce, BN):
+        slot = _block_slots(p0, hi, r2t_row, MASKED, BN, SLOT64)
+        s = tl.load(scr_ptr + (p0 - cs + nb)[:, None] * R + cols[None, :])
+        st = _chunk_values(st, s, m_use, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vgs_ptr, sgs_s, hoff_gs, MASKED,
+                           BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP)
+    tl.debug_barrier()
+    return st
+
+
+@triton.jit
+def int2_range_chunked(qops, qsums, st, lo, hi, r2t_row, scr_ptr, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                       kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, CH: tl.constexpr, BN: tl.constexpr,
+                       D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
+                       USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr):
+    """int2_range (groups of a plane or more for keys and values) in chunks of CH positions,
+    each in two passes (_int2_chunk): full chunks unmasked, then the tail chunk masked."""
+    NG: tl.constexpr = group_count(D, GK)
+    PG: tl.constexpr = 4 // NG
+    R: tl.constexpr = st[0].shape[0]
+    c0 = ()
+    qg = ()
+    for g in tl.static_range(NG):
+        cs_ = qsums[g * PG]
+        qs = qsums[g * PG] * plane_step(g * PG, MAGIC, HALF)
+        for j in tl.static_range(1, PG):
+            cs_ += qsums[g * PG + j]
+            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
+        if PG > 1:
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs_[None, :],)
+        qg = qg + (qs,)
+    hi_full = lo + (hi - lo) // CH * CH
+    for cs in range(lo, hi_full, CH):
+        st = _int2_chunk(st, cs, cs + CH, hi, r2t_row, qops, c0, qg, scr_ptr, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                         INTERP, SLOT64, HALF)
+    if hi_full < hi:
+        st = _int2_chunk(st, hi_full, hi, hi, r2t_row, qops, c0, qg, scr_ptr, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
+                         kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                         INTERP, SLOT64, HALF)
+    return st
+
+
+@triton.jit
 def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
