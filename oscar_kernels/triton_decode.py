@@ -46,8 +46,8 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, wait_for_prior_grid)
-from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_range_chunked, int2_state,
-                                 request_layout, store_pairs)
+from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
+                                 store_pairs)
 
 LOG2E = 1.4426950408889634
 
@@ -116,13 +116,13 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                    ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
                    kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
-                   mid_o_ptr, mid_lse_ptr, qk_scale, scr_ptr,
+                   mid_o_ptr, mid_lse_ptr, qk_scale,
                    NS, MIN_CHUNK: tl.constexpr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, CH: tl.constexpr = 0):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
@@ -163,16 +163,10 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
         qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, MAGIC, HALF)
         hh = head_index(h, SLOT64)
-        if CH > 0:  # chunks of CH positions in two passes, scores through the program's scratch rows
-            scr = scr_ptr + ((b * num_h + h) * NS + sp - 1).to(tl.int64) * (CH * BH)
-            st = int2_range_chunked(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride, scr,
-                                    kpk_ptr, vpk_ptr, spk_s, hh * spk_h, kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h,
-                                    qk_scale, CH, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
-        else:
-            st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
-                            kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
-                            kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
-                            INTERP, SLOT64, HALF, SLOT_AHEAD)
+        st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, r2t_ptr + row * r2t_stride,
+                        kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
+                        kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT,
+                        INTERP, SLOT64, HALF, SLOT_AHEAD)
         outs, m_i, l_i = int2_finish(st, D, GV, MAGIC)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -363,9 +357,6 @@ class DecodeConfig:
     # and batch 64 (16k), equal at batch 1 (64k) and batch 64 (128k)
     slot_ahead: bool = True
     min_block_h: int = 8  # query-head rows per program (>= Hq/H, power of two)
-    # prototype (session 17): INT2 positions in chunks of this many, keys' scores of a chunk
-    # first (through a float32 scratch), then its values under the chunk's max; 0: off
-    two_pass_chunk: int = 0
     fp32_precision: str = "ieee"  # input precision of the query rotation (float32 dots)
     merge_precision: str = "tf32x3"  # un-rotation in the merge (ieee spills registers there)
     # partials the merge loads at once (power of two); 0: per merge grid, 64 for "query_head"
@@ -644,9 +635,6 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)
-    ch = cfg.two_pass_chunk if min(lay.key_group_size, lay.value_group_size) >= d // 4 and cfg.magic_unpack else 0
-    scr = (torch.empty(b * h * ns * max(ch, 1) * bh, dtype=torch.float32, device=q.device) if ch
-           else mid_lse)
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
@@ -655,12 +643,12 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         *scale_args[:4],
         lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
         lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
-        mid_o, mid_lse, sm_scale * LOG2E, scr,
+        mid_o, mid_lse, sm_scale * LOG2E,
         NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=bh, D=d, GK=lay.key_group_size, GV=lay.value_group_size,
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, CH=ch, num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )
