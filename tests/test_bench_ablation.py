@@ -44,31 +44,24 @@ def test_ablated_swaps_helpers_and_restores_them():
         sa.main(["--sass", "--builds", "default,nope"])
 
 
-def test_swapped_build_compiles_to_a_loop_without_the_unpacking(tmp_path):
-    """sm_90 builds (a subprocess: compiled, not interpreted) of the default and no_unpack:
-    the swap removes the unpacking LOP3s from the INT2 loop."""
-    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import stage1_ablation as sa; "
-            "print(json.dumps(sa.sass_counts(['default', 'no_unpack'], ['k32_v128_float8_scales'])))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    default, no_unpack = json.loads(r.stdout.strip().splitlines()[-1])
-    assert default["ok"] and no_unpack["ok"]
-    assert no_unpack["int2_loop_instructions"] < default["int2_loop_instructions"]
-    assert default["int2_loop_opcodes"]["LOP3"] - no_unpack["int2_loop_opcodes"].get("LOP3", 0) >= 200
-
-
-def test_ablated_build_leaves_the_shared_cache_to_the_shipped_kernel(tmp_path):
-    """Regression (session 17): an ablated build compiled before the shipped one, both against
-    one TRITON_CACHE_DIR, must not be what the shipped decode then loads (the on-disk keys do
-    not see swapped helpers)."""
+def test_swapped_build_loses_the_unpacking_and_leaves_the_shared_cache_to_the_shipped_kernel(tmp_path):
+    """sm_90 builds (a subprocess: compiled, not interpreted) of no_unpack and default: the swap
+    removes the unpacking LOP3s from the INT2 loop. Regression (session 17): the ablated build,
+    compiled first against the same TRITON_CACHE_DIR, must not be what the shipped decode then
+    loads (Triton's on-disk keys do not see swapped helpers); the shipped compile comes before
+    the ablation's own default build, which would otherwise rewrite the shared entry."""
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); sys.path.insert(0, 'tests'); "
-            "import stage1_ablation as sa, aot_sm90; sa.sass_counts(['no_unpack'], ['k32_v128_float8_scales']); "
-            "r = [x for x in aot_sm90.run('k32_v128_float8_scales') if x['kernel'] == '_decode_stage1'][0]; "
-            "print(json.dumps(r['loops'][-1]['opcodes']))")
+            "import stage1_ablation as sa, aot_sm90; case = 'k32_v128_float8_scales'; "
+            "no_unpack = sa.sass_counts(['no_unpack'], [case])[0]; "
+            "r = [x for x in aot_sm90.run(case) if x['kernel'] == '_decode_stage1'][0]; "
+            "default = sa.sass_counts(['default'], [case])[0]; "
+            "print(json.dumps([[no_unpack, default], r['loops'][-1]['opcodes']]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
-    shipped = json.loads(r.stdout.strip().splitlines()[-1])
+    (no_unpack, default), shipped = json.loads(r.stdout.strip().splitlines()[-1])
+    assert default["ok"] and no_unpack["ok"]
+    assert no_unpack["int2_loop_instructions"] < default["int2_loop_instructions"]
+    assert default["int2_loop_opcodes"]["LOP3"] - no_unpack["int2_loop_opcodes"].get("LOP3", 0) >= 200
     assert shipped["LOP3"] >= 200  # the unpacking is there (no_unpack's loop has ~40)
