@@ -46,6 +46,7 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, wait_for_prior_grid)
+from .gluon_decode import gluon_ws_unsupported, launch_int2_stage1_ws
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -384,6 +385,10 @@ class DecodeConfig:
     # its output (griddepcontrol), so each launch's latency and stage 1's reads of the
     # request layout overlap the previous kernel
     programmatic_launch: bool = True
+    # the INT2 programs of stage 1: "triton" (_decode_stage1, one warp per program) or
+    # "gluon_ws" (gluon_decode: a warp-specialised sm_90 kernel, four KV heads per CTA, a
+    # scores partition and a values partition; the default layout only, see gluon_ws_unsupported)
+    int2_kernel: str = "triton"
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -635,7 +640,14 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)
-    _decode_stage1[(b, h, ns + 1)](
+    gluon = cfg.int2_kernel == "gluon_ws"
+    if gluon:
+        reason = gluon_ws_unsupported(lay, gq, q.device)
+        if reason:
+            raise ValueError(f'DecodeConfig.int2_kernel="gluon_ws": {reason}')
+    elif cfg.int2_kernel != "triton":
+        raise ValueError(f'DecodeConfig.int2_kernel must be "triton" or "gluon_ws", not {cfg.int2_kernel!r}')
+    _decode_stage1[(b, h, 1 if gluon else ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
@@ -652,6 +664,9 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )
+    if gluon:
+        launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, lay, mid_o, mid_lse, sm_scale * LOG2E,
+                              ns, cfg.min_chunk, gq)
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
             raise ValueError('merge_grid="split" needs a workspace made with that config (its o\' buffer)')

@@ -1,0 +1,431 @@
+"""Stage 1 of the decode over the INT2 history as a warp-specialised Gluon kernel (sm_90).
+
+Same partial as ``triton_decode._decode_stage1``'s INT2 programs (sp >= 1), computed by two
+partitions of four warps per CTA, each warp owning one KV head of a group of four (the four
+heads read the same positions of one request and split, so their slots are shared):
+
+- scores (worker partition): copies K codes and the five float8 (scale, min) words of each
+  token into a shared-memory ring (cp.async), computes
+      s^T[t, r] = sum_g sc_{t,g} (c_{t,g} . q'_{g,r}) + (mn_{t,g} - OFF/STEP_g sc_{t,g}) qg_{g,r}
+  (``triton_hybrid_attn`` module doc: the fp16 magic unpack, one dot chain per key group),
+  masks positions >= hi, runs the base-2 online softmax over the block's tokens and hands
+  w = bf16(p * sc_v) [tokens, rows] and alpha = 2^(m_old - m_new) [rows] to the values
+  partition through a shared-memory ring guarded by mbarriers; it keeps l = sum p,
+  pm = sum p mn_v and wsum = sum w.
+- values (default partition): copies V codes into its own ring, and per block
+      acc_i <- acc_i * alpha + C_i^T @ w        (8 (plane, parity) tiles [D/8, rows])
+  then, after the last block, o~ = ((acc_i - OFF wsum) / STEP_i + pm) / l.
+
+A warp of either partition holds about half the state of the one-warp Triton program, so
+twice as many warps fit an SM's registers and the two halves of a block overlap.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
+
+from .triton_common import INTERPRET, float8_words_view
+
+J = gl.constexpr(4)  # KV heads per CTA: one per warp of each partition
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
+DOT_A = gl.constexpr(gl.DotOperandLayout(0, MMA, 2))
+DOT_B = gl.constexpr(gl.DotOperandLayout(1, MMA, 2))
+ROWS = gl.constexpr(gl.SliceLayout(2, MMA))  # [J, tokens] of a score tile
+COLS = gl.constexpr(gl.SliceLayout(1, MMA))  # [J, rows]
+# cp.async of [J, BN, 16] int16 code rows: 16 bytes per thread, one warp per head
+CODES_CP = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
+# cp.async of [8 J, BN] scale words (row g J + j: pair g of head j; g < 5 used): one word per thread
+WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [2, 1, 0]))
+FLAT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+W_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+COL_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+# fp16 magic unpack of plane i's even / odd bytes: 1024 + 4^i code (see triton_hybrid_attn)
+_HALF0 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
+                      "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
+_HALF1 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
+                      "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
+_HALF2 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
+                      "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+_HALF3 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00C000C0, k, 0xEA; "
+                      "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00C000C0, k, 0xEA; }")
+# bf16 magic unpack (values): 128 + STEP_i code, STEP = 1, 4, 16, 16 (plane 3 shifted by 2)
+_BF0 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
+                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
+_BF1 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
+                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
+_BF2 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
+                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+_BF3 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $2, 2; "
+                    "lop3.b32 $0, t, 0x00300030, k, 0xEA; shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
+# float8_e4m3fn (scale, min) pair in bits $3.. of an int32 word -> two float32
+_FP8_WORD = gl.constexpr(
+    "{ .reg .b32 h, w; .reg .b16 lo, hi, p, u; shr.b32 w, $2, $3; mov.b32 {p, u}, w; "
+    "cvt.rn.f16x2.e4m3x2 h, p; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+
+
+@gluon.jit
+def _unpack_keys(x, i: gl.constexpr):
+    if i == 0:
+        asm: gl.constexpr = _HALF0
+    elif i == 1:
+        asm: gl.constexpr = _HALF1
+    elif i == 2:
+        asm: gl.constexpr = _HALF2
+    else:
+        asm: gl.constexpr = _HALF3
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _unpack_values(x, i: gl.constexpr):
+    if i == 0:
+        asm: gl.constexpr = _BF0
+    elif i == 1:
+        asm: gl.constexpr = _BF1
+    elif i == 2:
+        asm: gl.constexpr = _BF2
+    else:
+        asm: gl.constexpr = _BF3
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _pair(words, shift):
+    return gl.inline_asm_elementwise(_FP8_WORD, "=r,=r,r,r", [words, shift], dtype=(gl.float32, gl.float32),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _key_step(i: gl.constexpr):
+    if i == 0:
+        return 1.0
+    elif i == 1:
+        return 4.0
+    elif i == 2:
+        return 16.0
+    else:
+        return 64.0
+
+
+@gluon.jit
+def _value_step(i: gl.constexpr):
+    if i == 0:
+        return 1.0
+    elif i == 1:
+        return 4.0
+    else:
+        return 16.0
+
+
+@gluon.jit
+def _request_split(b, sp, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size, vf_ptr,
+                   NS, MIN_CHUNK: gl.constexpr, S: gl.constexpr, W: gl.constexpr, BN: gl.constexpr):
+    """(row, lo, hi): request b's table row and INT2 split sp of [S_b, ring_lo)
+    (triton_hybrid_attn.request_layout and triton_decode.int2_split)."""
+    row = gl.load(rows_ptr + b).to(gl.int64)
+    n = gl.load(lens_ptr + b).to(gl.int64)
+    if S > 0:
+        first = gl.load(r2t_ptr + row * r2t_stride).to(gl.int64)
+        page = first // page_size
+        c = gl.load(sop_ptr + page).to(gl.int64)
+        owner = gl.load(pos_of_ptr + gl.maximum(c, 0)).to(gl.int64)
+        s_b = gl.where((c >= 0) & (owner == page), gl.minimum(n, S), 0)
+    else:
+        s_b = n * 0
+    if W > 0:
+        vf = gl.load(vf_ptr + row).to(gl.int64)
+        ring_lo = gl.minimum(gl.maximum(gl.maximum(n - W, vf), s_b), n)
+    else:
+        ring_lo = n
+    length = ring_lo - s_b
+    ns = gl.minimum(gl.maximum((length + MIN_CHUNK - 1) // MIN_CHUNK, 1), NS)
+    chunk = ((length + ns - 1) // ns + BN - 1) // BN * BN
+    lo = s_b + sp * chunk
+    return row, lo.to(gl.int32), gl.minimum(lo + chunk, ring_lo).to(gl.int32)
+
+
+@gluon.jit
+def _copy_keys(kbuf, sbuf, r2t_row, p0, hi, h0, kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
+               BN: gl.constexpr):
+    """cp.async of block p0's K code rows [J, BN, 16] and (scale, min) words [8, J, BN]
+    (word of pair g of the token's record in row g < 5)."""
+    t = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP)))
+    pos = p0 + t
+    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
+    jj = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES_CP)))
+    kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_CP)))
+    off = (h0 + jj)[:, None, None] * spk_h + slot.to(gl.int64)[None, :, None] * spk_s + kk[None, None, :]
+    async_copy.async_copy_global_to_shared(kbuf, kpk_ptr + off)
+    tw = gl.arange(0, BN, layout=gl.SliceLayout(0, WORDS_CP))
+    posw = p0 + tw
+    slotw = gl.load(r2t_row + posw, mask=posw < hi, other=0).to(gl.int64)
+    gj = gl.arange(0, 8 * J, layout=gl.SliceLayout(1, WORDS_CP))
+    pidx = slotw[None, :] * sgs_s + (h0 + gj % J)[:, None] * sgs_h + (gj // J)[:, None]
+    async_copy.async_copy_global_to_shared(sbuf, kgs_ptr + (pidx >> 1), mask=(gj < 5 * J)[:, None])
+
+
+@gluon.jit
+def _copy_values(vbuf, r2t_row, p0, hi, h0, vpk_ptr, spk_s, spk_h, BN: gl.constexpr):
+    t = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP)))
+    pos = p0 + t
+    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
+    jj = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES_CP)))
+    kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_CP)))
+    off = (h0 + jj)[:, None, None] * spk_h + slot.to(gl.int64)[None, :, None] * spk_s + kk[None, None, :]
+    async_copy.async_copy_global_to_shared(vbuf, vpk_ptr + off)
+
+
+@gluon.jit
+def _query_operand(q_rows, rmask, scale, i: gl.constexpr, e: gl.constexpr):
+    """q'^T operand of (plane i, parity e): [J, 16, R] float16, element (j, p, r) =
+    q'[row (j, r), 32 i + 2 p + e] * scale / STEP_i."""
+    p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, DOT_B)))
+    ptrs = gl.expand_dims(q_rows, 1) + (i * 32 + 2 * p + e)[None, :, None]
+    qt = gl.load(ptrs, mask=gl.expand_dims(rmask, 1), other=0.0)
+    return (qt.to(gl.float32) * (scale / _key_step(i))).to(gl.float16)
+
+
+@gluon.jit
+def _scores_partition(kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin,
+                      qr_ptr, sqr_b, sqr_h, r2t_row, lo, hi, b, h0, kpk_ptr, spk_s, spk_h,
+                      kgs_ptr, sgs_s, sgs_h, mid_lse_ptr, lse_base, lse_row_stride, qk_scale,
+                      GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    # q' operands (per plane and parity) and the per-plane sums of what the dots see
+    jb = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(1, DOT_B)))
+    rb = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, DOT_B)))
+    hq = (h0 + jb)[:, None] * GQ + rb[None, :]
+    q_rows = qr_ptr + b * sqr_b + hq.to(gl.int64) * sqr_h
+    rmask = (rb < GQ)[None, :] & (jb >= 0)[:, None]
+    q00 = _query_operand(q_rows, rmask, qk_scale, 0, 0)
+    q01 = _query_operand(q_rows, rmask, qk_scale, 0, 1)
+    q10 = _query_operand(q_rows, rmask, qk_scale, 1, 0)
+    q11 = _query_operand(q_rows, rmask, qk_scale, 1, 1)
+    q20 = _query_operand(q_rows, rmask, qk_scale, 2, 0)
+    q21 = _query_operand(q_rows, rmask, qk_scale, 2, 1)
+    q30 = _query_operand(q_rows, rmask, qk_scale, 3, 0)
+    q31 = _query_operand(q_rows, rmask, qk_scale, 3, 1)
+    # min multipliers sum(q'_g) STEP_g (one-plane groups: the dots see q'/STEP_g)
+    qg0 = gl.convert_layout(gl.sum(q00.to(gl.float32) + q01.to(gl.float32), 1), COLS)
+    qg1 = gl.convert_layout(gl.sum(q10.to(gl.float32) + q11.to(gl.float32), 1), COLS) * 4.0
+    qg2 = gl.convert_layout(gl.sum(q20.to(gl.float32) + q21.to(gl.float32), 1), COLS) * 16.0
+    qg3 = gl.convert_layout(gl.sum(q30.to(gl.float32) + q31.to(gl.float32), 1), COLS) * 64.0
+
+    m_i = gl.full([J, R], float("-inf"), gl.float32, COLS)
+    l_i = gl.zeros([J, R], gl.float32, COLS)
+    pm = gl.zeros([J, R], gl.float32, COLS)
+    ws = gl.zeros([J, R], gl.float32, COLS)
+    nblk = gl.cdiv(hi - lo, BN)
+    for k in gl.static_range(NB - 1):
+        if k < nblk:
+            _copy_keys(kbuf.index(k), sbuf.index(k), r2t_row, lo + k * BN, hi, h0, kpk_ptr, spk_s, spk_h,
+                       kgs_ptr, sgs_s, sgs_h, BN)
+        async_copy.commit_group()
+    tr = gl.arange(0, BN, layout=gl.SliceLayout(0, ROWS))
+    for blk in range(nblk):
+        nxt = blk + NB - 1
+        if nxt < nblk:
+            _copy_keys(kbuf.index(nxt % NB), sbuf.index(nxt % NB), r2t_row, lo + nxt * BN, hi, h0,
+                       kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, BN)
+        async_copy.commit_group()
+        async_copy.wait_group(NB - 1)
+        st = blk % NB
+        p0 = lo + blk * BN
+        pos = p0 + tr[None, :]  # [1, BN]
+        valid = pos < hi
+        slot = gl.load(r2t_row + pos, mask=valid, other=0)
+        # pair g of a token's record starts at pair index slot * sgs_s + h sgs_h + g
+        par = slot.to(gl.int64) * sgs_s + (h0 + gl.arange(0, J, layout=gl.SliceLayout(1, ROWS)))[:, None] * sgs_h
+        par = (par & 1).to(gl.int32)  # [J, BN]
+        kc = kbuf.index(st).load(DOT_A)  # [J, BN, 16] int16
+        s = gl.zeros([J, BN, R], gl.float32, MMA)
+        for i in gl.static_range(4):
+            ce, co = _unpack_keys(kc, i)
+            d = mma_v2(ce, (q00, q10, q20, q30)[i], gl.zeros([J, BN, R], gl.float32, MMA))
+            d = mma_v2(co, (q01, q11, q21, q31)[i], d)
+            sc, mn = _pair(sbuf.index(st).slice(i * J, J).load(ROWS), ((par + i) & 1) * 16)
+            mn = mn - (1024.0 / _key_step(i)) * sc
+            s = d * gl.expand_dims(sc, 2) + s
+            s = gl.expand_dims(mn, 2) * gl.expand_dims((qg0, qg1, qg2, qg3)[i], 1) + s
+        sv, mv = _pair(sbuf.index(st).slice(4 * J, J).load(ROWS), ((par + 4) & 1) * 16)
+        sv = gl.where(valid, sv, 0.0)
+        mv = gl.where(valid, mv, 0.0)
+        s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        w = (p * gl.expand_dims(sv, 2)).to(gl.bfloat16)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        pm = pm * alpha + gl.sum(p * gl.expand_dims(mv, 2), 1)
+        ws = ws * alpha + gl.sum(w.to(gl.float32), 1)
+        m_i = m_new
+        wb = blk % NW
+        mbarrier.wait(free.index(wb), ((blk // NW) & 1) ^ 1)
+        wbuf.index(wb).store(w)
+        abuf.index(wb).store(alpha)
+        mbarrier.arrive(ready.index(wb))
+    # final statistics for the values partition, and the lse of the partial
+    fbuf.index(0).store(l_i)
+    fbuf.index(1).store(pm)
+    fbuf.index(2).store(ws)
+    mbarrier.arrive(fin)
+    lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    jc = gl.arange(0, J, layout=gl.SliceLayout(1, COLS))
+    rc = gl.arange(0, R, layout=gl.SliceLayout(0, COLS))
+    gl.store(mid_lse_ptr + lse_base + (jc[:, None] * GQ + rc[None, :]).to(gl.int64) * lse_row_stride, lse,
+             mask=(rc < GQ)[None, :] & (jc >= 0)[:, None])
+
+
+@gluon.jit
+def _values_partition(vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi, h0, vpk_ptr, spk_s, spk_h,
+                      mid_o_ptr, o_base, o_row_stride,
+                      GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    za = gl.zeros([J, 16, R], gl.float32, MMA)
+    a00 = za
+    a01 = za
+    a10 = za
+    a11 = za
+    a20 = za
+    a21 = za
+    a30 = za
+    a31 = za
+    nblk = gl.cdiv(hi - lo, BN)
+    for k in gl.static_range(NB - 1):
+        if k < nblk:
+            _copy_values(vbuf.index(k), r2t_row, lo + k * BN, hi, h0, vpk_ptr, spk_s, spk_h, BN)
+        async_copy.commit_group()
+    for blk in range(nblk):
+        nxt = blk + NB - 1
+        if nxt < nblk:
+            _copy_values(vbuf.index(nxt % NB), r2t_row, lo + nxt * BN, hi, h0, vpk_ptr, spk_s, spk_h, BN)
+        async_copy.commit_group()
+        async_copy.wait_group(NB - 1)
+        vc = vbuf.index(blk % NB).permute([0, 2, 1]).load(DOT_A)  # [J, 16, BN] int16
+        wb = blk % NW
+        mbarrier.wait(ready.index(wb), (blk // NW) & 1)
+        w = wbuf.index(wb).load(DOT_B)  # [J, BN, R] bf16
+        alpha = gl.expand_dims(gl.convert_layout(abuf.index(wb).load(COLS), COLS), 1)
+        mbarrier.arrive(free.index(wb))
+        zero = gl.zeros([J, 16, R], gl.float32, MMA)
+        ce, co = _unpack_values(vc, 0)
+        a00 = a00 * alpha + mma_v2(ce, w, zero)
+        a01 = a01 * alpha + mma_v2(co, w, zero)
+        ce, co = _unpack_values(vc, 1)
+        a10 = a10 * alpha + mma_v2(ce, w, zero)
+        a11 = a11 * alpha + mma_v2(co, w, zero)
+        ce, co = _unpack_values(vc, 2)
+        a20 = a20 * alpha + mma_v2(ce, w, zero)
+        a21 = a21 * alpha + mma_v2(co, w, zero)
+        ce, co = _unpack_values(vc, 3)
+        a30 = a30 * alpha + mma_v2(ce, w, zero)
+        a31 = a31 * alpha + mma_v2(co, w, zero)
+    mbarrier.wait(fin, 0)
+    l_i = gl.expand_dims(fbuf.index(0).load(COLS), 1)
+    pm = gl.expand_dims(fbuf.index(1).load(COLS), 1)
+    ws = gl.expand_dims(fbuf.index(2).load(COLS), 1) * 128.0
+    inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+    jo = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))
+    po = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+    ro = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+    rows = o_base + ((jo[:, None] * GQ + ro[None, :]).to(gl.int64) * o_row_stride)  # [J, R]
+    base = gl.expand_dims(rows, 1) + (2 * po)[None, :, None]
+    omask = gl.expand_dims((ro < GQ)[None, :] & (jo >= 0)[:, None], 1) & (lo < hi)
+    gl.store(mid_o_ptr + base + 0, ((a00 - ws) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 1, ((a01 - ws) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 32, ((a10 - ws) * 0.25 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 33, ((a11 - ws) * 0.25 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 64, ((a20 - ws) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 65, ((a21 - ws) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 96, ((a30 - ws) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 97, ((a31 - ws) * 0.0625 + pm) * inv, mask=omask)
+
+
+@gluon.jit(do_not_specialize=["NS"])
+def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride,
+                    sop_ptr, pos_of_ptr, page_size, vf_ptr,
+                    kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, vgs_ptr, sgs_s, sgs_h,
+                    mid_o_ptr, mid_lse_ptr, qk_scale, NS, MIN_CHUNK: gl.constexpr,
+                    GQ: gl.constexpr, R: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
+                    BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    """INT2 partials of (request b, KV heads 4 c .. 4 c + 3, split sp) into mid_o / mid_lse
+    at split index sp + 1 (index 0 is the BF16 side's); see the module doc."""
+    b = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * J
+    sp = gl.program_id(2)
+    hq_total = gl.num_programs(1) * J * GQ
+    row, lo, hi = _request_split(b, sp, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
+                                 vf_ptr, NS, MIN_CHUNK, S, W, BN)
+    r2t_row = r2t_ptr + row * r2t_stride
+    lse_base = (b * hq_total + h0 * GQ) * (NS + 1) + sp + 1  # index of (b, hq0, sp + 1); hq stride NS + 1
+    kbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
+    vbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
+    sbuf = gl.allocate_shared_memory(gl.int32, [NB, 8 * J, BN], FLAT_SMEM)
+    wbuf = gl.allocate_shared_memory(gl.bfloat16, [NW, J, BN, R], W_SMEM)
+    abuf = gl.allocate_shared_memory(gl.float32, [NW, J, R], COL_SMEM)
+    fbuf = gl.allocate_shared_memory(gl.float32, [3, J, R], COL_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NW):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(free.index(k), count=1)
+    mbarrier.init(fin, count=1)
+    gl.warp_specialize([
+        (_values_partition, (vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi, h0, vpk_ptr, spk_s, spk_h,
+                             mid_o_ptr, lse_base * 128, (NS + 1) * 128, GQ, R, BN, NB, NW)),
+        (_scores_partition, (kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin, qr_ptr, sqr_b, sqr_h, r2t_row, lo, hi,
+                             b, h0, kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, mid_lse_ptr, lse_base, NS + 1, qk_scale,
+                             GQ, R, BN, NB, NW)),
+    ], [4], [128])
+
+
+BLOCK_N = 64  # tokens per block of both partitions
+STAGES = 3  # cp.async ring depth (blocks in flight per partition)
+HANDOFF = 2  # (w, alpha) buffers between the partitions
+
+
+def gluon_ws_unsupported(layer, gq: int, device) -> str | None:
+    """Why the warp-specialised kernel cannot serve this layer (None: it can): it is built
+    for head_dim 128, keys in groups of 32 and values in one group of 128 with
+    float8_e4m3fn (scale, min) pairs stored as one record per token (keys' four, then the
+    values'), KV heads in fours, at most 8 query heads per KV head, on sm_90 or newer."""
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return "needs an sm_90+ GPU (no interpreter path)"
+    if layer.head_dim != 128 or layer.key_group_size != 32 or layer.value_group_size != 128:
+        return (f"needs head_dim 128, key groups 32 and value groups 128 (got {layer.head_dim}, "
+                f"{layer.key_group_size}, {layer.value_group_size})")
+    ks, vs = layer.k_scales, layer.v_scales
+    if ks.dtype != torch.float8_e4m3fn:
+        return f"needs float8_e4m3fn scales (got {ks.dtype})"
+    if layer.num_kv_heads % 4:
+        return f"needs a multiple of 4 KV heads (got {layer.num_kv_heads})"
+    if gq > 8:
+        return f"needs at most 8 query heads per KV head (got {gq})"
+    if (vs.data_ptr() != ks.data_ptr() + 8 or ks.stride() != vs.stride() or ks.stride(0) != 10
+            or ks.stride(2) != 2 or float8_words_view(ks) is None):
+        return "needs allocate_layer's scale records (five float8 pairs per token and head, 4-byte aligned)"
+    return None
+
+
+def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid_o, mid_lse, qk_scale: float,
+                          ns: int, min_chunk: int, gq: int) -> None:
+    """The INT2 partials (split indices 1..ns of mid_o [B, Hq, 1 + ns, D] / mid_lse) of a
+    decode: grid (B, H / 4, ns), 8 warps per CTA. Arguments as _decode_stage1's; the BF16
+    side (split index 0) is the caller's."""
+    b = q_rot.shape[0]
+    h = layer.num_kv_heads
+    ks = layer.k_scales
+    kpk, vpk = layer.k_packed.view(torch.int16), layer.v_packed.view(torch.int16)
+    _int2_stage1_ws[(b, h // 4, ns)](
+        q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
+        index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
+        kpk, vpk, kpk.stride(0), kpk.stride(1), float8_words_view(ks), float8_words_view(ks),
+        ks.stride(0) // 2, ks.stride(1) // 2, mid_o, mid_lse, qk_scale, ns,
+        MIN_CHUNK=min_chunk, GQ=gq, R=8, S=layer.sink_tokens, W=layer.recent_window, BN=BLOCK_N,
+        NB=STAGES, NW=HANDOFF, num_warps=4,
+    )
+
