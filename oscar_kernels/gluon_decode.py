@@ -412,7 +412,7 @@ def gluon_ws_unsupported(layer, gq: int, device) -> str | None:
 
 
 def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid_o, mid_lse, qk_scale: float,
-                          ns: int, min_chunk: int, gq: int) -> None:
+                          ns: int, min_chunk: int, gq: int, max_registers: int = 128) -> None:
     """The INT2 partials (split indices 1..ns of mid_o [B, Hq, 1 + ns, D] / mid_lse) of a
     decode: grid (B, H / 4, ns), 8 warps per CTA. Arguments as _decode_stage1's; the BF16
     side (split index 0) is the caller's."""
@@ -426,6 +426,6 @@ def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid
         kpk, vpk, kpk.stride(0), kpk.stride(1), float8_words_view(ks), float8_words_view(ks),
         ks.stride(0) // 2, ks.stride(1) // 2, mid_o, mid_lse, qk_scale, ns,
         MIN_CHUNK=min_chunk, GQ=gq, R=8, S=layer.sink_tokens, W=layer.recent_window, BN=BLOCK_N,
-        NB=STAGES, NW=HANDOFF, num_warps=4,
+        NB=STAGES, NW=HANDOFF, num_warps=4, maxnreg=max_registers,
     )
 

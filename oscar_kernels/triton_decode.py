@@ -389,6 +389,9 @@ class DecodeConfig:
     # "gluon_ws" (gluon_decode: a warp-specialised sm_90 kernel, four KV heads per CTA, a
     # scores partition and a values partition; the default layout only, see gluon_ws_unsupported)
     int2_kernel: str = "triton"
+    # ptxas register cap of the gluon_ws kernel (every one of its 8 warps): 128 fits two CTAs
+    # (16 warps) per SM without spills (sm_90 SASS); fewer spill
+    gluon_max_registers: int = 128
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -445,7 +448,10 @@ class DecodeConfig:
 
     def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
-        an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
+        an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit).
+        gluon_ws: (request, KV head, split) jobs, four per CTA of 256 threads."""
+        if self.int2_kernel == "gluon_ws":
+            return 4 * max(1, 65536 // (256 * self.gluon_max_registers))
         regs = -(-(self.stage1_shape_for(batch, groups_span_head)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
@@ -666,7 +672,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     )
     if gluon:
         launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, lay, mid_o, mid_lse, sm_scale * LOG2E,
-                              ns, cfg.min_chunk, gq)
+                              ns, cfg.min_chunk, gq, cfg.gluon_max_registers)
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
             raise ValueError('merge_grid="split" needs a workspace made with that config (its o\' buffer)')
