@@ -36,8 +36,9 @@ ROWS = gl.constexpr(gl.SliceLayout(2, MMA))  # [J, tokens] of a score tile
 COLS = gl.constexpr(gl.SliceLayout(1, MMA))  # [J, rows]
 # cp.async of [J, BN, 16] int16 code rows: 16 bytes per thread, one warp per head
 CODES_CP = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
-# cp.async of [8 J, BN] scale words (row g J + j: pair g of head j; g < 5 used): one word per thread
-WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+# scale words [4 J, BN] (row k J + j: word k of head j's records; k < 3 used) and the
+# [J, BN] planes converted from them: two tokens per thread, one warp per head
+WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))
 CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [2, 1, 0]))
 FLAT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 W_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
@@ -61,10 +62,12 @@ _BF2 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0
                     "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
 _BF3 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $2, 2; "
                     "lop3.b32 $0, t, 0x00300030, k, 0xEA; shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
-# float8_e4m3fn (scale, min) pair in bits $3.. of an int32 word -> two float32
-_FP8_WORD = gl.constexpr(
-    "{ .reg .b32 h, w; .reg .b16 lo, hi, p, u; shr.b32 w, $2, $3; mov.b32 {p, u}, w; "
-    "cvt.rn.f16x2.e4m3x2 h, p; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+# two float8_e4m3fn (scale, min) pairs in the 32 bits from bit $6 of the 64-bit ($5:$4)
+# -> four float32 (scale, min of the low pair, then of the high pair)
+_FP8_TWO_PAIRS = gl.constexpr(
+    "{ .reg .b32 h, g, w; .reg .b16 a, c, lo, hi; shf.r.wrap.b32 w, $4, $5, $6; mov.b32 {a, c}, w; "
+    "cvt.rn.f16x2.e4m3x2 h, a; cvt.rn.f16x2.e4m3x2 g, c; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; "
+    "cvt.f32.f16 $1, hi; mov.b32 {lo, hi}, g; cvt.f32.f16 $2, lo; cvt.f32.f16 $3, hi; }")
 
 
 @gluon.jit
@@ -94,9 +97,9 @@ def _unpack_values(x, i: gl.constexpr):
 
 
 @gluon.jit
-def _pair(words, shift):
-    return gl.inline_asm_elementwise(_FP8_WORD, "=r,=r,r,r", [words, shift], dtype=(gl.float32, gl.float32),
-                                     is_pure=True, pack=1)
+def _two_pairs(lo_word, hi_word, shift):
+    return gl.inline_asm_elementwise(_FP8_TWO_PAIRS, "=r,=r,=r,=r,r,r,r", [lo_word, hi_word, shift],
+                                     dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -149,34 +152,52 @@ def _request_split(b, sp, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_
 
 
 @gluon.jit
-def _copy_keys(kbuf, sbuf, r2t_row, p0, hi, h0, kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
-               BN: gl.constexpr):
-    """cp.async of block p0's K code rows [J, BN, 16] and (scale, min) words [8, J, BN]
-    (word of pair g of the token's record in row g < 5)."""
-    t = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP)))
-    pos = p0 + t
-    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
-    jj = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES_CP)))
-    kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_CP)))
-    off = (h0 + jj)[:, None, None] * spk_h + slot.to(gl.int64)[None, :, None] * spk_s + kk[None, None, :]
-    async_copy.async_copy_global_to_shared(kbuf, kpk_ptr + off)
-    tw = gl.arange(0, BN, layout=gl.SliceLayout(0, WORDS_CP))
-    posw = p0 + tw
-    slotw = gl.load(r2t_row + posw, mask=posw < hi, other=0).to(gl.int64)
-    gj = gl.arange(0, 8 * J, layout=gl.SliceLayout(1, WORDS_CP))
-    pidx = slotw[None, :] * sgs_s + (h0 + gj % J)[:, None] * sgs_h + (gj // J)[:, None]
-    async_copy.async_copy_global_to_shared(sbuf, kgs_ptr + (pidx >> 1), mask=(gj < 5 * J)[:, None])
+def _slots(r2t_row, p0, hi, layout: gl.constexpr, BN: gl.constexpr):
+    """int64 slots [BN] of positions p0.. (slot 0 at positions >= hi) in ``layout``."""
+    pos = p0 + gl.arange(0, BN, layout=layout)
+    return gl.load(r2t_row + pos, mask=pos < hi, other=0).to(gl.int64)
 
 
 @gluon.jit
-def _copy_values(vbuf, r2t_row, p0, hi, h0, vpk_ptr, spk_s, spk_h, BN: gl.constexpr):
-    t = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP)))
-    pos = p0 + t
-    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
+def _copy_block(kbuf, vbuf, wdbuf, slot_c, slot_w, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h):
+    """cp.async of one block: K and V code rows [J, BN, 16] (int16 byte pairs) at slots
+    slot_c, and the three int32 words [3 J, BN] (row k J + j: word k of head j) that hold
+    each token's five (scale, min) pairs at slots slot_w (pair index P = slot sgs_s + h sgs_h,
+    words P >> 1 .. (P >> 1) + 2)."""
     jj = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES_CP)))
     kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_CP)))
-    off = (h0 + jj)[:, None, None] * spk_h + slot.to(gl.int64)[None, :, None] * spk_s + kk[None, None, :]
+    off = (h0 + jj)[:, None, None] * spk_h + slot_c[None, :, None] * spk_s + kk[None, None, :]
+    async_copy.async_copy_global_to_shared(kbuf, kpk_ptr + off)
     async_copy.async_copy_global_to_shared(vbuf, vpk_ptr + off)
+    gj = gl.arange(0, 4 * J, layout=gl.SliceLayout(1, WORDS_CP))
+    w0 = (slot_w[None, :] * sgs_s + (h0 + gj % J)[:, None] * sgs_h) >> 1
+    async_copy.async_copy_global_to_shared(wdbuf, kgs_ptr + w0 + (gj // J)[:, None], mask=(gj < 3 * J)[:, None])
+
+
+@gluon.jit
+def _convert_scales(wdbuf, fbuf, vsbuf, slot_w, h0, sgs_s, sgs_h):
+    """The copied scale words of one block -> ten float32 planes [J, BN] in fbuf (row
+    block q J..): scale_g, min'_g for the key groups g = 0..3 (min' = min - OFF/STEP_g scale:
+    the fp16 unpacking offset, see triton_hybrid_attn), in vsbuf the values' scale and min.
+    One token per thread and word (no replication across the lanes of a score row)."""
+    jw = gl.arange(0, J, layout=gl.SliceLayout(1, WORDS_CP))
+    par = ((slot_w[None, :] * sgs_s + (h0 + jw)[:, None] * sgs_h) & 1).to(gl.int32) * 16
+    x0 = wdbuf.slice(0, J).load(WORDS_CP)
+    x1 = wdbuf.slice(J, J).load(WORDS_CP)
+    x2 = wdbuf.slice(2 * J, J).load(WORDS_CP)
+    sc0, mn0, sc1, mn1 = _two_pairs(x0, x1, par)
+    sc2, mn2, sc3, mn3 = _two_pairs(x1, x2, par)
+    sv, mv, _u, _v = _two_pairs(x2, x2, par)
+    fbuf.slice(0, J).store(sc0)
+    fbuf.slice(J, J).store(mn0 - 1024.0 * sc0)
+    fbuf.slice(2 * J, J).store(sc1)
+    fbuf.slice(3 * J, J).store(mn1 - 256.0 * sc1)
+    fbuf.slice(4 * J, J).store(sc2)
+    fbuf.slice(5 * J, J).store(mn2 - 64.0 * sc2)
+    fbuf.slice(6 * J, J).store(sc3)
+    fbuf.slice(7 * J, J).store(mn3 - 16.0 * sc3)
+    vsbuf.slice(0, J).store(sv)
+    vsbuf.slice(J, J).store(mv)
 
 
 @gluon.jit
@@ -190,11 +211,50 @@ def _query_operand(q_rows, rmask, scale, i: gl.constexpr, e: gl.constexpr):
 
 
 @gluon.jit
-def _scores_partition(kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin,
-                      qr_ptr, sqr_b, sqr_h, r2t_row, lo, hi, b, h0, kpk_ptr, spk_s, spk_h,
-                      kgs_ptr, sgs_s, sgs_h, mid_lse_ptr, lse_base, lse_row_stride, qk_scale,
+def _score_block(blk, kbuf, fbuf, vsbuf, wbuf, abuf, kready, kfree, wready, wfree, qops, qg, m_i, l_i, pm, lo, hi,
+                 MASKED: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    """One block of the scores partition: scores, online softmax, the (w, alpha) handoff."""
+    st = blk % NB
+    mbarrier.wait(kready.index(st), (blk // NB) & 1)
+    kc = kbuf.index(st).load(DOT_A)  # [J, BN, 16] int16 byte pairs
+    fs = fbuf.index(st)
+    s = gl.zeros([J, BN, R], gl.float32, MMA)
+    for i in gl.static_range(4):
+        ce, co = _unpack_keys(kc, i)
+        d = mma_v2(ce, qops[2 * i], gl.zeros([J, BN, R], gl.float32, MMA))
+        d = mma_v2(co, qops[2 * i + 1], d)
+        sc = fs.slice(2 * i * J, J).load(ROWS)
+        mn = fs.slice((2 * i + 1) * J, J).load(ROWS)
+        s = d * gl.expand_dims(sc, 2) + s
+        s = gl.expand_dims(mn, 2) * gl.expand_dims(qg[i], 1) + s
+    sv = vsbuf.index(st).slice(0, J).load(ROWS)
+    mv = vsbuf.index(st).slice(J, J).load(ROWS)
+    mbarrier.arrive(kfree.index(st))
+    if MASKED:
+        valid = (lo + blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, ROWS)))[None, :] < hi
+        sv = gl.where(valid, sv, 0.0)
+        mv = gl.where(valid, mv, 0.0)
+        s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    w = (p * gl.expand_dims(sv, 2)).to(gl.bfloat16)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    pm = pm * alpha + gl.sum(p * gl.expand_dims(mv, 2), 1)
+    wb = blk % NW
+    mbarrier.wait(wfree.index(wb), ((blk // NW) & 1) ^ 1)
+    wbuf.index(wb).store(w)
+    abuf.index(wb).store(alpha)
+    mbarrier.arrive(wready.index(wb))
+    return m_new, l_i, pm
+
+
+@gluon.jit
+def _scores_partition(kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+                      qr_ptr, sqr_b, sqr_h, lo, hi, b, h0, mid_lse_ptr, lse_base, lse_row_stride, qk_scale,
                       GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
-    # q' operands (per plane and parity) and the per-plane sums of what the dots see
+    """Scores of every block of [lo, hi) against the four heads' q' rows; see module doc."""
     jb = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(1, DOT_B)))
     rb = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, DOT_B)))
     hq = (h0 + jb)[:, None] * GQ + rb[None, :]
@@ -208,70 +268,26 @@ def _scores_partition(kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin,
     q21 = _query_operand(q_rows, rmask, qk_scale, 2, 1)
     q30 = _query_operand(q_rows, rmask, qk_scale, 3, 0)
     q31 = _query_operand(q_rows, rmask, qk_scale, 3, 1)
-    # min multipliers sum(q'_g) STEP_g (one-plane groups: the dots see q'/STEP_g)
+    # min multipliers sum(q'_g): the sums of what the dots see (q'/STEP_g) times STEP_g
     qg0 = gl.convert_layout(gl.sum(q00.to(gl.float32) + q01.to(gl.float32), 1), COLS)
     qg1 = gl.convert_layout(gl.sum(q10.to(gl.float32) + q11.to(gl.float32), 1), COLS) * 4.0
     qg2 = gl.convert_layout(gl.sum(q20.to(gl.float32) + q21.to(gl.float32), 1), COLS) * 16.0
     qg3 = gl.convert_layout(gl.sum(q30.to(gl.float32) + q31.to(gl.float32), 1), COLS) * 64.0
-
+    qops = (q00, q01, q10, q11, q20, q21, q30, q31)
+    qg = (qg0, qg1, qg2, qg3)
     m_i = gl.full([J, R], float("-inf"), gl.float32, COLS)
     l_i = gl.zeros([J, R], gl.float32, COLS)
     pm = gl.zeros([J, R], gl.float32, COLS)
-    ws = gl.zeros([J, R], gl.float32, COLS)
-    nblk = gl.cdiv(hi - lo, BN)
-    for k in gl.static_range(NB - 1):
-        if k < nblk:
-            _copy_keys(kbuf.index(k), sbuf.index(k), r2t_row, lo + k * BN, hi, h0, kpk_ptr, spk_s, spk_h,
-                       kgs_ptr, sgs_s, sgs_h, BN)
-        async_copy.commit_group()
-    tr = gl.arange(0, BN, layout=gl.SliceLayout(0, ROWS))
-    for blk in range(nblk):
-        nxt = blk + NB - 1
-        if nxt < nblk:
-            _copy_keys(kbuf.index(nxt % NB), sbuf.index(nxt % NB), r2t_row, lo + nxt * BN, hi, h0,
-                       kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, BN)
-        async_copy.commit_group()
-        async_copy.wait_group(NB - 1)
-        st = blk % NB
-        p0 = lo + blk * BN
-        pos = p0 + tr[None, :]  # [1, BN]
-        valid = pos < hi
-        slot = gl.load(r2t_row + pos, mask=valid, other=0)
-        # pair g of a token's record starts at pair index slot * sgs_s + h sgs_h + g
-        par = slot.to(gl.int64) * sgs_s + (h0 + gl.arange(0, J, layout=gl.SliceLayout(1, ROWS)))[:, None] * sgs_h
-        par = (par & 1).to(gl.int32)  # [J, BN]
-        kc = kbuf.index(st).load(DOT_A)  # [J, BN, 16] int16
-        s = gl.zeros([J, BN, R], gl.float32, MMA)
-        for i in gl.static_range(4):
-            ce, co = _unpack_keys(kc, i)
-            d = mma_v2(ce, (q00, q10, q20, q30)[i], gl.zeros([J, BN, R], gl.float32, MMA))
-            d = mma_v2(co, (q01, q11, q21, q31)[i], d)
-            sc, mn = _pair(sbuf.index(st).slice(i * J, J).load(ROWS), ((par + i) & 1) * 16)
-            mn = mn - (1024.0 / _key_step(i)) * sc
-            s = d * gl.expand_dims(sc, 2) + s
-            s = gl.expand_dims(mn, 2) * gl.expand_dims((qg0, qg1, qg2, qg3)[i], 1) + s
-        sv, mv = _pair(sbuf.index(st).slice(4 * J, J).load(ROWS), ((par + 4) & 1) * 16)
-        sv = gl.where(valid, sv, 0.0)
-        mv = gl.where(valid, mv, 0.0)
-        s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        w = (p * gl.expand_dims(sv, 2)).to(gl.bfloat16)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        pm = pm * alpha + gl.sum(p * gl.expand_dims(mv, 2), 1)
-        ws = ws * alpha + gl.sum(w.to(gl.float32), 1)
-        m_i = m_new
-        wb = blk % NW
-        mbarrier.wait(free.index(wb), ((blk // NW) & 1) ^ 1)
-        wbuf.index(wb).store(w)
-        abuf.index(wb).store(alpha)
-        mbarrier.arrive(ready.index(wb))
-    # final statistics for the values partition, and the lse of the partial
-    fbuf.index(0).store(l_i)
-    fbuf.index(1).store(pm)
-    fbuf.index(2).store(ws)
+    nfull = (hi - lo) // BN
+    for blk in range(nfull):
+        m_i, l_i, pm = _score_block(blk, kbuf, fbuf, vsbuf, wbuf, abuf, kready, kfree, wready, wfree, qops, qg,
+                                    m_i, l_i, pm, lo, hi, False, R, BN, NB, NW)
+    if nfull * BN < hi - lo:
+        m_i, l_i, pm = _score_block(nfull, kbuf, fbuf, vsbuf, wbuf, abuf, kready, kfree, wready, wfree, qops, qg,
+                                    m_i, l_i, pm, lo, hi, True, R, BN, NB, NW)
+    # the values partition's normalisation, and the lse of the partial
+    finbuf.index(0).store(l_i)
+    finbuf.index(1).store(pm)
     mbarrier.arrive(fin)
     lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     jc = gl.arange(0, J, layout=gl.SliceLayout(1, COLS))
@@ -281,9 +297,14 @@ def _scores_partition(kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin,
 
 
 @gluon.jit
-def _values_partition(vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi, h0, vpk_ptr, spk_s, spk_h,
+def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+                      r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
                       mid_o_ptr, o_base, o_row_stride,
                       GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    """Copies of every block (codes and scale words, NB - 1 blocks ahead), the scale
+    conversion one block ahead of the scores partition, and the value dots; see module doc."""
+    SL_C: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP))
+    SL_W: gl.constexpr = gl.SliceLayout(0, WORDS_CP)
     za = gl.zeros([J, 16, R], gl.float32, MMA)
     a00 = za
     a01 = za
@@ -293,24 +314,44 @@ def _values_partition(vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi,
     a21 = za
     a30 = za
     a31 = za
+    ws = za  # sum of w, as the dot of a ones tile with w (every row the same)
+    ones = gl.full([J, 16, BN], 1.0, gl.bfloat16, DOT_A)
     nblk = gl.cdiv(hi - lo, BN)
+    # prologue: copies of blocks 0 .. NB - 2; block 0's scales converted
     for k in gl.static_range(NB - 1):
         if k < nblk:
-            _copy_values(vbuf.index(k), r2t_row, lo + k * BN, hi, h0, vpk_ptr, spk_s, spk_h, BN)
+            _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), _slots(r2t_row, lo + k * BN, hi, SL_C, BN),
+                        _slots(r2t_row, lo + k * BN, hi, SL_W, BN), h0, kpk_ptr, vpk_ptr, spk_s, spk_h,
+                        kgs_ptr, sgs_s, sgs_h)
         async_copy.commit_group()
+    async_copy.wait_group(NB - 2)
+    slot_cur = _slots(r2t_row, lo, hi, SL_W, BN)
+    if nblk > 0:
+        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), slot_cur, h0, sgs_s, sgs_h)
+        mbarrier.arrive(kready.index(0))
+    slot_nx = _slots(r2t_row, lo + BN, hi, SL_W, BN)
     for blk in range(nblk):
         nxt = blk + NB - 1
         if nxt < nblk:
-            _copy_values(vbuf.index(nxt % NB), r2t_row, lo + nxt * BN, hi, h0, vpk_ptr, spk_s, spk_h, BN)
+            # stage nxt % NB: free once the scores partition has read block nxt - NB
+            mbarrier.wait(kfree.index(nxt % NB), ((nxt // NB) & 1) ^ 1)
+            _copy_block(kbuf.index(nxt % NB), vbuf.index(nxt % NB), wdbuf.index(nxt % NB),
+                        _slots(r2t_row, lo + nxt * BN, hi, SL_C, BN), _slots(r2t_row, lo + nxt * BN, hi, SL_W, BN),
+                        h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h)
         async_copy.commit_group()
-        async_copy.wait_group(NB - 1)
+        async_copy.wait_group(NB - 2)  # blocks <= blk + 1 have landed
+        if blk + 1 < nblk:
+            _convert_scales(wdbuf.index((blk + 1) % NB), fbuf.index((blk + 1) % NB), vsbuf.index((blk + 1) % NB), slot_nx, h0, sgs_s, sgs_h)
+            mbarrier.arrive(kready.index((blk + 1) % NB))
+        slot_nx = _slots(r2t_row, lo + (blk + 2) * BN, hi, SL_W, BN)
         vc = vbuf.index(blk % NB).permute([0, 2, 1]).load(DOT_A)  # [J, 16, BN] int16
         wb = blk % NW
-        mbarrier.wait(ready.index(wb), (blk // NW) & 1)
+        mbarrier.wait(wready.index(wb), (blk // NW) & 1)
         w = wbuf.index(wb).load(DOT_B)  # [J, BN, R] bf16
-        alpha = gl.expand_dims(gl.convert_layout(abuf.index(wb).load(COLS), COLS), 1)
-        mbarrier.arrive(free.index(wb))
+        alpha = gl.expand_dims(abuf.index(wb).load(COLS), 1)
+        mbarrier.arrive(wfree.index(wb))
         zero = gl.zeros([J, 16, R], gl.float32, MMA)
+        ws = ws * alpha + mma_v2(ones, w, zero)
         ce, co = _unpack_values(vc, 0)
         a00 = a00 * alpha + mma_v2(ce, w, zero)
         a01 = a01 * alpha + mma_v2(co, w, zero)
@@ -324,9 +365,9 @@ def _values_partition(vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi,
         a30 = a30 * alpha + mma_v2(ce, w, zero)
         a31 = a31 * alpha + mma_v2(co, w, zero)
     mbarrier.wait(fin, 0)
-    l_i = gl.expand_dims(fbuf.index(0).load(COLS), 1)
-    pm = gl.expand_dims(fbuf.index(1).load(COLS), 1)
-    ws = gl.expand_dims(fbuf.index(2).load(COLS), 1) * 128.0
+    l_i = gl.expand_dims(finbuf.index(0).load(COLS), 1)
+    pm = gl.expand_dims(finbuf.index(1).load(COLS), 1)
+    off = gl.expand_dims(gl.sum(ws, 1), 1) * (128.0 / 16)  # OFF * sum(w)
     inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
     jo = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))
     po = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -334,14 +375,14 @@ def _values_partition(vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi,
     rows = o_base + ((jo[:, None] * GQ + ro[None, :]).to(gl.int64) * o_row_stride)  # [J, R]
     base = gl.expand_dims(rows, 1) + (2 * po)[None, :, None]
     omask = gl.expand_dims((ro < GQ)[None, :] & (jo >= 0)[:, None], 1) & (lo < hi)
-    gl.store(mid_o_ptr + base + 0, ((a00 - ws) + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 1, ((a01 - ws) + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 32, ((a10 - ws) * 0.25 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 33, ((a11 - ws) * 0.25 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 64, ((a20 - ws) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 65, ((a21 - ws) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 96, ((a30 - ws) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 97, ((a31 - ws) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 0, ((a00 - off) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 1, ((a01 - off) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 32, ((a10 - off) * 0.25 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 33, ((a11 - off) * 0.25 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 64, ((a20 - off) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 65, ((a21 - off) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 96, ((a30 - off) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 97, ((a31 - off) * 0.0625 + pm) * inv, mask=omask)
 
 
 @gluon.jit(do_not_specialize=["NS"])
@@ -363,25 +404,32 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
     lse_base = (b * hq_total + h0 * GQ) * (NS + 1) + sp + 1  # index of (b, hq0, sp + 1); hq stride NS + 1
     kbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
     vbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
-    sbuf = gl.allocate_shared_memory(gl.int32, [NB, 8 * J, BN], FLAT_SMEM)
+    wdbuf = gl.allocate_shared_memory(gl.int32, [NB, 4 * J, BN], FLAT_SMEM)
+    fbuf = gl.allocate_shared_memory(gl.float32, [NB, 8 * J, BN], FLAT_SMEM)
+    vsbuf = gl.allocate_shared_memory(gl.float32, [NB, 2 * J, BN], FLAT_SMEM)
     wbuf = gl.allocate_shared_memory(gl.bfloat16, [NW, J, BN, R], W_SMEM)
     abuf = gl.allocate_shared_memory(gl.float32, [NW, J, R], COL_SMEM)
-    fbuf = gl.allocate_shared_memory(gl.float32, [3, J, R], COL_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    finbuf = gl.allocate_shared_memory(gl.float32, [2, J, R], COL_SMEM)
+    kready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    kfree = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    wready = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    wfree = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NB):
+        mbarrier.init(kready.index(k), count=1)
+        mbarrier.init(kfree.index(k), count=1)
     for k in gl.static_range(NW):
-        mbarrier.init(ready.index(k), count=1)
-        mbarrier.init(free.index(k), count=1)
+        mbarrier.init(wready.index(k), count=1)
+        mbarrier.init(wfree.index(k), count=1)
     mbarrier.init(fin, count=1)
     gl.warp_specialize([
-        (_values_partition, (vbuf, wbuf, abuf, fbuf, ready, free, fin, r2t_row, lo, hi, h0, vpk_ptr, spk_s, spk_h,
+        (_values_partition, (kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+                             r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
                              mid_o_ptr, lse_base * 128, (NS + 1) * 128, GQ, R, BN, NB, NW)),
-        (_scores_partition, (kbuf, sbuf, wbuf, abuf, fbuf, ready, free, fin, qr_ptr, sqr_b, sqr_h, r2t_row, lo, hi,
-                             b, h0, kpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, mid_lse_ptr, lse_base, NS + 1, qk_scale,
+        (_scores_partition, (kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+                             qr_ptr, sqr_b, sqr_h, lo, hi, b, h0, mid_lse_ptr, lse_base, NS + 1, qk_scale,
                              GQ, R, BN, NB, NW)),
     ], [4], [128])
-
 
 BLOCK_N = 64  # tokens per block of both partitions
 STAGES = 3  # cp.async ring depth (blocks in flight per partition)
