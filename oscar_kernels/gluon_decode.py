@@ -317,33 +317,40 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
     ws = za  # sum of w, as the dot of a ones tile with w (every row the same)
     ones = gl.full([J, 16, BN], 1.0, gl.bfloat16, DOT_A)
     nblk = gl.cdiv(hi - lo, BN)
-    # prologue: copies of blocks 0 .. NB - 2; block 0's scales converted
-    for k in gl.static_range(NB - 1):
+    gl.static_assert(NB == 3, "the slot prefetch below assumes three stages")
+    # prologue: copies of blocks 0 and 1; block 0's scales converted
+    for k in gl.static_range(2):
         if k < nblk:
             _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), _slots(r2t_row, lo + k * BN, hi, SL_C, BN),
                         _slots(r2t_row, lo + k * BN, hi, SL_W, BN), h0, kpk_ptr, vpk_ptr, spk_s, spk_h,
                         kgs_ptr, sgs_s, sgs_h)
         async_copy.commit_group()
-    async_copy.wait_group(NB - 2)
-    slot_cur = _slots(r2t_row, lo, hi, SL_W, BN)
+    async_copy.wait_group(1)
     if nblk > 0:
-        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), slot_cur, h0, sgs_s, sgs_h)
+        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), _slots(r2t_row, lo, hi, SL_W, BN),
+                        h0, sgs_s, sgs_h)
         mbarrier.arrive(kready.index(0))
-    slot_nx = _slots(r2t_row, lo + BN, hi, SL_W, BN)
+    # slots loaded one iteration before their use: block blk + 1's for its conversion,
+    # block blk + 2's for its copies
+    sw_conv = _slots(r2t_row, lo + BN, hi, SL_W, BN)
+    sc_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_C, BN)
+    sw_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_W, BN)
     for blk in range(nblk):
-        nxt = blk + NB - 1
+        nxt = blk + 2
         if nxt < nblk:
-            # stage nxt % NB: free once the scores partition has read block nxt - NB
+            # stage nxt % 3: free once the scores partition has read block nxt - 3
             mbarrier.wait(kfree.index(nxt % NB), ((nxt // NB) & 1) ^ 1)
-            _copy_block(kbuf.index(nxt % NB), vbuf.index(nxt % NB), wdbuf.index(nxt % NB),
-                        _slots(r2t_row, lo + nxt * BN, hi, SL_C, BN), _slots(r2t_row, lo + nxt * BN, hi, SL_W, BN),
+            _copy_block(kbuf.index(nxt % NB), vbuf.index(nxt % NB), wdbuf.index(nxt % NB), sc_copy, sw_copy,
                         h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h)
         async_copy.commit_group()
-        async_copy.wait_group(NB - 2)  # blocks <= blk + 1 have landed
+        async_copy.wait_group(1)  # blocks <= blk + 1 have landed
         if blk + 1 < nblk:
-            _convert_scales(wdbuf.index((blk + 1) % NB), fbuf.index((blk + 1) % NB), vsbuf.index((blk + 1) % NB), slot_nx, h0, sgs_s, sgs_h)
+            _convert_scales(wdbuf.index((blk + 1) % NB), fbuf.index((blk + 1) % NB), vsbuf.index((blk + 1) % NB),
+                            sw_conv, h0, sgs_s, sgs_h)
             mbarrier.arrive(kready.index((blk + 1) % NB))
-        slot_nx = _slots(r2t_row, lo + (blk + 2) * BN, hi, SL_W, BN)
+        sw_conv = sw_copy
+        sc_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_C, BN)
+        sw_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_W, BN)
         vc = vbuf.index(blk % NB).permute([0, 2, 1]).load(DOT_A)  # [J, 16, BN] int16
         wb = blk % NW
         mbarrier.wait(wready.index(wb), (blk // NW) & 1)
