@@ -398,9 +398,12 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
                     kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                     mid_o_ptr, mid_lse_ptr, qk_scale, NS, MIN_CHUNK: gl.constexpr,
                     GQ: gl.constexpr, R: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                    BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+                    BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr, RELEASE: gl.constexpr = False):
     """INT2 partials of (request b, KV heads 4 c .. 4 c + 3, split sp) into mid_o / mid_lse
     at split index sp + 1 (index 0 is the BF16 side's); see the module doc."""
+    if RELEASE:  # the BF16 side's kernel may start (triton_decode: PDL_LATE)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     b = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * J
     sp = gl.program_id(2)
@@ -467,10 +470,12 @@ def gluon_ws_unsupported(layer, gq: int, device) -> str | None:
 
 
 def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid_o, mid_lse, qk_scale: float,
-                          ns: int, min_chunk: int, gq: int, max_registers: int = 128) -> None:
+                          ns: int, min_chunk: int, gq: int, max_registers: int = 128,
+                          release: bool = False) -> None:
     """The INT2 partials (split indices 1..ns of mid_o [B, Hq, 1 + ns, D] / mid_lse) of a
     decode: grid (B, H / 4, ns), 8 warps per CTA. Arguments as _decode_stage1's; the BF16
-    side (split index 0) is the caller's."""
+    side (split index 0) is the caller's. ``release``: each CTA lets the next kernel, launched
+    with programmatic dependent launch, start (griddepcontrol.launch_dependents)."""
     b = q_rot.shape[0]
     h = layer.num_kv_heads
     ks = layer.k_scales
@@ -481,6 +486,6 @@ def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid
         kpk, vpk, kpk.stride(0), kpk.stride(1), float8_words_view(ks), float8_words_view(ks),
         ks.stride(0) // 2, ks.stride(1) // 2, mid_o, mid_lse, qk_scale, ns,
         MIN_CHUNK=min_chunk, GQ=gq, R=8, S=layer.sink_tokens, W=layer.recent_window, BN=BLOCK_N,
-        NB=STAGES, NW=HANDOFF, num_warps=4, maxnreg=max_registers,
+        NB=STAGES, NW=HANDOFF, RELEASE=release, num_warps=4, maxnreg=max_registers,
     )
 

@@ -123,11 +123,14 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid.
+    PDL_LATE: launched while the gluon_ws INT2 kernel (launched after the rotation had
+    finished) still runs: nothing to wait for before reading q', and the wait comes last, so
+    that this kernel finishes after that one (the merge waits on this kernel only)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -137,7 +140,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     hq = (h * GQ + g).to(tl.int64)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
-    wait_for_prior_grid(PDL)
+    wait_for_prior_grid(PDL and not PDL_LATE)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
     q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
     if sp == 0:
@@ -172,6 +175,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
+    wait_for_prior_grid(PDL_LATE)
 
 
 @triton.jit
@@ -651,6 +655,11 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         reason = gluon_ws_unsupported(lay, gq, q.device)
         if reason:
             raise ValueError(f'DecodeConfig.int2_kernel="gluon_ws": {reason}')
+        # the INT2 partials first (a plain launch: the rotation has finished), then the BF16
+        # side's programs, launched while the INT2 CTAs run (they fill the SMs the INT2
+        # kernel's last CTAs leave) and finishing after them
+        launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, lay, mid_o, mid_lse, sm_scale * LOG2E,
+                              ns, cfg.min_chunk, gq, cfg.gluon_max_registers, release=pdl)
     elif cfg.int2_kernel != "triton":
         raise ValueError(f'DecodeConfig.int2_kernel must be "triton" or "gluon_ws", not {cfg.int2_kernel!r}')
     _decode_stage1[(b, h, 1 if gluon else ns + 1)](
@@ -666,13 +675,10 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, PDL_LATE=gluon and pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )
-    if gluon:
-        launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, lay, mid_o, mid_lse, sm_scale * LOG2E,
-                              ns, cfg.min_chunk, gq, cfg.gluon_max_registers)
     if merge_grid == "split":
         if workspace.o_rot.numel() < b * hq * d:
             raise ValueError('merge_grid="split" needs a workspace made with that config (its o\' buffer)')
