@@ -26,9 +26,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier, mma_v2
 
-from .triton_common import INTERPRET, float8_words_view
+from .triton_common import INTERPRET, float8_words_view, needs_int64_slots
 
 J = gl.constexpr(4)  # KV heads per CTA: one per warp of each partition
+W_SCALE = gl.constexpr(64.0)  # the float16 P@V weights are p * scale * W_SCALE (range: see module doc)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 DOT_A = gl.constexpr(gl.DotOperandLayout(0, MMA, 2))
 DOT_B = gl.constexpr(gl.DotOperandLayout(1, MMA, 2))
@@ -39,12 +40,20 @@ CODES_CP = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1
 # scale words [4 J, BN] (row k J + j: word k of head j's records; k < 3 used) and the
 # [J, BN] planes converted from them: two tokens per thread, one warp per head
 WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))
+# [J, BN, 2] float32 (scale, min) pairs held by the threads of each token's score row: the
+# ROWS layout (SliceLayout(2, MMA) as linear bases) with the pair in one thread
+PAIRS2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+    lane_bases=[[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 64, 2]))
 CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [2, 1, 0]))
+PAIR_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 FLAT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 W_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 COL_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
-# fp16 magic unpack of plane i's even / odd bytes: 1024 + 4^i code (see triton_hybrid_attn)
+# fp16 magic unpack of plane i's even / odd bytes: 1024 + 4^i code (see triton_hybrid_attn),
+# keys and values alike
 _HALF0 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
                       "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
 _HALF1 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
@@ -53,15 +62,6 @@ _HALF2 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2,
                       "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
 _HALF3 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x64006400; lop3.b32 $0, $2, 0x00C000C0, k, 0xEA; "
                       "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00C000C0, k, 0xEA; }")
-# bf16 magic unpack (values): 128 + STEP_i code, STEP = 1, 4, 16, 16 (plane 3 shifted by 2)
-_BF0 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00030003, k, 0xEA; "
-                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00030003, k, 0xEA; }")
-_BF1 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x000C000C, k, 0xEA; "
-                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x000C000C, k, 0xEA; }")
-_BF2 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; lop3.b32 $0, $2, 0x00300030, k, 0xEA; "
-                    "shr.b32 t, $2, 8; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
-_BF3 = gl.constexpr("{ .reg .b32 t, k; mov.b32 k, 0x43004300; shr.b32 t, $2, 2; "
-                    "lop3.b32 $0, t, 0x00300030, k, 0xEA; shr.b32 t, $2, 10; lop3.b32 $1, t, 0x00300030, k, 0xEA; }")
 # two float8_e4m3fn (scale, min) pairs in the 32 bits from bit $6 of the 64-bit ($5:$4)
 # -> four float32 (scale, min of the low pair, then of the high pair)
 _FP8_TWO_PAIRS = gl.constexpr(
@@ -71,7 +71,8 @@ _FP8_TWO_PAIRS = gl.constexpr(
 
 
 @gluon.jit
-def _unpack_keys(x, i: gl.constexpr):
+def _unpack_codes(x, i: gl.constexpr):
+    """int16 byte pairs -> float16 (even, odd) codes of plane i: 1024 + 4^i code."""
     if i == 0:
         asm: gl.constexpr = _HALF0
     elif i == 1:
@@ -81,19 +82,6 @@ def _unpack_keys(x, i: gl.constexpr):
     else:
         asm: gl.constexpr = _HALF3
     return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-
-@gluon.jit
-def _unpack_values(x, i: gl.constexpr):
-    if i == 0:
-        asm: gl.constexpr = _BF0
-    elif i == 1:
-        asm: gl.constexpr = _BF1
-    elif i == 2:
-        asm: gl.constexpr = _BF2
-    else:
-        asm: gl.constexpr = _BF3
-    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -112,16 +100,6 @@ def _key_step(i: gl.constexpr):
         return 16.0
     else:
         return 64.0
-
-
-@gluon.jit
-def _value_step(i: gl.constexpr):
-    if i == 0:
-        return 1.0
-    elif i == 1:
-        return 4.0
-    else:
-        return 16.0
 
 
 @gluon.jit
@@ -152,10 +130,14 @@ def _request_split(b, sp, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_
 
 
 @gluon.jit
-def _slots(r2t_row, p0, hi, layout: gl.constexpr, BN: gl.constexpr):
-    """int64 slots [BN] of positions p0.. (slot 0 at positions >= hi) in ``layout``."""
+def _slots(r2t_row, p0, hi, layout: gl.constexpr, BN: gl.constexpr, SLOT64: gl.constexpr):
+    """Slots [BN] of positions p0.. (slot 0 at positions >= hi) in ``layout``; int64 when
+    SLOT64 (offsets into the INT2 buffers may pass 2^31: triton_common.needs_int64_slots)."""
     pos = p0 + gl.arange(0, BN, layout=layout)
-    return gl.load(r2t_row + pos, mask=pos < hi, other=0).to(gl.int64)
+    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
+    if SLOT64:
+        slot = slot.to(gl.int64)
+    return slot
 
 
 @gluon.jit
@@ -188,16 +170,11 @@ def _convert_scales(wdbuf, fbuf, vsbuf, slot_w, h0, sgs_s, sgs_h):
     sc0, mn0, sc1, mn1 = _two_pairs(x0, x1, par)
     sc2, mn2, sc3, mn3 = _two_pairs(x1, x2, par)
     sv, mv, _u, _v = _two_pairs(x2, x2, par)
-    fbuf.slice(0, J).store(sc0)
-    fbuf.slice(J, J).store(mn0 - 1024.0 * sc0)
-    fbuf.slice(2 * J, J).store(sc1)
-    fbuf.slice(3 * J, J).store(mn1 - 256.0 * sc1)
-    fbuf.slice(4 * J, J).store(sc2)
-    fbuf.slice(5 * J, J).store(mn2 - 64.0 * sc2)
-    fbuf.slice(6 * J, J).store(sc3)
-    fbuf.slice(7 * J, J).store(mn3 - 16.0 * sc3)
-    vsbuf.slice(0, J).store(sv)
-    vsbuf.slice(J, J).store(mv)
+    k01 = gl.join(gl.join(sc0, mn0 - 1024.0 * sc0), gl.join(sc1, mn1 - 256.0 * sc1))
+    k23 = gl.join(gl.join(sc2, mn2 - 64.0 * sc2), gl.join(sc3, mn3 - 16.0 * sc3))
+    # [J, BN, (scale, min'), g & 1, g >> 1] -> [J, BN, 8] in the order (scale_0, min'_0, scale_1, ...)
+    fbuf.store(gl.reshape(gl.permute(gl.join(k01, k23), [0, 1, 4, 3, 2]), [J, sc0.shape[1], 8]))
+    vsbuf.store(gl.join(sv * W_SCALE, mv))
 
 
 @gluon.jit
@@ -211,24 +188,29 @@ def _query_operand(q_rows, rmask, scale, i: gl.constexpr, e: gl.constexpr):
 
 
 @gluon.jit
+def _group_scales(fbuf, g: gl.constexpr):
+    """(scale, min') of key group g, [J, BN] each in ROWS, from fbuf [J, BN, 8] (pairs in
+    group order, _convert_scales): one 8-byte shared load per score row."""
+    sc, mn = gl.split(fbuf.slice(2 * g, 2, dim=2).load(PAIRS2))
+    return gl.convert_layout(sc, ROWS, assert_trivial=True), gl.convert_layout(mn, ROWS, assert_trivial=True)
+
+
+@gluon.jit
 def _score_block(blk, kbuf, fbuf, vsbuf, wbuf, abuf, kready, kfree, wready, wfree, qops, qg, m_i, l_i, pm, lo, hi,
                  MASKED: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
     """One block of the scores partition: scores, online softmax, the (w, alpha) handoff."""
     st = blk % NB
     mbarrier.wait(kready.index(st), (blk // NB) & 1)
     kc = kbuf.index(st).load(DOT_A)  # [J, BN, 16] int16 byte pairs
-    fs = fbuf.index(st)
     s = gl.zeros([J, BN, R], gl.float32, MMA)
     for i in gl.static_range(4):
-        ce, co = _unpack_keys(kc, i)
+        ce, co = _unpack_codes(kc, i)
         d = mma_v2(ce, qops[2 * i], gl.zeros([J, BN, R], gl.float32, MMA))
         d = mma_v2(co, qops[2 * i + 1], d)
-        sc = fs.slice(2 * i * J, J).load(ROWS)
-        mn = fs.slice((2 * i + 1) * J, J).load(ROWS)
+        sc, mn = _group_scales(fbuf.index(st), i)
         s = d * gl.expand_dims(sc, 2) + s
         s = gl.expand_dims(mn, 2) * gl.expand_dims(qg[i], 1) + s
-    sv = vsbuf.index(st).slice(0, J).load(ROWS)
-    mv = vsbuf.index(st).slice(J, J).load(ROWS)
+    sv, mv = _group_scales(vsbuf.index(st), 0)
     mbarrier.arrive(kfree.index(st))
     if MASKED:
         valid = (lo + blk * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, ROWS)))[None, :] < hi
@@ -239,7 +221,7 @@ def _score_block(blk, kbuf, fbuf, vsbuf, wbuf, abuf, kready, kfree, wready, wfre
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    w = (p * gl.expand_dims(sv, 2)).to(gl.bfloat16)
+    w = (p * gl.expand_dims(sv, 2)).to(gl.float16)  # sv carries W_SCALE
     l_i = l_i * alpha + gl.sum(p, 1)
     pm = pm * alpha + gl.sum(p * gl.expand_dims(mv, 2), 1)
     wb = blk % NW
@@ -300,7 +282,8 @@ def _scores_partition(kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wrea
 def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
                       r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
                       mid_o_ptr, o_base, o_row_stride,
-                      GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+                      GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr,
+                      SLOT64: gl.constexpr):
     """Copies of every block (codes and scale words, NB - 1 blocks ahead), the scale
     conversion one block ahead of the scores partition, and the value dots; see module doc."""
     SL_C: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP))
@@ -315,26 +298,26 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
     a30 = za
     a31 = za
     ws = za  # sum of w, as the dot of a ones tile with w (every row the same)
-    ones = gl.full([J, 16, BN], 1.0, gl.bfloat16, DOT_A)
+    ones = gl.full([J, 16, BN], 1.0, gl.float16, DOT_A)
     nblk = gl.cdiv(hi - lo, BN)
     gl.static_assert(NB == 3, "the slot prefetch below assumes three stages")
     # prologue: copies of blocks 0 and 1; block 0's scales converted
     for k in gl.static_range(2):
         if k < nblk:
-            _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), _slots(r2t_row, lo + k * BN, hi, SL_C, BN),
-                        _slots(r2t_row, lo + k * BN, hi, SL_W, BN), h0, kpk_ptr, vpk_ptr, spk_s, spk_h,
+            _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), _slots(r2t_row, lo + k * BN, hi, SL_C, BN, SLOT64),
+                        _slots(r2t_row, lo + k * BN, hi, SL_W, BN, SLOT64), h0, kpk_ptr, vpk_ptr, spk_s, spk_h,
                         kgs_ptr, sgs_s, sgs_h)
         async_copy.commit_group()
     async_copy.wait_group(1)
     if nblk > 0:
-        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), _slots(r2t_row, lo, hi, SL_W, BN),
+        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), _slots(r2t_row, lo, hi, SL_W, BN, SLOT64),
                         h0, sgs_s, sgs_h)
         mbarrier.arrive(kready.index(0))
     # slots loaded one iteration before their use: block blk + 1's for its conversion,
     # block blk + 2's for its copies
-    sw_conv = _slots(r2t_row, lo + BN, hi, SL_W, BN)
-    sc_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_C, BN)
-    sw_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_W, BN)
+    sw_conv = _slots(r2t_row, lo + BN, hi, SL_W, BN, SLOT64)
+    sc_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_C, BN, SLOT64)
+    sw_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_W, BN, SLOT64)
     for blk in range(nblk):
         nxt = blk + 2
         if nxt < nblk:
@@ -349,8 +332,8 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
                             sw_conv, h0, sgs_s, sgs_h)
             mbarrier.arrive(kready.index((blk + 1) % NB))
         sw_conv = sw_copy
-        sc_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_C, BN)
-        sw_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_W, BN)
+        sc_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_C, BN, SLOT64)
+        sw_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_W, BN, SLOT64)
         vc = vbuf.index(blk % NB).permute([0, 2, 1]).load(DOT_A)  # [J, 16, BN] int16
         wb = blk % NW
         mbarrier.wait(wready.index(wb), (blk // NW) & 1)
@@ -359,22 +342,22 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
         mbarrier.arrive(wfree.index(wb))
         zero = gl.zeros([J, 16, R], gl.float32, MMA)
         ws = ws * alpha + mma_v2(ones, w, zero)
-        ce, co = _unpack_values(vc, 0)
+        ce, co = _unpack_codes(vc, 0)
         a00 = a00 * alpha + mma_v2(ce, w, zero)
         a01 = a01 * alpha + mma_v2(co, w, zero)
-        ce, co = _unpack_values(vc, 1)
+        ce, co = _unpack_codes(vc, 1)
         a10 = a10 * alpha + mma_v2(ce, w, zero)
         a11 = a11 * alpha + mma_v2(co, w, zero)
-        ce, co = _unpack_values(vc, 2)
+        ce, co = _unpack_codes(vc, 2)
         a20 = a20 * alpha + mma_v2(ce, w, zero)
         a21 = a21 * alpha + mma_v2(co, w, zero)
-        ce, co = _unpack_values(vc, 3)
+        ce, co = _unpack_codes(vc, 3)
         a30 = a30 * alpha + mma_v2(ce, w, zero)
         a31 = a31 * alpha + mma_v2(co, w, zero)
     mbarrier.wait(fin, 0)
     l_i = gl.expand_dims(finbuf.index(0).load(COLS), 1)
     pm = gl.expand_dims(finbuf.index(1).load(COLS), 1)
-    off = gl.expand_dims(gl.sum(ws, 1), 1) * (128.0 / 16)  # OFF * sum(w)
+    off = gl.expand_dims(gl.sum(ws, 1), 1) * (1024.0 / 16)  # OFF * sum(w)
     inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
     jo = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))
     po = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -382,14 +365,14 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
     rows = o_base + ((jo[:, None] * GQ + ro[None, :]).to(gl.int64) * o_row_stride)  # [J, R]
     base = gl.expand_dims(rows, 1) + (2 * po)[None, :, None]
     omask = gl.expand_dims((ro < GQ)[None, :] & (jo >= 0)[:, None], 1) & (lo < hi)
-    gl.store(mid_o_ptr + base + 0, ((a00 - off) + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 1, ((a01 - off) + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 32, ((a10 - off) * 0.25 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 33, ((a11 - off) * 0.25 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 64, ((a20 - off) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 65, ((a21 - off) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 96, ((a30 - off) * 0.0625 + pm) * inv, mask=omask)
-    gl.store(mid_o_ptr + base + 97, ((a31 - off) * 0.0625 + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 0, ((a00 - off) * (1.0 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 1, ((a01 - off) * (1.0 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 32, ((a10 - off) * (0.25 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 33, ((a11 - off) * (0.25 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 64, ((a20 - off) * (0.0625 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 65, ((a21 - off) * (0.0625 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 96, ((a30 - off) * (0.015625 / W_SCALE) + pm) * inv, mask=omask)
+    gl.store(mid_o_ptr + base + 97, ((a31 - off) * (0.015625 / W_SCALE) + pm) * inv, mask=omask)
 
 
 @gluon.jit(do_not_specialize=["NS"])
@@ -398,7 +381,8 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
                     kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, vgs_ptr, sgs_s, sgs_h,
                     mid_o_ptr, mid_lse_ptr, qk_scale, NS, MIN_CHUNK: gl.constexpr,
                     GQ: gl.constexpr, R: gl.constexpr, S: gl.constexpr, W: gl.constexpr,
-                    BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr, RELEASE: gl.constexpr = False):
+                    BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr, SLOT64: gl.constexpr = True,
+                    RELEASE: gl.constexpr = False):
     """INT2 partials of (request b, KV heads 4 c .. 4 c + 3, split sp) into mid_o / mid_lse
     at split index sp + 1 (index 0 is the BF16 side's); see the module doc."""
     if RELEASE:  # the BF16 side's kernel may start (triton_decode: PDL_LATE)
@@ -415,9 +399,9 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
     kbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
     vbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
     wdbuf = gl.allocate_shared_memory(gl.int32, [NB, 4 * J, BN], FLAT_SMEM)
-    fbuf = gl.allocate_shared_memory(gl.float32, [NB, 8 * J, BN], FLAT_SMEM)
-    vsbuf = gl.allocate_shared_memory(gl.float32, [NB, 2 * J, BN], FLAT_SMEM)
-    wbuf = gl.allocate_shared_memory(gl.bfloat16, [NW, J, BN, R], W_SMEM)
+    fbuf = gl.allocate_shared_memory(gl.float32, [NB, J, BN, 8], PAIR_SMEM)
+    vsbuf = gl.allocate_shared_memory(gl.float32, [NB, J, BN, 2], PAIR_SMEM)
+    wbuf = gl.allocate_shared_memory(gl.float16, [NW, J, BN, R], W_SMEM)
     abuf = gl.allocate_shared_memory(gl.float32, [NW, J, R], COL_SMEM)
     finbuf = gl.allocate_shared_memory(gl.float32, [2, J, R], COL_SMEM)
     kready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
@@ -435,7 +419,7 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
     gl.warp_specialize([
         (_values_partition, (kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
                              r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
-                             mid_o_ptr, lse_base * 128, (NS + 1) * 128, GQ, R, BN, NB, NW)),
+                             mid_o_ptr, lse_base * 128, (NS + 1) * 128, GQ, R, BN, NB, NW, SLOT64)),
         (_scores_partition, (kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
                              qr_ptr, sqr_b, sqr_h, lo, hi, b, h0, mid_lse_ptr, lse_base, NS + 1, qk_scale,
                              GQ, R, BN, NB, NW)),
@@ -486,6 +470,6 @@ def launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, layer, mid
         kpk, vpk, kpk.stride(0), kpk.stride(1), float8_words_view(ks), float8_words_view(ks),
         ks.stride(0) // 2, ks.stride(1) // 2, mid_o, mid_lse, qk_scale, ns,
         MIN_CHUNK=min_chunk, GQ=gq, R=8, S=layer.sink_tokens, W=layer.recent_window, BN=BLOCK_N,
-        NB=STAGES, NW=HANDOFF, RELEASE=release, num_warps=4, maxnreg=max_registers,
+        NB=STAGES, NW=HANDOFF, SLOT64=needs_int64_slots(layer), RELEASE=release, num_warps=4, maxnreg=max_registers,
     )
 
