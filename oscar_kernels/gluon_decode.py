@@ -38,8 +38,8 @@ COLS = gl.constexpr(gl.SliceLayout(1, MMA))  # [J, rows]
 # cp.async of [J, BN, 16] int16 code rows: 16 bytes per thread, one warp per head
 CODES_CP = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0]))
 # scale words [4 J, BN] (row k J + j: word k of head j's records; k < 3 used) and the
-# [J, BN] planes converted from them: two tokens per thread, one warp per head
-WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))
+# [J, BN] planes converted from them: tokens t and t + 32 per thread, one warp per head
+WORDS_CP = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 # [J, BN, 2] float32 (scale, min) pairs held by the threads of each token's score row: the
 # ROWS layout (SliceLayout(2, MMA) as linear bases) with the pair in one thread
 PAIRS2 = gl.constexpr(gl.DistributedLinearLayout(
@@ -47,7 +47,13 @@ PAIRS2 = gl.constexpr(gl.DistributedLinearLayout(
     lane_bases=[[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 64, 2]))
 CODES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [2, 1, 0]))
+# key scale records [NB, J, BN, 8] float32 (32 bytes per token): 8-byte pairs swapped in
+# rows 4..7 of every 8, so the 8 score rows one load instruction reads hit distinct banks
+KEY_PAIRS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(2, 4, 2, [2, 1, 0]))
 PAIR_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+SLOT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# cp.async of a block's [BN] slot indices: 16 bytes per thread (16 threads of the first warp)
+SLOTS_CP = gl.constexpr(gl.BlockedLayout([4], [32], [4], [0]))
 FLAT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 W_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
 COL_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -130,22 +136,22 @@ def _request_split(b, sp, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_
 
 
 @gluon.jit
-def _slots(r2t_row, p0, hi, layout: gl.constexpr, BN: gl.constexpr, SLOT64: gl.constexpr):
-    """Slots [BN] of positions p0.. (slot 0 at positions >= hi) in ``layout``; int64 when
-    SLOT64 (offsets into the INT2 buffers may pass 2^31: triton_common.needs_int64_slots)."""
-    pos = p0 + gl.arange(0, BN, layout=layout)
-    slot = gl.load(r2t_row + pos, mask=pos < hi, other=0)
-    if SLOT64:
-        slot = slot.to(gl.int64)
-    return slot
+def _copy_slots(slotbuf, r2t_row, p0, hi, BN: gl.constexpr):
+    """cp.async of the slots [BN] of positions p0.. into slotbuf (0 at positions >= hi)."""
+    pos = p0 + gl.arange(0, BN, layout=SLOTS_CP)
+    async_copy.async_copy_global_to_shared(slotbuf, r2t_row + pos, mask=pos < hi)
 
 
 @gluon.jit
-def _copy_block(kbuf, vbuf, wdbuf, slot_c, slot_w, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h):
+def _copy_block(kbuf, vbuf, wdbuf, slot_c, slot_w, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
+                SLOT64: gl.constexpr):
     """cp.async of one block: K and V code rows [J, BN, 16] (int16 byte pairs) at slots
     slot_c, and the three int32 words [3 J, BN] (row k J + j: word k of head j) that hold
     each token's five (scale, min) pairs at slots slot_w (pair index P = slot sgs_s + h sgs_h,
     words P >> 1 .. (P >> 1) + 2)."""
+    if SLOT64:
+        slot_c = slot_c.to(gl.int64)
+        slot_w = slot_w.to(gl.int64)
     jj = gl.arange(0, J, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES_CP)))
     kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_CP)))
     off = (h0 + jj)[:, None, None] * spk_h + slot_c[None, :, None] * spk_s + kk[None, None, :]
@@ -157,11 +163,13 @@ def _copy_block(kbuf, vbuf, wdbuf, slot_c, slot_w, h0, kpk_ptr, vpk_ptr, spk_s, 
 
 
 @gluon.jit
-def _convert_scales(wdbuf, fbuf, vsbuf, slot_w, h0, sgs_s, sgs_h):
+def _convert_scales(wdbuf, fbuf, vsbuf, slot_w, h0, sgs_s, sgs_h, SLOT64: gl.constexpr):
     """The copied scale words of one block -> ten float32 planes [J, BN] in fbuf (row
     block q J..): scale_g, min'_g for the key groups g = 0..3 (min' = min - OFF/STEP_g scale:
     the fp16 unpacking offset, see triton_hybrid_attn), in vsbuf the values' scale and min.
     One token per thread and word (no replication across the lanes of a score row)."""
+    if SLOT64:
+        slot_w = slot_w.to(gl.int64)
     jw = gl.arange(0, J, layout=gl.SliceLayout(1, WORDS_CP))
     par = ((slot_w[None, :] * sgs_s + (h0 + jw)[:, None] * sgs_h) & 1).to(gl.int32) * 16
     x0 = wdbuf.slice(0, J).load(WORDS_CP)
@@ -279,13 +287,14 @@ def _scores_partition(kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wrea
 
 
 @gluon.jit
-def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+def _values_partition(kbuf, vbuf, wdbuf, slotbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
                       r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
                       mid_o_ptr, o_base, o_row_stride,
                       GQ: gl.constexpr, R: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr,
                       SLOT64: gl.constexpr):
-    """Copies of every block (codes and scale words, NB - 1 blocks ahead), the scale
-    conversion one block ahead of the scores partition, and the value dots; see module doc."""
+    """Copies of every block (slot indices three blocks ahead, codes and scale words two),
+    the scale conversion one block ahead of the scores partition, and the value dots; see
+    module doc."""
     SL_C: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, CODES_CP))
     SL_W: gl.constexpr = gl.SliceLayout(0, WORDS_CP)
     za = gl.zeros([J, 16, R], gl.float32, MMA)
@@ -300,40 +309,40 @@ def _values_partition(kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready
     ws = za  # sum of w, as the dot of a ones tile with w (every row the same)
     ones = gl.full([J, 16, BN], 1.0, gl.float16, DOT_A)
     nblk = gl.cdiv(hi - lo, BN)
-    gl.static_assert(NB == 3, "the slot prefetch below assumes three stages")
-    # prologue: copies of blocks 0 and 1; block 0's scales converted
+    gl.static_assert(NB == 3, "the copy schedule below assumes three stages")
+    # prologue: the slots of blocks 0..2, then the copies of blocks 0 and 1; block 0's scales
+    for k in gl.static_range(3):
+        _copy_slots(slotbuf.index(k), r2t_row, lo + k * BN, hi, BN)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
     for k in gl.static_range(2):
         if k < nblk:
-            _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), _slots(r2t_row, lo + k * BN, hi, SL_C, BN, SLOT64),
-                        _slots(r2t_row, lo + k * BN, hi, SL_W, BN, SLOT64), h0, kpk_ptr, vpk_ptr, spk_s, spk_h,
-                        kgs_ptr, sgs_s, sgs_h)
+            _copy_block(kbuf.index(k), vbuf.index(k), wdbuf.index(k), slotbuf.index(k).load(SL_C),
+                        slotbuf.index(k).load(SL_W), h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, SLOT64)
         async_copy.commit_group()
     async_copy.wait_group(1)
     if nblk > 0:
-        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), _slots(r2t_row, lo, hi, SL_W, BN, SLOT64),
-                        h0, sgs_s, sgs_h)
+        _convert_scales(wdbuf.index(0), fbuf.index(0), vsbuf.index(0), slotbuf.index(0).load(SL_W), h0, sgs_s, sgs_h,
+                        SLOT64)
         mbarrier.arrive(kready.index(0))
-    # slots loaded one iteration before their use: block blk + 1's for its conversion,
-    # block blk + 2's for its copies
-    sw_conv = _slots(r2t_row, lo + BN, hi, SL_W, BN, SLOT64)
-    sc_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_C, BN, SLOT64)
-    sw_copy = _slots(r2t_row, lo + 2 * BN, hi, SL_W, BN, SLOT64)
     for blk in range(nblk):
+        # landed: everything issued one iteration ago (block blk + 1's codes and words,
+        # block blk + 2's slots)
+        async_copy.wait_group(0)
         nxt = blk + 2
         if nxt < nblk:
             # stage nxt % 3: free once the scores partition has read block nxt - 3
             mbarrier.wait(kfree.index(nxt % NB), ((nxt // NB) & 1) ^ 1)
-            _copy_block(kbuf.index(nxt % NB), vbuf.index(nxt % NB), wdbuf.index(nxt % NB), sc_copy, sw_copy,
-                        h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h)
+            _copy_block(kbuf.index(nxt % NB), vbuf.index(nxt % NB), wdbuf.index(nxt % NB),
+                        slotbuf.index(nxt % 4).load(SL_C), slotbuf.index(nxt % 4).load(SL_W),
+                        h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h, SLOT64)
+        if nxt + 1 < nblk:
+            _copy_slots(slotbuf.index((nxt + 1) % 4), r2t_row, lo + (nxt + 1) * BN, hi, BN)
         async_copy.commit_group()
-        async_copy.wait_group(1)  # blocks <= blk + 1 have landed
         if blk + 1 < nblk:
             _convert_scales(wdbuf.index((blk + 1) % NB), fbuf.index((blk + 1) % NB), vsbuf.index((blk + 1) % NB),
-                            sw_conv, h0, sgs_s, sgs_h)
+                            slotbuf.index((blk + 1) % 4).load(SL_W), h0, sgs_s, sgs_h, SLOT64)
             mbarrier.arrive(kready.index((blk + 1) % NB))
-        sw_conv = sw_copy
-        sc_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_C, BN, SLOT64)
-        sw_copy = _slots(r2t_row, lo + (blk + 3) * BN, hi, SL_W, BN, SLOT64)
         vc = vbuf.index(blk % NB).permute([0, 2, 1]).load(DOT_A)  # [J, 16, BN] int16
         wb = blk % NW
         mbarrier.wait(wready.index(wb), (blk // NW) & 1)
@@ -399,7 +408,8 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
     kbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
     vbuf = gl.allocate_shared_memory(gl.int16, [NB, J, BN, 16], CODES_SMEM)
     wdbuf = gl.allocate_shared_memory(gl.int32, [NB, 4 * J, BN], FLAT_SMEM)
-    fbuf = gl.allocate_shared_memory(gl.float32, [NB, J, BN, 8], PAIR_SMEM)
+    slotbuf = gl.allocate_shared_memory(gl.int32, [4, BN], SLOT_SMEM)
+    fbuf = gl.allocate_shared_memory(gl.float32, [NB, J, BN, 8], KEY_PAIRS_SMEM)
     vsbuf = gl.allocate_shared_memory(gl.float32, [NB, J, BN, 2], PAIR_SMEM)
     wbuf = gl.allocate_shared_memory(gl.float16, [NW, J, BN, R], W_SMEM)
     abuf = gl.allocate_shared_memory(gl.float32, [NW, J, R], COL_SMEM)
@@ -417,7 +427,7 @@ def _int2_stage1_ws(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_strid
         mbarrier.init(wfree.index(k), count=1)
     mbarrier.init(fin, count=1)
     gl.warp_specialize([
-        (_values_partition, (kbuf, vbuf, wdbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
+        (_values_partition, (kbuf, vbuf, wdbuf, slotbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
                              r2t_row, lo, hi, h0, kpk_ptr, vpk_ptr, spk_s, spk_h, kgs_ptr, sgs_s, sgs_h,
                              mid_o_ptr, lse_base * 128, (NS + 1) * 128, GQ, R, BN, NB, NW, SLOT64)),
         (_scores_partition, (kbuf, fbuf, vsbuf, wbuf, abuf, finbuf, kready, kfree, wready, wfree, fin,
