@@ -390,12 +390,12 @@ class DecodeConfig:
     # request layout overlap the previous kernel
     programmatic_launch: bool = True
     # the INT2 programs of stage 1: "triton" (_decode_stage1, one warp per program) or
-    # "gluon_ws" (gluon_decode: a warp-specialised sm_90 kernel, four KV heads per CTA, a
+    # "gluon_ws" (gluon_decode: a warp-specialised sm_90 kernel, eight KV heads per CTA, a
     # scores partition and a values partition; the default layout only, see gluon_ws_unsupported)
     int2_kernel: str = "triton"
-    # ptxas register cap of the gluon_ws kernel (every one of its 8 warps): 128 fits two CTAs
-    # (16 warps) per SM without spills (sm_90 SASS); fewer spill
-    gluon_max_registers: int = 128
+    # ptxas register cap of the gluon_ws kernel (every one of its 12 warps): 168 fits one CTA
+    # (eight KV heads) per SM
+    gluon_max_registers: int = 168
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -453,9 +453,9 @@ class DecodeConfig:
     def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
         an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit).
-        gluon_ws: (request, KV head, split) jobs, four per CTA of 256 threads."""
+        gluon_ws: (request, KV head, split) jobs, eight per CTA of 384 threads."""
         if self.int2_kernel == "gluon_ws":
-            return 4 * max(1, 65536 // (256 * self.gluon_max_registers))
+            return 8 * max(1, 65536 // (384 * self.gluon_max_registers))
         regs = -(-(self.stage1_shape_for(batch, groups_span_head)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
