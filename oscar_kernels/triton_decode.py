@@ -46,7 +46,6 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             half_keys, head_index, mma_f32, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, wait_for_prior_grid)
-from .gluon_decode import gluon_ws_unsupported, launch_int2_stage1_ws
 from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
                                  store_pairs)
 
@@ -123,14 +122,11 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
                    SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
-                   PDL: tl.constexpr = False, PDL_LATE: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid.
-    PDL_LATE: launched while the gluon_ws INT2 kernel (launched after the rotation had
-    finished) still runs: nothing to wait for before reading q', and the wait comes last, so
-    that this kernel finishes after that one (the merge waits on this kernel only)."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -140,7 +136,7 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
     hq = (h * GQ + g).to(tl.int64)
     row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr,
                                              pos_of_ptr, page_size, vf_ptr, S, W)
-    wait_for_prior_grid(PDL and not PDL_LATE)
+    wait_for_prior_grid(PDL)
     mid_row = (b * num_h * GQ + hq) * (NS + 1) + sp  # [BH] index of (b, hq, sp)
     q_vec = qr_ptr + b * sqr_b + hq * sqr_h  # [BH] pointers to the q' rows
     if sp == 0:
@@ -175,7 +171,6 @@ def _decode_stage1(qr_ptr, sqr_b, sqr_h, rows_ptr, lens_ptr, r2t_ptr, r2t_stride
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
         store_lse(mid_lse_ptr + mid_row, hmask, m_i, l_i)
-    wait_for_prior_grid(PDL_LATE)
 
 
 @triton.jit
@@ -389,13 +384,6 @@ class DecodeConfig:
     # its output (griddepcontrol), so each launch's latency and stage 1's reads of the
     # request layout overlap the previous kernel
     programmatic_launch: bool = True
-    # the INT2 programs of stage 1: "triton" (_decode_stage1, one warp per program) or
-    # "gluon_ws" (gluon_decode: a warp-specialised sm_90 kernel, eight KV heads per CTA, a
-    # scores partition and a values partition; the default layout only, see gluon_ws_unsupported)
-    int2_kernel: str = "triton"
-    # ptxas register cap of the gluon_ws kernel (every one of its 12 warps): 168 fits one CTA
-    # (eight KV heads) per SM
-    gluon_max_registers: int = 168
 
     def merge_grid_for(self, batch: int) -> str:
         """The merge grid a batch of ``batch`` requests runs ("auto" resolved)."""
@@ -452,10 +440,7 @@ class DecodeConfig:
 
     def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
-        an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit).
-        gluon_ws: (request, KV head, split) jobs, eight per CTA of 384 threads."""
-        if self.int2_kernel == "gluon_ws":
-            return 8 * max(1, 65536 // (384 * self.gluon_max_registers))
+        an uncapped stage 1 takes ~232 per thread; shared memory, ~7 KB, is not the limit)."""
         regs = -(-(self.stage1_shape_for(batch, groups_span_head)[1] or 232) // 8) * 8
         return max(1, min(32, 65536 // (32 * self.num_warps * regs)))
 
@@ -650,19 +635,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     magic = cfg.magic_unpack
     kpk, vpk, spk_s, spk_h = pair_views(lay)
     scale_args = group_scale_args(lay, cfg.float8_words)
-    gluon = cfg.int2_kernel == "gluon_ws"
-    if gluon:
-        reason = gluon_ws_unsupported(lay, gq, q.device)
-        if reason:
-            raise ValueError(f'DecodeConfig.int2_kernel="gluon_ws": {reason}')
-        # the INT2 partials first (a plain launch: the rotation has finished), then the BF16
-        # side's programs, launched while the INT2 CTAs run (they fill the SMs the INT2
-        # kernel's last CTAs leave) and finishing after them
-        launch_int2_stage1_ws(q_rot, rows, seq_lens, req_to_token, index, lay, mid_o, mid_lse, sm_scale * LOG2E,
-                              ns, cfg.min_chunk, gq, cfg.gluon_max_registers, release=pdl)
-    elif cfg.int2_kernel != "triton":
-        raise ValueError(f'DecodeConfig.int2_kernel must be "triton" or "gluon_ws", not {cfg.int2_kernel!r}')
-    _decode_stage1[(b, h, 1 if gluon else ns + 1)](
+    _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, req_to_token, req_to_token.stride(0),
         index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
         kpk, vpk, spk_s, spk_h,
@@ -675,7 +648,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         S=lay.sink_tokens, W=lay.recent_window, BN=block_n, BN_BF16=cfg.bf16_block_for(max_registers),
         PAIR=scale_args[4], MAGIC=magic, USE_DOT=cfg.use_dot, INTERP=INTERPRET,
         SLOT64=int64_slots or needs_int64_slots(lay), HALF=half_keys(cfg.half_keys, magic, lay),
-        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, PDL_LATE=gluon and pdl, num_warps=cfg.num_warps,
+        SLOT_AHEAD=cfg.slot_ahead, PDL=pdl, num_warps=cfg.num_warps,
         num_stages=num_stages,
         maxnreg=max_registers, launch_pdl=pdl,
     )
