@@ -31,9 +31,10 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402  (puts the checkout and tests/ on sys.path)
@@ -79,25 +80,13 @@ def ablated(name: str):
     """triton_hybrid_attn's helpers swapped per ABLATIONS[name] and triton_decode._decode_stage1
     replaced by a fresh JITFunction of the same source (its own compiled-kernel cache), compiled
     into a temporary TRITON_CACHE_DIR (never the shared one)."""
-    swaps = ABLATIONS[name]
-    saved = {k: getattr(tha, k) for k in swaps}
-    stage1 = td._decode_stage1
-    cache_dir = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix=f"oscar-ablation-{name}-") as tmp:
-        try:
-            os.environ["TRITON_CACHE_DIR"] = tmp
-            for k, fn in swaps.items():
-                setattr(tha, k, fn)
-            td._decode_stage1 = triton.jit(do_not_specialize=["NS"])(stage1.fn)
-            yield
-        finally:
-            for k, fn in saved.items():
-                setattr(tha, k, fn)
-            td._decode_stage1 = stage1
-            if cache_dir is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = cache_dir
+    with tempfile.TemporaryDirectory(prefix=f"oscar-ablation-{name}-") as tmp, ExitStack() as undo:
+        undo.enter_context(mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": tmp}))
+        for k, fn in ABLATIONS[name].items():
+            undo.enter_context(mock.patch.object(tha, k, fn))
+        fresh = triton.jit(do_not_specialize=["NS"])(td._decode_stage1.fn)
+        undo.enter_context(mock.patch.object(td, "_decode_stage1", fresh))
+        yield
 
 
 def resident(sc):
