@@ -1,4 +1,5 @@
 """Triton kernels vs their PyTorch reference under TRITON_INTERPRET=1 (CPU, small shapes)."""
+import contextlib
 import functools
 import itertools
 from dataclasses import replace
@@ -33,6 +34,43 @@ def _interpreted_modules():
 
 
 _, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = _interpreted_modules()
+
+# The interpreter's tl.dot runs on numpy, whose rounding can depend on shapes, alignment and
+# the CPU: bitwise properties are asserted on the GPU (test_kernels_gpu.py); here, the launch
+# plan and outputs equal within two bf16 ulps.
+_INTERP_RTOL, _INTERP_ATOL = 2 ** -7, 1e-3
+
+
+@contextlib.contextmanager
+def _recorded_launches(monkeypatch, module, *names):
+    """Record (kernel name, grid, keyword arguments) of every launch of ``module``'s kernels."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((self.name, tuple(grid), kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    with monkeypatch.context() as m:
+        for name in names:
+            m.setattr(module, name, Recorder(name, getattr(module, name)))
+        yield seen
+
+
+def _same_plan(alone, batched, batch_axis):
+    """Each kernel launched with the same keyword arguments and the same grid off the batch
+    axis, alone and in the batch (the batch axis is 1 alone)."""
+    assert [n for n, _, _ in alone] == [n for n, _, _ in batched]
+    for (name, ga, ka), (_, gb, kb) in zip(alone, batched):
+        assert ka == kb, f"{name}: launch parameters changed with the batch"
+        axis = batch_axis[name]
+        if axis is not None:
+            assert ga[axis] == 1 and ga[:axis] + ga[axis + 1:] == gb[:axis] + gb[axis + 1:], (name, ga, gb)
 
 
 # ---------------------------------------------------------------- store
@@ -122,7 +160,7 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
 def test_int2_buffers_are_head_major_and_decode_reads_either_order():
     """allocate_layer stores codes and scales head-major ([H, slots, ...] under [slots, H,
     ...] views; the test scenarios keep that order); the kernels take strides, so a
-    slot-major copy of the same cache decodes to the same output."""
+    slot-major copy of the same cache decodes to the same output (bitwise on the GPU)."""
     f8 = torch.float8_e4m3fn
     sc = kc.build([13, 40, 77], H=2, D=128, G=32, GV=128, S=4, W=8, page=8, seed=3, scale_dtype=f8)
     hm = sc.layer
@@ -136,7 +174,7 @@ def test_int2_buffers_are_head_major_and_decode_reads_either_order():
     cfg = triton_decode_mod.DecodeConfig(**_SMALL)
     outs = [triton_decode_mod.triton_decode(q_rows, layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
                                             sc.sm_scale, config=cfg) for layer in (hm, slot_major)]
-    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[1], rtol=_INTERP_RTOL, atol=_INTERP_ATOL)
 
 
 def test_int64_offsets_follow_the_buffers_extent():
@@ -314,9 +352,10 @@ def test_stage1_shape_follows_the_batch():
         _check_decode(sc, 4, td.DecodeConfig(small_batch_max=small_batch_max, **small))
 
 
-def test_batch_invariant_decode_is_bitwise_the_same_alone_and_batched():
-    """batch_invariant_config (deterministic inference): a request's output does not depend
-    on the batch around it; the default config changes its split count with the batch."""
+def test_batch_invariant_decode_plans_a_request_the_same_alone_and_batched(monkeypatch):
+    """batch_invariant_config (deterministic inference): a request is decoded with the same
+    launches alone and in a batch (bitwise the same output: test_kernels_gpu.py); the default
+    config changes its split count with the batch."""
     td = triton_decode_mod
     assert td.DecodeConfig().splits_for(1, 2, "cpu") != td.DecodeConfig().splits_for(3, 2, "cpu")
     per_row = 3 * 4 * (64 + 1) * 4
@@ -329,14 +368,25 @@ def test_batch_invariant_decode_is_bitwise_the_same_alone_and_batched():
     q = kc.random_q(sc, 4)
     lens = torch.tensor(sc.lens, dtype=torch.int32)
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
-    batched = td.triton_decode(q, *args, sc.rows, lens, sc.sm_scale, config=cfg)
+    kernels = ("_decode_stage1", "_decode_merge", "_decode_merge_row", "_decode_merge_split")
+    axes = dict.fromkeys(kernels, 0)  # grid axis 0: the requests
+
+    def decode(i, j, config):
+        with _recorded_launches(monkeypatch, td, *kernels) as seen:
+            out = td.triton_decode(q[i:j], *args, sc.rows[i:j], lens[i:j], sc.sm_scale, config=config)
+        return out, seen
+
+    batched, batched_plan = decode(0, 3, cfg)
+    assert batched_plan[0][0] == "_decode_stage1" and len(batched_plan) == 2
     for i in range(3):
-        alone = td.triton_decode(q[i:i + 1], *args, sc.rows[i:i + 1], lens[i:i + 1], sc.sm_scale, config=cfg)
-        assert torch.equal(alone[0], batched[i]), f"request {i} changed with the batch"
-    # the check has teeth: with the default splits (8 alone, 2 in this batch) request 1 moves
+        alone, alone_plan = decode(i, i + 1, cfg)
+        _same_plan(alone_plan, batched_plan, axes)
+        torch.testing.assert_close(alone[0], batched[i], rtol=_INTERP_RTOL, atol=_INTERP_ATOL,
+                                   msg=lambda m, i=i: f"request {i} changed with the batch: {m}")
+    # the check has teeth: with the default splits (8 alone, 2 in this batch) the plan moves
     default = td.DecodeConfig(min_chunk=16, block_n_bf16=16)
-    alone = td.triton_decode(q[1:2], *args, sc.rows[1:2], lens[1:2], sc.sm_scale, config=default)
-    assert not torch.equal(alone[0], td.triton_decode(q, *args, sc.rows, lens, sc.sm_scale, config=default)[1])
+    with pytest.raises(AssertionError):
+        _same_plan(decode(1, 2, default)[1], decode(0, 3, default)[1], axes)
 
 
 def test_auto_merge_grid_splits_small_batches_only():
@@ -488,9 +538,10 @@ def test_extend_config_gives_each_read_its_tiles_and_the_fallback_the_int2_tiles
                                      -(-40 // (ext.INT2_READ_TILES["block_rows"] // gqp))]
 
 
-def test_int2_read_extend_is_bitwise_the_same_alone_and_batched():
+def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch):
     """The INT2 prefix read (what deterministic inference runs): a request's prefill output
-    does not depend on the other requests of its batch."""
+    is launched with the same tiles alone and in a batch, and its output agrees (bitwise on
+    the GPU: test_kernels_gpu.py)."""
     ext = triton_extend_mod
     sc = kc.build([40, 0, 77], H=2, D=64, G=64, S=4, W=8, page=8, seed=41)
     new_lens, hq, d = [9, 20, 5], 4, 64
@@ -506,12 +557,20 @@ def test_int2_read_extend_is_bitwise_the_same_alone_and_batched():
     def extend(i, j):  # requests i..j-1
         lo, hi = starts[i], starts[j]
         qo = torch.tensor([x - lo for x in starts[i:j + 1]], dtype=torch.int32)
-        return ext.triton_extend(q[lo:hi], k_rot[lo:hi].contiguous(), v_rot[lo:hi].contiguous(), *args,
-                                 sc.rows[i:j], pre[i:j], qo, max(new_lens[i:j]), sc.sm_scale, config=cfg)
+        with _recorded_launches(monkeypatch, ext, "_extend_kernel") as seen:
+            out = ext.triton_extend(q[lo:hi], k_rot[lo:hi].contiguous(), v_rot[lo:hi].contiguous(), *args,
+                                    sc.rows[i:j], pre[i:j], qo, max(new_lens[i:j]), sc.sm_scale, config=cfg)
+        return out, seen
 
-    batched = extend(0, 3)
+    batched, batched_plan = extend(0, 3)
+    bm = batched_plan[0][2]["BM"]
     for i in range(3):
-        assert torch.equal(extend(i, i + 1), batched[starts[i]:starts[i + 1]]), f"request {i} changed with the batch"
+        alone, alone_plan = extend(i, i + 1)
+        # grid (query-row blocks, requests, KV heads): alone, the blocks of this request only
+        (_, grid, kwargs), = alone_plan
+        assert kwargs == batched_plan[0][2] and grid == (-(-new_lens[i] // bm), 1, 2)
+        torch.testing.assert_close(alone, batched[starts[i]:starts[i + 1]], rtol=_INTERP_RTOL, atol=_INTERP_ATOL,
+                                   msg=lambda m, i=i: f"request {i} changed with the batch: {m}")
 
 
 def test_extend_unknown_prefix_read_is_refused():
