@@ -1,21 +1,23 @@
-"""Render README.md's result tables from benchmarks/results/*.json (figures are never typed).
+"""Render the result tables from benchmarks/results/*.json (figures are never typed).
 
-README.md holds one section per table between two markers:
+README.md holds the headline table and benchmarks/RESULTS.md every other table, each
+section between two markers:
 
     <!-- report:e2e -->
     ...generated markdown...
     <!-- /report:e2e -->
 
-    python3 benchmarks/report.py --write README.md   # regenerate every section in place
-    python3 benchmarks/report.py --check README.md   # exit 1 when a section is stale
+    python3 benchmarks/report.py --write             # regenerate README.md and benchmarks/RESULTS.md
+    python3 benchmarks/report.py --check             # exit 1 when a section of either is stale
+    python3 benchmarks/report.py --write FILE.md     # only that file
     python3 benchmarks/report.py e2e                 # print one section
 
 tests/test_release_readme.py runs the check, so a new or changed results file must be
-followed by ``--write``. To render only what is committed (the shared checkout may hold
-results that others have not committed yet):
+followed by ``--write``. To render only what is committed (a checkout may hold results
+that are not committed yet):
 
     rm -rf /tmp/r && mkdir /tmp/r && git archive HEAD benchmarks/results | tar -x -C /tmp/r
-    python3 benchmarks/report.py --results /tmp/r/benchmarks/results --write README.md
+    python3 benchmarks/report.py --results /tmp/r/benchmarks/results --write
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import targets  # noqa: E402  (benchmarks/targets.py: verdicts and the paired pa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
+# the files that hold report sections (--write / --check without a file name)
+DOCUMENTS = (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "RESULTS.md"))
 
 E2E_CONFIGS = ("bf16_triton", "bf16_flashinfer", "fp8_e4m3", "oscar_int2")
 
@@ -46,8 +50,17 @@ def _files(results_dir: str, pattern: str) -> list[str]:
 
 
 def _rel(path: str) -> str:
-    """How the README names a results file (wherever --results pointed)."""
+    """How the documents name a results file (wherever --results pointed)."""
     return f"benchmarks/results/{os.path.basename(path)}"
+
+
+_MACHINE_PATH = re.compile(r"(?:/[\w.+-]+)+/(models|shapes)/([\w.+-]+)")
+
+
+def user_paths(text: str) -> str:
+    """``text`` with the measuring machine's absolute model paths written the way the
+    repository's commands name them (``/any/where/models/tinylm-A`` -> ``../shared/models/tinylm-A``)."""
+    return _MACHINE_PATH.sub(r"../shared/\1/\2", text)
 
 
 def fmt(v, digits: int = 1) -> str:
@@ -100,7 +113,7 @@ def _seconds(ms_values) -> str:
     return " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ms_values)
 
 
-@per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU; see Reproduce every figure")
+@per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU per configuration")
 def render_e2e(path: str, data: dict) -> list[str]:
     parts = []
     configs = data.get("configs", {})
@@ -413,6 +426,22 @@ def render_fidelity_sweep(path: str, data: dict) -> list[str]:
     return parts
 
 
+# oscar-calibrate's defaults as RESULTS.md states them next to files made with older ones
+# (calibration/calibrate.py, oscar_kernels/int2.py; tests/test_release_readme.py compares)
+CALIBRATE_DEFAULTS = {"variant": "U-H-P", "clip": "none", "key_group": "head_dim / 4", "value_group": "min(128, head_dim)",
+                      "scale_dtype": "float8_e4m3fn"}
+
+
+def calibrate_defaults_text() -> str:
+    d = CALIBRATE_DEFAULTS
+    clip = "no clip" if d["clip"] == "none" else f"clip {d['clip']}"
+    return (f"{d['variant']}, {clip}, key group {d['key_group']} (32 at head_dim 128), "
+            f"value group {d['value_group']}, {d['scale_dtype']} scales")
+
+
+_DEFAULT_SETTINGS = re.compile(r"default oscar-calibrate settings \(([^)]*)\)")
+
+
 @per_results_file("calibration_budget*.json", "oscar-calibrate --model DIR --out F --tokens N (several N)", "CPU")
 def render_calibration_budget(path: str, data: dict) -> list[str]:
     parts = []
@@ -426,12 +455,17 @@ def render_calibration_budget(path: str, data: dict) -> list[str]:
         if base in proxy:
             rows.append([f"({base}, no calibration)", "-", fmt(proxy[base].get("logit_rel"), 4),
                          fmt(proxy[base].get("attn_kl"), 4), fmt(proxy[base].get("out_rel"), 4)])
-    parts.append(f"{data.get('what', '')}. Source: `{_rel(path)}`.")
+    # the file names the defaults of the day it was made: say so, and what they are now
+    what = data.get("what", "")
+    older = _DEFAULT_SETTINGS.search(what)
+    what = _DEFAULT_SETTINGS.sub(r"oscar-calibrate's defaults when this file was made (\1)", what)
+    now = f" oscar-calibrate's defaults now: {calibrate_defaults_text()}." if older else ""
+    parts.append(f"{user_paths(what)}. Source: `{_rel(path)}`.{now}")
     parts.append(table(["calibration tokens", "wall (s)", "logit_rel", "attn_kl", "out_rel"], rows))
     run = data.get("default_cpu_run")
     if run:
-        parts.append(f"The default CPU run (`{run.get('command')}`, {fmt(run.get('tokens'))} tokens) took "
-                     f"{fmt(run.get('wall_seconds'))} s (load average during the run: "
+        parts.append(f"A CPU run of `{user_paths(run.get('command', ''))}` ({fmt(run.get('tokens'))} tokens) "
+                     f"took {fmt(run.get('wall_seconds'))} s (load average during the run: "
                      f"{run.get('load_average_during', 'not recorded')}).")
     return parts
 
@@ -492,12 +526,98 @@ def render_tp(path: str, data: dict) -> list[str]:
     return parts
 
 
+# README's headline: one row per claim, every cell read from (and linked to) its results file
+HEADLINE_CAPACITY = "capacity_qwen3-8b-shape.json"
+HEADLINE_KERNELS = "kernels_h200.json"
+HEADLINE_SERVER = "server_tinylm-A.json"
+HEADLINE_PASSKEY = ("server_passkey8k_k32_v128_fp8_tinylm-A.json", "oscar-k32-v128-fp8")
+HEADLINE_LONG = 65536  # the decode row's shortest context
+
+
+def _link(text: str, name: str) -> str:
+    return f"[{text}](benchmarks/results/{name})"
+
+
+def _maybe_load(results_dir: str, name: str) -> dict:
+    path = os.path.join(results_dir, name)
+    return _load(path) if os.path.isfile(path) else {}
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.{digits}f}x" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}-{hi:.{digits}f}x"
+
+
+def _headline_capacity(results_dir: str) -> list[list[str]]:
+    data = _maybe_load(results_dir, HEADLINE_CAPACITY)
+    osc, bf = data.get("oscar_int2"), data.get("bf16")
+    if not osc or not bf:
+        return []
+    meta = data.get("meta", {})
+    return [[f"KV cache capacity, {meta.get('model', '?')} on one {meta.get('gpu') or 'GPU'} "
+             f"(`--mem-fraction-static {meta.get('mem_fraction_static')}`)",
+             _link(f"{fmt(osc)} tokens ({osc / bf:.2f}x)", HEADLINE_CAPACITY), _link(f"{fmt(bf)} tokens", HEADLINE_CAPACITY)]]
+
+
+def _headline_kernels(results_dir: str) -> list[list[str]]:
+    data = _maybe_load(results_dir, HEADLINE_KERNELS)
+    cases = [c for c in data.get("cases", []) if c.get("oscar_decode_us") and c.get("flashinfer_bf16_us")]
+    rows = []
+    for here in ([c for c in cases if c["context"] >= HEADLINE_LONG], [c for c in cases if c["context"] < HEADLINE_LONG]):
+        if not here:
+            continue
+        ctx, batches = sorted({c["context"] // 1024 for c in here}), sorted({c["batch"] for c in here})
+        speed = _span([c["flashinfer_bf16_us"] / c["oscar_decode_us"] for c in here])
+        rows.append([f"decode attention, one layer, {ctx[0]}k-{ctx[-1]}k tokens of context, batch "
+                     f"{batches[0]}-{batches[-1]} ({data.get('device', '?')})",
+                     _link(f"{speed} the speed of FlashInfer BF16", HEADLINE_KERNELS),
+                     _link("FlashInfer BF16: 1x", HEADLINE_KERNELS)])
+    return rows
+
+
+def _headline_server(results_dir: str) -> list[list[str]]:
+    data = _maybe_load(results_dir, HEADLINE_SERVER)
+    methods, st = data.get("methods", {}), data.get("settings", {})
+    ref, osc = methods.get("bf16", {}), methods.get("oscar", {})
+    rows = []
+    if ref.get("ppl_8k") and osc.get("ppl_8k"):
+        rows.append([f"perplexity, {st.get('ppl_windows')} windows of {fmt(st.get('ppl_len'))} tokens, through the "
+                     f"server ({data.get('model', '?')})",
+                     _link(f"{osc['ppl_8k']:.4f} ({osc['ppl_8k'] / ref['ppl_8k']:.4f}x)", HEADLINE_SERVER),
+                     _link(f"{ref['ppl_8k']:.4f}", HEADLINE_SERVER)])
+    lengths = [n for n in ref.get("passkey", {}) if n in osc.get("passkey", {})]
+    if lengths:
+        per = (st.get("passkey_trials") or 0) * len(st.get("passkey_depths") or [])
+        rows.append([f"passkey retrieval at {' / '.join(f'{int(n) // 1024}k' for n in lengths)} tokens, "
+                     f"{per} prompts each, through the server",
+                     _link(" / ".join(f"{osc['passkey'][n]:.3f}" for n in lengths), HEADLINE_SERVER),
+                     _link(" / ".join(f"{ref['passkey'][n]:.3f}" for n in lengths), HEADLINE_SERVER)])
+    name, method = HEADLINE_PASSKEY
+    paired = _maybe_load(results_dir, name).get("methods", {})
+    ph, rh = paired.get(method, {}).get("passkey_hits", {}), paired.get("bf16", {}).get("passkey_hits", {})
+    for n in [n for n in rh if n in ph and len(ph[n]) == len(rh[n])]:
+        gap, half = targets.paired_gap(ph[n], rh[n])
+        rows.append([f"passkey retrieval at {int(n) // 1024}k tokens, {len(rh[n])} paired prompts, through the server "
+                     f"(difference, 95% interval)",
+                     _link(f"{sum(ph[n]) / len(ph[n]):.3f} ({gap:+.3f} ± {half:.3f})", name),
+                     _link(f"{sum(rh[n]) / len(rh[n]):.3f}", name)])
+    return rows
+
+
+def render_headline(results_dir: str) -> str:
+    rows = _headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_server(results_dir)
+    if not rows:
+        return none_yet("python3 benchmarks/capacity.py", "one GPU; see benchmarks/RESULTS.md")
+    return table(["measured", "oscar_int2", "BF16"], rows)
+
+
 def render_targets(results_dir: str) -> str:
     rows = [list(r) for r in targets.evaluate(results_dir)]
     return table(["target", "measured", "verdict"], rows)
 
 
 SECTIONS = {
+    "headline": render_headline,
     "targets": render_targets,
     "e2e": render_e2e,
     "capacity": render_capacity,
@@ -513,7 +633,7 @@ SECTIONS = {
 }
 
 
-# ------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------- documents
 
 
 def _markers(name: str) -> tuple[str, str]:
@@ -528,43 +648,49 @@ def update(text: str, results_dir: str = RESULTS) -> str:
     """``text`` with every report section regenerated."""
     for name in sections_in(text):
         if name not in SECTIONS:
-            raise ValueError(f"README section report:{name} has no renderer (known: {', '.join(SECTIONS)})")
+            raise ValueError(f"section report:{name} has no renderer (known: {', '.join(SECTIONS)})")
         begin, end = _markers(name)
         if text.count(begin) != 1 or text.count(end) != 1 or text.index(end) < text.index(begin):
-            raise ValueError(f"README section report:{name} needs exactly one '{begin}' followed by one '{end}'")
+            raise ValueError(f"section report:{name} needs exactly one '{begin}' followed by one '{end}'")
         a, b = text.index(begin) + len(begin), text.index(end)
         text = text[:a] + "\n" + SECTIONS[name](results_dir).strip() + "\n" + text[b:]
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Render README tables from benchmarks/results/*.json")
+    ap = argparse.ArgumentParser(description="Render the README's and benchmarks/RESULTS.md's tables from "
+                                             "benchmarks/results/*.json")
     ap.add_argument("section", nargs="?", help=f"print one section ({', '.join(SECTIONS)})")
-    ap.add_argument("--write", metavar="README", help="regenerate the sections of this file in place")
-    ap.add_argument("--check", metavar="README", help="exit 1 if this file's sections are stale")
+    names = ", ".join(os.path.relpath(d, ROOT) for d in DOCUMENTS)
+    ap.add_argument("--write", nargs="*", metavar="FILE", help=f"regenerate the sections of these files in place "
+                                                                f"(default: {names})")
+    ap.add_argument("--check", nargs="*", metavar="FILE", help=f"exit 1 if a section of these files is stale "
+                                                                f"(default: {names})")
     ap.add_argument("--results", default=RESULTS, help="results folder")
     a = ap.parse_args(argv)
     if a.section:
         if a.section not in SECTIONS:
             ap.error(f"unknown section {a.section!r} (known: {', '.join(SECTIONS)})")
         print(SECTIONS[a.section](a.results))
-    for path, write in ((a.write, True), (a.check, False)):
-        if not path:
+    status = 0
+    for paths, write in ((a.write, True), (a.check, False)):
+        if paths is None:
             continue
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-        new = update(old, a.results)
-        if write:
-            if new != old:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(new)
-            print(f"{path}: {len(sections_in(new))} report sections {'updated' if new != old else 'up to date'}")
-        elif new != old:
-            stale = [n for n in sections_in(old) if update(_only(old, n), a.results) != _only(old, n)]
-            print(f"{path}: stale report sections {', '.join(stale)}; run: "
-                  f"python3 benchmarks/report.py --write {path}", file=sys.stderr)
-            return 1
-    return 0
+        for path in paths or DOCUMENTS:
+            with open(path, encoding="utf-8") as f:
+                old = f.read()
+            new = update(old, a.results)
+            if write:
+                if new != old:
+                    with open(path, "w", encoding="utf-8") as f:
+                        f.write(new)
+                print(f"{path}: {len(sections_in(new))} report sections {'updated' if new != old else 'up to date'}")
+            elif new != old:
+                stale = [n for n in sections_in(old) if update(_only(old, n), a.results) != _only(old, n)]
+                print(f"{path}: stale report sections {', '.join(stale)}; run: "
+                      f"python3 benchmarks/report.py --write", file=sys.stderr)
+                status = 1
+    return status
 
 
 def _only(text: str, name: str) -> str:

@@ -1,5 +1,6 @@
-"""README.md stays true to the code: generated tables, flags, defaults, refusals, commands,
-and the OpenAI client example (run against a stand-in server)."""
+"""README.md and benchmarks/RESULTS.md stay true to the code: generated tables, flags,
+defaults, refusals, commands, links, and the OpenAI client example (run against a
+stand-in server)."""
 import importlib.util
 import json
 import re
@@ -13,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
+RESULTS_TEXT = RESULTS_MD.read_text()
 
 
 def _load(path: Path, name: str):
@@ -36,10 +39,91 @@ def _section(title: str) -> str:
 
 
 def test_result_tables_are_generated_from_the_results_files():
-    assert report.sections_in(README), "README has no generated report sections"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check", str(ROOT / "README.md")],
+    # the README holds the headline, RESULTS.md every other table, each exactly once
+    assert report.sections_in(README) == ["headline"]
+    assert sorted(report.sections_in(RESULTS_TEXT)) == sorted(set(report.SECTIONS) - {"headline"})
+    assert [str(ROOT / "README.md"), str(RESULTS_MD)] == [str(d) for d in report.DOCUMENTS]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_check_and_write_cover_both_documents(tmp_path):
+    stale = tmp_path / "doc.md"
+    stale.write_text("<!-- report:capacity -->\nold\n<!-- /report:capacity -->\n")
+    script = str(ROOT / "benchmarks" / "report.py")
+    r = subprocess.run([sys.executable, script, "--check", str(ROOT / "README.md"), str(stale)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "doc.md: stale report sections capacity" in r.stderr
+    r = subprocess.run([sys.executable, script, "--results", str(_e2e_fixture(tmp_path)), "--write", str(stale)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "700,000" in stale.read_text(), r.stderr
+
+
+def _headline_fixture(tmp_path: Path) -> Path:
+    res = _e2e_fixture(tmp_path)
+    (res / "capacity_qwen3-8b-shape.json").write_text(json.dumps(
+        {"bf16": 100000, "oscar_int2": 700000, "meta": {"model": "m-shape", "gpu": "GPU-X", "mem_fraction_static": 0.8}}))
+    cases = [{"batch": b, "context": n, "oscar_decode_us": t, "flashinfer_bf16_us": f}
+             for b, n, t, f in ((1, 65536, 40.0, 80.0), (8, 131072, 100.0, 350.0), (1, 4096, 20.0, 10.0))]
+    (res / "kernels_h200.json").write_text(json.dumps({"device": "GPU-X", "cases": cases}))
+    st = {"ppl_windows": 16, "ppl_len": 8192, "passkey_trials": 20, "passkey_depths": [0.1, 0.5, 0.9]}
+    (res / "server_tinylm-A.json").write_text(json.dumps({"model": "tinylm-A", "settings": st, "methods": {
+        "bf16": {"ppl_8k": 5.0, "passkey": {"2048": 1.0, "8192": 0.9}},
+        "oscar": {"ppl_8k": 5.1, "passkey": {"2048": 1.0, "8192": 0.85}}}}))
+    (res / "server_passkey8k_k32_v128_fp8_tinylm-A.json").write_text(json.dumps({"methods": {
+        "bf16": {"passkey_hits": {"8192": [1, 1, 0, 1]}}, "oscar-k32-v128-fp8": {"passkey_hits": {"8192": [1, 0, 0, 1]}}}}))
+    return res
+
+
+def test_headline_table_links_every_cell_to_its_results_file(tmp_path):
+    res = _headline_fixture(tmp_path)
+    lines = report.render_headline(str(res)).splitlines()
+    assert lines[0] == "| measured | oscar_int2 | BF16 |"
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        rows[cells[0]] = cells[1:]
+    cap = next(v for k, v in rows.items() if k.startswith("KV cache capacity"))
+    assert cap[0] == "[700,000 tokens (7.00x)](benchmarks/results/capacity_qwen3-8b-shape.json)"
+    long = next(v for k, v in rows.items() if "64k-128k tokens of context, batch 1-8 (GPU-X)" in k)
+    assert long[0].startswith("[2.00-3.50x the speed of FlashInfer BF16](benchmarks/results/kernels_h200.json)")
+    short = next(v for k, v in rows.items() if "4k-4k tokens" in k)
+    assert short[0].startswith("[0.50x the speed")
+    ppl = next(v for k, v in rows.items() if k.startswith("perplexity, 16 windows of 8,192 tokens"))
+    assert ppl == ["[5.1000 (1.0200x)](benchmarks/results/server_tinylm-A.json)",
+                   "[5.0000](benchmarks/results/server_tinylm-A.json)"]
+    pk = next(v for k, v in rows.items() if k.startswith("passkey retrieval at 2k / 8k tokens, 60 prompts"))
+    assert pk[0] == "[1.000 / 0.850](benchmarks/results/server_tinylm-A.json)"
+    paired = next(v for k, v in rows.items() if "4 paired prompts" in k)
+    assert paired[0].startswith("[0.500 (-0.250 ± ") and paired[1].startswith("[0.750]")
+    for cells in rows.values():  # every figure links to its file, and that file exists
+        for cell in cells:
+            assert re.fullmatch(r"\[[^]]+\]\(benchmarks/results/[\w.-]+\.json\)", cell), cell
+    assert "No results yet" in report.render_headline(str(tmp_path / "none"))
+
+
+def test_calibration_budget_caption_names_the_files_settings_and_todays_defaults(tmp_path):
+    (tmp_path / "calibration_budget.json").write_text(json.dumps({
+        "what": "m, default oscar-calibrate settings (U-H-P, clip head/attn, G=128, fp16 scales) at several budgets",
+        "wall_seconds_by_tokens": {"8192": 1.0}, "proxy": {},
+        "default_cpu_run": {"command": "oscar-calibrate --model /some/machine/models/tinylm-A --out x", "tokens": 8,
+                            "wall_seconds": 2.0}}))
+    t = report.render_calibration_budget(str(tmp_path))
+    assert "defaults when this file was made (U-H-P, clip head/attn, G=128, fp16 scales)" in t
+    assert f"defaults now: {report.calibrate_defaults_text()}" in t
+    assert "--model ../shared/models/tinylm-A --out x" in t and "/some/machine" not in t
+
+
+def test_report_states_the_calibration_defaults_of_the_code():
+    from calibration import calibrate
+    from oscar_kernels import int2
+
+    d = report.CALIBRATE_DEFAULTS
+    assert (d["variant"], d["clip"], d["scale_dtype"]) == (calibrate.DEFAULT_VARIANT, calibrate.DEFAULT_CLIP,
+                                                           int2.DEFAULT_SCALE_DTYPE)
+    assert int2.default_group_sizes(128) == (32, 128) and int2.default_group_sizes(64) == (16, 64)
+    assert (d["key_group"], d["value_group"]) == ("head_dim / 4", "min(128, head_dim)")
 
 
 def _e2e_fixture(tmp_path: Path) -> Path:
@@ -91,9 +175,9 @@ def test_update_rewrites_only_marked_sections(tmp_path):
         report.update("<!-- report:nope -->\n<!-- /report:nope -->", str(res))
 
 
-def _flags_table() -> dict:
+def _flags_table(title: str = "oscar-sglang serve") -> dict:
     rows = {}
-    for line in _section("Flags").splitlines():
+    for line in _section(title).splitlines():
         m = re.match(r"\| `(--[a-z0-9-]+)[^`]*` \| ([^|]+) \|", line)
         if m:
             rows[m.group(1)] = m.group(2).strip()
@@ -117,27 +201,114 @@ def test_flags_table_lists_every_oscar_flag_with_its_default():
 def test_every_refusal_is_documented():
     from sglang_ext import refusals
 
-    text = _section("Supported, and refused at start-up")
+    text = _section("Supported models and refused features")
     missing = [flag for _, _, flag, _ in refusals._FLAG_RULES if f"`{flag}`" not in text]
     missing += [env for env, _ in refusals._ENV_RULES if f"`{env}=1`" not in text]
     assert not missing, f"refused at start-up but not in README: {missing}"
 
 
-def test_calibrate_flags_in_the_readme_exist():
+def test_calibrate_options_table_gives_the_codes_defaults():
+    from calibration import calibrate
+    from oscar_kernels import int2
+
+    rows = _flags_table("oscar-calibrate")
+    assert rows["--model"] == rows["--out"] == "required"
+    assert rows["--variant"] == f"`{calibrate.DEFAULT_VARIANT}`" and rows["--clip"] == f"`{calibrate.DEFAULT_CLIP}`"
+    assert rows["--scale-dtype"] == f"`{int2.DEFAULT_SCALE_DTYPE}`"
+    assert rows["--tokens"] == (f"{calibrate.DEFAULT_TOKENS['cpu']:,} on cpu, "
+                                f"{calibrate.DEFAULT_TOKENS['cuda']:,} on cuda")
+    import argparse
+
+    from calibration import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_model_args(parser)
+    assert rows["--seq-len"] == str(parser.get_default("seq_len"))
+    assert rows["--group-size"] == f"head_dim / 4 ({int2.default_group_sizes(128)[0]} at head_dim 128)"
+    assert rows["--value-group-size"] == "min(128, head_dim)" and int2.default_group_sizes(256)[1] == 128
+
+
+DOCS = {"README.md": README, "benchmarks/RESULTS.md": RESULTS_TEXT}
+
+
+def test_calibrate_flags_in_the_docs_exist():
     r = subprocess.run([sys.executable, "-m", "calibration.cli", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
-    used = set(re.findall(r"oscar-calibrate [^\n`]*", README))
+    used = {m for text in DOCS.values() for m in re.findall(r"oscar-calibrate [^\n`|]*", text)}
     flags = {f for line in used for f in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
     assert "--model" in flags and "--out" in flags
     proxy = {"--rotations"}  # flags of the `oscar-calibrate proxy` subcommand
     assert not [f for f in flags - proxy if f not in r.stdout], r.stdout
 
 
-def test_scripts_named_in_the_readme_exist():
-    for path in set(re.findall(r"\b((?:benchmarks|examples|docker|\.ci)/[\w./-]+\.(?:py|sh)|docker/Dockerfile)\b",
-                               README)):
-        assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
+def test_eval_flags_in_the_docs_exist():
+    r = subprocess.run([sys.executable, "-m", "calibration.fidelity.cli", "--help"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    used = {m for text in DOCS.values() for m in re.findall(r"oscar-eval [^\n`|]*", text)}
+    used |= set(re.findall(r"`(--[a-z][a-z0-9-]*)[^`]*`", _section("oscar-eval")))
+    flags = {f for line in used for f in re.findall(r"(--[a-z][a-z0-9-]*)", line)}
+    assert "--method" in flags and "--out" in flags
+    assert not [f for f in flags if f not in r.stdout], r.stdout
+
+
+def test_scripts_named_in_the_docs_exist():
+    for name, text in DOCS.items():
+        for path in set(re.findall(r"\b((?:benchmarks|examples|docker|tests|\.ci)/[\w./-]+\.(?:py|sh)|docker/Dockerfile)\b",
+                                   text)):
+            assert (ROOT / path).is_file(), f"{name} names {path}, which does not exist"
+
+
+def test_links_and_results_files_in_the_docs_exist():
+    for name, text in DOCS.items():
+        base = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not target.startswith("http"):
+                assert (base / target).exists(), f"{name} links to {target}, which does not exist"
+        for path in set(re.findall(r"`(?:benchmarks/results/)?(history/[\w.-]+\.json)`", text)):
+            assert (ROOT / "benchmarks" / "results" / path).is_file(), f"{name} names {path}, which does not exist"
+
+
+def test_anchors_in_the_docs_exist():
+    def anchors(text):
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+    for name, text in DOCS.items():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)]+)\)", text):
+            where = (ROOT / name).parent / target if target else ROOT / name
+            assert anchor in anchors(where.read_text()), f"{name}: no heading for #{anchor} in {target or name}"
+
+
+def test_no_development_history_where_a_user_reads():
+    # "session 9", "round 17", "run 3", "call F" (a capital letter alone), and the measuring machine's paths
+    diary = re.compile(r"\b(?i:session|round|run|call)s? (?:\d+|[A-Z])\b|/work/|/root/")
+    for name, text in DOCS.items():
+        hits = [m.group(0) for m in diary.finditer(text)]
+        assert not hits, f"{name}: development-diary labels or machine paths {hits}"
+
+
+def test_readme_is_short_and_starts_with_install_and_quick_start():
+    lines = README.splitlines()
+    assert len(lines) <= 310, len(lines)
+    heads = {ln: i + 1 for i, ln in enumerate(lines) if ln.startswith("## ")}
+    assert heads["## Quick start (GPU)"] < 80 and README.index("<!-- BEGIN install -->") < len("\n".join(lines[:80]))
+    order = ["## Requirements", "## The two commands", "## Quick start (GPU)", "## Flags",
+             "## Supported models and refused features", "## Docker", "## Troubleshooting",
+             "## Repository layout", "## Reproduce the figures"]
+    assert [heads[h] for h in order] == sorted(heads[h] for h in order)
+
+
+def test_readme_commands_run_from_a_fresh_shell():
+    """Every program the README's shell blocks call is called by its .venv path (a fresh shell
+    has no activated venv): the package's commands and the examples."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
+    assert blocks
+    prog = re.compile(r"(?<![\w/.:-])((?:oscar-calibrate|oscar-eval|oscar-sglang)(?![\w:-])|python3? examples/)")
+    bare = [ln for b in blocks for ln in b.splitlines() if not ln.startswith("docker ")
+            for m in prog.finditer(ln) if not ln[:m.start()].endswith(".venv/bin/")]
+    assert not bare, f"README commands that need an activated venv: {bare}"
 
 
 class _StandIn(BaseHTTPRequestHandler):
