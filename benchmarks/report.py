@@ -274,6 +274,8 @@ def _groups_caption(st: dict, one: str = "G={}", two: str = "G={} (keys) / {} (v
     """The INT2 group size(s) of a results file's settings or shape (``one`` when keys and
     values share it, ``two`` with keys' and values' when they differ)."""
     g, gv = st.get("group_size"), st.get("value_group_size", st.get("group_size"))
+    if isinstance(g, dict):  # one group size per method
+        return one.format("(" + ", ".join(f"{k}: {v}" for k, v in g.items()) + ")")
     return one.format(g) if gv == g else two.format(g, gv)
 
 
