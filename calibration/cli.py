@@ -80,7 +80,7 @@ def _log(msg: str) -> None:
 
 def cmd_calibrate(argv: list[str]) -> int:
     from .calibrate import calibrate
-    from .rotations_file import save_rotations
+    from .rotations_file import check_output_path, save_rotations
 
     p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,6 +91,7 @@ def cmd_calibrate(argv: list[str]) -> int:
                    help="factor order for recipe oscar: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     _add_clip_args(p, None)
     a = p.parse_args(argv)
+    check_output_path(a.out)
     rot = calibrate(a.model, _config(a, recipe=a.recipe, variant=a.variant), progress=not a.quiet, log=_log)
     save_rotations(a.out, rot)
     _log(f"oscar-calibrate: wrote {a.out} ({rot.meta.recipe}, {rot.meta.recipe_detail.get('variant')}, "
@@ -100,7 +101,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 def cmd_import(argv: list[str]) -> int:
     from .calibrate import calibrate, model_shape
-    from .rotations_file import save_rotations
+    from .rotations_file import check_output_path, save_rotations
     from .zoo_import import import_oscar_zoo
 
     p = argparse.ArgumentParser(prog="oscar-calibrate import-oscar-zoo",
@@ -112,6 +113,7 @@ def cmd_import(argv: list[str]) -> int:
                    help="upstream matrices act on column vectors (x' = R x): store R^T")
     _add_clip_args(p, "none")
     a = p.parse_args(argv)
+    check_output_path(a.out)
     shape = model_shape(a.model)
     name = os.path.basename(os.path.normpath(a.model))
     rot = import_oscar_zoo(a.src, shape, name, transpose=a.transpose, group_size=a.group_size,
@@ -134,7 +136,7 @@ def cmd_proxy(argv: list[str]) -> int:
     from .calibrate import load_model
     from .model_shape import ModelShape
     from .proxy import format_table, run_proxy
-    from .rotations_file import load_rotations
+    from .rotations_file import check_matches_model, load_rotations
 
     p = argparse.ArgumentParser(prog="oscar-calibrate proxy",
                                 description="Per-layer attention error of rotations files with fake-INT2 K/V "
@@ -148,16 +150,18 @@ def cmd_proxy(argv: list[str]) -> int:
     p.add_argument("--query-stride", type=int, default=8, help="evaluate every n-th query position")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    rots = {}
+    for f in a.rotations:  # before the model loads: a bad file fails at once
+        name = os.path.basename(f).removesuffix(".safetensors")
+        if name in rots:
+            name = f
+        rots[name] = load_rotations(f)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, tok = load_model(a.model, device, dtype)
     shape = ModelShape.from_hf_config(model.config)
-    rots = {}
-    for f in a.rotations:
-        name = os.path.basename(f).removesuffix(".safetensors")
-        if name in rots:
-            name = f
-        rots[name] = load_rotations(f, expect=shape)
+    for f, rot in zip(a.rotations, rots.values()):
+        check_matches_model(rot.meta, shape, f)
     files = text_sources.expand_paths(a.data) if a.data else text_sources.stdlib_test_files()
     texts = text_sources.read_texts(text_sources.shuffled(files, a.seed))
     windows = list(text_sources.token_stream(tok, texts, a.seq_len, a.tokens))
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "proxy":
             return cmd_proxy(argv[1:])
         return cmd_calibrate(argv)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
+import stat
+import tempfile
+import zipfile
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
@@ -96,8 +100,26 @@ def make_meta(shape: ModelShape, model_name: str, group_size: int, recipe: str, 
                          group_size=group_size, recipe=recipe, **kw)
 
 
+def check_output_path(path: str) -> None:
+    """Refuse an output path that :func:`save_rotations` could not write, before any work:
+    a folder, a missing folder or one this process cannot create files in (ValueError)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a folder: name the file to write, "
+                         f"e.g. {os.path.join(path, 'rotations.safetensors')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path}: folder {folder} does not exist")
+    try:  # a real file, not os.access: read-only mounts and ACLs answer here as at save time
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write in folder {folder} ({e.strerror})") from None
+
+
 def save_rotations(path: str, rotations: Rotations) -> None:
-    from safetensors.torch import save_file
+    """Write atomically (a temp file in the same folder, fsync, rename) with the mode the
+    umask gives, so that a container user can read a host-made file."""
+    from safetensors.torch import save
 
     _validate(rotations, path)  # never write a file we would refuse to load
     meta = rotations.meta
@@ -113,9 +135,18 @@ def save_rotations(path: str, rotations: Rotations) -> None:
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     md.update({k: str(getattr(meta, k)) for k in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS)})
+    data = save(tensors, metadata=md)  # safetensors' save_file would create the file 0600
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata=md)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:  # open() creates 0666 & ~umask
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _fail(path: str, why: str) -> RotationsFileError:
@@ -195,21 +226,57 @@ def check_matches_model(meta: RotationsMeta, shape: ModelShape, path: str = "") 
                               f"but the served model has {name}={want}")
 
 
+def _tensor_set_mismatch(lack: list[str], extra: list[str]) -> str:
+    def names(xs):
+        return ", ".join(xs[:3]) + (f" and {len(xs) - 3} more" if len(xs) > 3 else "")
+    parts = ([f"missing {names(lack)}"] if lack else []) + ([f"unexpected {names(extra)}"] if extra else [])
+    return "tensor set does not match metadata: " + "; ".join(parts)
+
+
+def _open_for_reading(path: str) -> bytes:
+    """The file's first bytes; a permission problem is reported as one (safetensors would
+    call it a missing file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(9)
+    except PermissionError:
+        st = os.stat(path)
+        raise _fail(path, f"permission denied: uid {os.getuid()} cannot read it (mode "
+                          f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); make it readable, "
+                          f"e.g. chmod a+r {path}") from None
+    except OSError as e:
+        raise _fail(path, f"cannot be read ({e.strerror})") from None
+
+
+def _not_safetensors(path: str, head: bytes) -> str | None:
+    """Why the file is not safetensors at all, or None when it starts like one (8-byte
+    little-endian header length, then a JSON object): a pickle / torch.save file, or other bytes."""
+    header_len = int.from_bytes(head[:8], "little")
+    if len(head) == 9 and header_len <= os.path.getsize(path) - 8 and head[8:9] == b"{":
+        return None
+    if head[:1] == pickle.PROTO or zipfile.is_zipfile(path):
+        return ("not a safetensors file but a pickle (torch.save) file: pickles are refused (loading one "
+                "can run code); convert upstream OSCAR {k,v}_rotation_<layer>.pt files with "
+                "`oscar-calibrate import-oscar-zoo`")
+    return "not a safetensors file (no valid safetensors header)"
+
+
 def load_rotations(path: str, expect: ModelShape | None = None) -> Rotations:
     """Load and validate a rotations file; with ``expect`` also check it fits that model."""
     from safetensors import SafetensorError, safe_open
 
     if not os.path.isfile(path):
         raise _fail(path, "no such file")
+    why = _not_safetensors(path, _open_for_reading(path))
+    if why:
+        raise _fail(path, why)
     try:
         with safe_open(path, framework="pt") as f:
             meta = _parse_meta(path, f.metadata())
             keys = set(f.keys())
             want = {f"{k}.{l}" for k in _TENSOR_KINDS for l in range(meta.num_layers)}
             if keys != want:
-                extra, lack = sorted(keys - want), sorted(want - keys)
-                raise _fail(path, f"tensor set does not match metadata (missing {lack[:3]}, "
-                                  f"unexpected {extra[:3]})")
+                raise _fail(path, _tensor_set_mismatch(sorted(want - keys), sorted(keys - want)))
             layers = [LayerRotation(*(f.get_tensor(f"{k}.{l}").to(torch.float32) for k in _TENSOR_KINDS))
                       for l in range(meta.num_layers)]
     except RotationsFileError:

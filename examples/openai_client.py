@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import openai
 from openai import OpenAI
 
 
@@ -20,7 +21,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     a = ap.parse_args(argv)
+    try:
+        return query(a)
+    except openai.APIConnectionError as e:
+        cause = f" ({e.__cause__})" if e.__cause__ else ""
+        print(f"openai_client.py: no server answered at {a.base_url}{cause}: start one (see this file's "
+              "docstring) or pass --base-url", file=sys.stderr)
+    except openai.APIStatusError as e:
+        print(f"openai_client.py: the server at {a.base_url} answered HTTP {e.status_code}: {e.message}",
+              file=sys.stderr)
+    return 2
 
+
+def query(a: argparse.Namespace) -> int:
     client = OpenAI(base_url=a.base_url, api_key=a.api_key, timeout=600)
     model = client.models.list().data[0].id
     print(f"model: {model}")

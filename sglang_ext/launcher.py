@@ -9,6 +9,7 @@ launch_server path. Bad configurations end with one line and exit code 2.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -16,8 +17,9 @@ USAGE = """usage: oscar-sglang [serve] <model-path> | --model-path PATH [SGLang 
                     [--kv-cache-dtype oscar_int2 --oscar-rotations FILE [--oscar-* ...]]
        oscar-sglang patch {--check,--apply,--revert} [--sglang-dir DIR]
 
-SGLang 0.5.17 with the OSCAR 2-bit KV cache. The server arguments are SGLang's own
-(listed below); the oscar ones are in the group "OSCAR 2-bit KV cache".
+SGLang 0.5.17 with the OSCAR 2-bit KV cache, on CUDA GPUs. The server arguments are
+SGLang's own (`oscar-sglang --help` lists them); the oscar ones are in its group
+"OSCAR 2-bit KV cache".
 """
 
 
@@ -67,6 +69,29 @@ def check_runtime_ready(server_args) -> None:
                           "(see the plugin error logged above)")
 
 
+def device_problem(device: str | None) -> str | None:
+    """Why oscar-sglang cannot serve on ``device`` (None: it can): it serves on CUDA only
+    (its kernels and the pinned SGLang wheels are CUDA builds)."""
+    if device is not None and device != "cuda":
+        return (f"--device {device} is not supported: oscar-sglang serves on CUDA GPUs only "
+                "(--device cuda, the default); for other devices run SGLang's own `sglang serve`, "
+                "without the OSCAR KV cache")
+    import torch
+
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return ("no CUDA GPU is available to torch"
+                + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                + ": oscar-sglang serves on CUDA GPUs only")
+    return None
+
+
+def _device_arg(argv: list[str]) -> str | None:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--device")
+    return p.parse_known_args(argv)[0].device
+
+
 def _normalise(argv: list[str]) -> list[str]:
     if argv and not argv[0].startswith("-"):  # `oscar-sglang serve <model>` like `sglang serve`
         return ["--model-path", argv[0], *argv[1:]]
@@ -78,11 +103,19 @@ def serve(argv: list[str]) -> int:
 
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
+    else:  # before SGLang starts: it fails on a machine without a GPU with a long traceback
+        why = device_problem(_device_arg(argv))
+        if why:
+            print(f"oscar-sglang: {why}", file=sys.stderr)
+            return 2
     load_oscar_plugin()
     from sglang.srt.server_args import prepare_server_args
 
     try:
         server_args = prepare_server_args(_normalise(argv))
+        why = device_problem(server_args.device)  # a --config file can set the device too
+        if why:
+            raise LaunchError(why)
         check_runtime_ready(server_args)
     except (OscarConfigError, LaunchError) as e:
         print(f"oscar-sglang: {e}", file=sys.stderr)
@@ -107,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     if not argv:
-        print(USAGE + "\nRun `oscar-sglang --help` for the server arguments.")
+        print(USAGE)
+        print("oscar-sglang: error: no model given (--model-path PATH; `oscar-sglang --help` lists "
+              "SGLang's server arguments)", file=sys.stderr)
         return 2
     return serve(argv)
 

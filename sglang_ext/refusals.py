@@ -155,10 +155,12 @@ def _check_cuda_graphs(sa) -> None:
 def _check_page_size(sa, settings) -> None:
     page = getattr(sa, "page_size", None) or 1
     if settings.sink_tokens > page:
+        # the default page size, or the next power of two that holds the sinks
+        fits = max(DEFAULT_PAGE_SIZE, 1 << (settings.sink_tokens - 1).bit_length())
         raise OscarConfigError(
             f"--oscar-sink-tokens {settings.sink_tokens} exceeds --page-size {page}: "
             f"--kv-cache-dtype {OSCAR_KV_DTYPE} keeps the sinks on a sequence's first page "
-            f"(raise --page-size, e.g. {DEFAULT_PAGE_SIZE})")
+            f"(use --page-size {fits}, or --oscar-sink-tokens {page} or fewer)")
 
 
 def _check_deterministic(sa, settings) -> None:

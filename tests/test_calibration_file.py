@@ -179,14 +179,31 @@ def test_truncated_file_is_refused(tmp_path):
 def test_garbage_and_missing_files_are_refused(tmp_path):
     bad = tmp_path / "garbage.safetensors"
     bad.write_bytes(b"\x00" * 7)
-    assert "not a readable safetensors file" in _error(str(bad))
+    assert _error(str(bad)).endswith(": not a safetensors file (no valid safetensors header)")
+    bad.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                  dtype=torch.uint8).numpy().tobytes())
+    assert _error(str(bad)).endswith(": not a safetensors file (no valid safetensors header)")
     assert "no such file" in _error(str(tmp_path / "absent.safetensors"))
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["torch.save", "plain-pickle"])
+def test_pickle_files_are_refused_as_pickles(tmp_path, zipped):
+    import pickle
+
+    bad = tmp_path / "zoo.safetensors"
+    if zipped:
+        torch.save({"k_rot.0": torch.eye(4)}, bad)
+    else:
+        bad.write_bytes(pickle.dumps({"k_rot.0": [1.0]}))
+    err = _error(str(bad))
+    assert "not a safetensors file but a pickle (torch.save) file" in err
+    assert "oscar-calibrate import-oscar-zoo" in err
 
 
 def test_missing_tensor_is_refused(tmp_path):
     path = _good_file(tmp_path)
     bad = _rewrite(path, str(tmp_path / "m.safetensors"), tensors=lambda t: t.pop("v_clip_max.1"))
-    assert "missing ['v_clip_max.1']" in _error(bad)
+    assert _error(bad).endswith(": tensor set does not match metadata: missing v_clip_max.1")
 
 
 def test_wrong_tensor_shape_is_refused(tmp_path):
@@ -263,7 +280,30 @@ def test_values_are_composed_and_clipped_at_their_own_group_size(variant):
 def test_layer_count_mismatch_between_metadata_and_tensors_is_refused(tmp_path):
     path = _good_file(tmp_path)
     bad = _rewrite(path, str(tmp_path / "l.safetensors"), meta=lambda m: m.__setitem__("num_layers", "3"))
-    assert "tensor set does not match metadata" in _error(bad)
+    assert _error(bad).endswith(": tensor set does not match metadata: missing k_clip_max.2, k_clip_min.2, "
+                                "k_rot.2 and 3 more")
+    bad = _rewrite(path, str(tmp_path / "u.safetensors"), tensors=lambda t: t.__setitem__("x", torch.ones(1)))
+    assert _error(bad).endswith(": tensor set does not match metadata: unexpected x")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_saved_file_has_the_umask_mode_and_no_temp_is_left(tmp_path, umask):
+    import os
+    import stat
+
+    cfg = CalibrationConfig(group_size=32, clip="none", device="cpu").resolved()
+    rot = build_rotations(cfg, SHAPE, "tiny", _stats())
+    old = os.umask(umask)
+    try:
+        save_rotations(str(tmp_path / "r.safetensors"), rot)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "r.safetensors").st_mode) == 0o666 & ~umask
+    assert load_rotations(str(tmp_path / "r.safetensors")).meta.model_name == "tiny"
+    (tmp_path / "d.safetensors").mkdir()  # os.replace onto a folder fails after the temp file is written
+    with pytest.raises(OSError):
+        save_rotations(str(tmp_path / "d.safetensors"), rot)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors", "r.safetensors"]
 
 
 def test_save_refuses_what_load_would_refuse(tmp_path):

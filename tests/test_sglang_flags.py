@@ -351,6 +351,9 @@ def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
     (["--cuda-graph-backend-prefill", "tc_piecewise"], "--cuda-graph-backend-prefill tc_piecewise"),
     (["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'], "--cuda-graph-backend-prefill breakable"),
     (["--page-size", str(DEFAULT_SINK_TOKENS // 2)], f"exceeds --page-size {DEFAULT_SINK_TOKENS // 2}"),
+    (["--oscar-sink-tokens", "100", "--page-size", "64"], "--oscar-sink-tokens 100 exceeds --page-size 64: "
+     "--kv-cache-dtype oscar_int2 keeps the sinks on a sequence's first page (use --page-size 128, or "
+     "--oscar-sink-tokens 64 or fewer)"),
     (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is not supported"),
 ])
 def test_refusals_through_post_init(extra, match, tinylm_dir, tiny_rot):
@@ -459,7 +462,8 @@ def test_patched_server_args_fields(tmp_path, tinylm_dir, tiny_rot):
 # ------------------------------------------------------------------ launcher
 
 def _serve(argv, reason=None, backend_registered=True):
-    """launcher.main with the server start and the process-tree kill mocked out."""
+    """launcher.main with the server start and the process-tree kill mocked out, and the
+    CUDA-only check passed (these tests resolve ServerArgs with --device cpu)."""
     from sglang.srt.layers.attention import attention_registry
 
     from sglang_ext import launcher
@@ -470,6 +474,7 @@ def _serve(argv, reason=None, backend_registered=True):
     else:
         backends.pop("oscar", None)
     with mock.patch.object(launcher, "_plugin_visible_to_subprocesses", return_value=reason), \
+            mock.patch.object(launcher, "device_problem", return_value=None), \
             mock.patch.dict(attention_registry.ATTENTION_BACKENDS, backends, clear=True), \
             mock.patch("sglang.launch_server.run_server") as run, \
             mock.patch("sglang.srt.utils.kill_process_tree") as kill:
@@ -491,6 +496,8 @@ def test_launcher_serves_through_sglang_launch_path(tinylm_dir, tiny_rot):
      "entry point is not installed"),
     (["--oscar-rotations", "ROT"], {"backend_registered": False}, "did not register its attention backend"),
     (["--oscar-rotations", "ROT", "--enable-hierarchical-cache"], {}, "--enable-hierarchical-cache"),
+    (["--oscar-rotations", "ROT", "--oscar-sink-tokens", "100", "--page-size", "64"], {},
+     "(use --page-size 128, or --oscar-sink-tokens 64 or fewer)"),
 ])
 def test_launcher_bad_configuration_one_line_exit_2(argv_tail, kw, match, tinylm_dir, tiny_rot, capsys):
     argv_tail = [tiny_rot if a == "ROT" else a for a in argv_tail]
@@ -499,6 +506,20 @@ def test_launcher_bad_configuration_one_line_exit_2(argv_tail, kw, match, tinylm
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and run.call_count == 0
     assert err and err[-1].startswith("oscar-sglang: ") and match in err[-1]
+
+
+def test_launcher_refuses_a_device_other_than_cuda_from_a_config_file(tinylm_dir, tmp_path, capsys):
+    from sglang_ext import launcher
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\n")
+    with mock.patch.object(launcher, "device_problem", wraps=launcher.device_problem) as check, \
+            mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("sglang.launch_server.run_server") as run:
+        rc = launcher.main(["--config", str(cfg)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and run.call_count == 0 and [c.args for c in check.call_args_list] == [(None,), ("cpu",)]
+    assert err[-1].startswith("oscar-sglang: --device cpu is not supported: oscar-sglang serves on CUDA GPUs only")
 
 
 def test_launcher_bf16_needs_no_plugin(tinylm_dir):

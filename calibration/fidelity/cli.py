@@ -25,7 +25,7 @@ import time
 import torch
 
 from calibration.model_shape import ModelShape
-from calibration.rotations_file import load_rotations
+from calibration.rotations_file import RotationsFileError, check_matches_model, load_rotations
 from oscar_kernels.int2 import SCALE_DTYPES
 
 from . import runner, tasks
@@ -158,13 +158,18 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
-    model, tok = _load_model(a.model, a.device, a.dtype)
-    shape = ModelShape.from_hf_config(model.config)
     rotations = {}
-    for name, path in a.method:
-        rot = load_rotations(path, expect=shape)
-        _check_disjoint(name, rot.meta.calib_data)
-        rotations[name] = (path, rot)
+    try:
+        for name, path in a.method:  # before the model loads: a bad file fails at once
+            rotations[name] = (path, load_rotations(path))
+            _check_disjoint(name, rotations[name][1].meta.calib_data)
+        model, tok = _load_model(a.model, a.device, a.dtype)
+        shape = ModelShape.from_hf_config(model.config)
+        for path, rot in rotations.values():
+            check_matches_model(rot.meta, shape, path)
+    except RotationsFileError as e:
+        print(f"oscar-eval: error: {e}", file=sys.stderr)
+        return 2
 
     stream = tasks.load_heldout_stream(tok, corpus_mb=a.corpus_mb)
     pk = tasks.Passkey(tok, stream.tokens)
