@@ -36,6 +36,8 @@ DEFAULT_VARIANT = "U-H-P"
 DEFAULT_CLIP = "none"
 DEFAULT_CLIP_OBJECTIVE = "attn"
 DEFAULT_TOKENS = {"cpu": 32768, "cuda": 262144}  # CPU: < 5 min for tinylm-A on 2 shared cores
+# a D x D covariance is full rank from D tokens on; 8 D keeps its relative sampling error (~ sqrt(D / n)) near 1/3
+MIN_TOKENS_PER_HEAD_DIM = 8
 
 
 @dataclass
@@ -109,6 +111,26 @@ def load_model(model_dir: str, device: str, dtype: str):
     return model.to(device).eval(), tok
 
 
+def min_calibration_tokens(head_dim: int) -> int:
+    """Fewest calibration tokens that give the head_dim x head_dim statistics a meaning."""
+    return MIN_TOKENS_PER_HEAD_DIM * head_dim
+
+
+def token_budget(cfg: CalibrationConfig) -> int:
+    """Tokens the windows can hold: whole windows of min(seq_len, tokens) within --tokens."""
+    window = min(cfg.seq_len, cfg.tokens)
+    return cfg.tokens // window * window
+
+
+def check_token_budget(cfg: CalibrationConfig, head_dim: int) -> None:
+    """Refuse a --tokens / --seq-len budget below the minimum before the model loads."""
+    need, budget = min_calibration_tokens(head_dim), token_budget(cfg)
+    if budget < need:
+        held = "" if budget == cfg.tokens else f" (whole windows of --seq-len {cfg.seq_len} hold {budget})"
+        raise ValueError(f"--tokens {cfg.tokens}{held} is too few: the head_dim {head_dim} statistics need at "
+                         f"least {need} tokens ({MIN_TOKENS_PER_HEAD_DIM} x head_dim)")
+
+
 def calibration_windows(tokenizer, cfg: CalibrationConfig):
     """The calibration token windows (stdlib source by default, seeded file order)."""
     files = text_sources.expand_paths(cfg.data) if cfg.data else text_sources.stdlib_files()
@@ -128,15 +150,19 @@ def collect_stats(model, tokenizer, cfg: CalibrationConfig, windows=None, progre
                            skip_first=cfg.skip_first, seed=cfg.seed)
     windows = calibration_windows(tokenizer, cfg) if windows is None else windows
     decoder = getattr(model, model.base_model_prefix, model)  # no LM head: it is not needed
-    total = cfg.tokens // min(cfg.seq_len, cfg.tokens) * min(cfg.seq_len, cfg.tokens)
+    total = token_budget(cfg)
     bar = tqdm(total=total, unit="tok", desc="calibrating", disable=not progress, smoothing=0.1)
     with capture_attention(model, stats):
         for batch in text_sources.batched(windows, cfg.batch_size):
             decoder(input_ids=batch.to(cfg.device), use_cache=False)
             bar.update(batch.numel())
     bar.close()
-    if stats.tokens[0] == 0:
-        raise ValueError("the calibration text produced no token window (too little text for --seq-len?)")
+    found, need = stats.tokens[0], min_calibration_tokens(shape.head_dim)
+    if found < need:
+        raise ValueError(f"too little calibration text: {found} tokens in whole windows of "
+                         f"{min(cfg.seq_len, cfg.tokens)} (a shorter rest is dropped), but the head_dim "
+                         f"{shape.head_dim} statistics need at least {need} ({MIN_TOKENS_PER_HEAD_DIM} x "
+                         f"head_dim): give more text with --data")
     return stats
 
 
@@ -267,12 +293,16 @@ def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log
     needs_forward = cfg.clip != "none" if fixed is not None else cfg.needs_forward
     if not needs_forward:
         return build_rotations(cfg, shape, name, None, fixed=fixed, extra_detail=extra_detail)
+    check_token_budget(cfg, shape.head_dim)
     text_sources.expand_paths(cfg.data)  # a missing text path fails before the model loads
     model, tok = load_model(model_dir, cfg.device, cfg.dtype)
     log(f"oscar-calibrate: {name} {shape} on {cfg.device}/{cfg.dtype}, recipe {cfg.recipe}"
         + (f" variant {cfg.variant}" if cfg.recipe == "oscar" else "") + f", clip {cfg.clip}, "
         f"{cfg.tokens} tokens in windows of {cfg.seq_len}")
     stats = collect_stats(model, tok, cfg, progress=progress)
+    if stats.tokens[0] < token_budget(cfg):
+        log(f"oscar-calibrate: warning: the calibration text ran out after {stats.tokens[0]} of "
+            f"{token_budget(cfg)} tokens; the rotations file records {stats.tokens[0]}")
     metric = o_proj_weights(model, shape.num_kv_heads, shape.head_dim) \
         if cfg.clip != "none" and cfg.clip_objective == "attn" else None
     rot = build_rotations(cfg, shape, name, stats, metric, fixed=fixed, extra_detail=extra_detail)

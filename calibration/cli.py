@@ -16,7 +16,7 @@ import os
 import sys
 
 from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_TOKENS, DEFAULT_VARIANT,
-                        CalibrationConfig)
+                        MIN_TOKENS_PER_HEAD_DIM, CalibrationConfig)
 from .clip import GRANULARITIES, OBJECTIVES
 from .compose import VARIANTS
 from .rotations_file import RECIPES, SCALE_DTYPES
@@ -48,7 +48,7 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
                    help="first positions of every window left out of the clip sample (BF16 sinks)")
     p.add_argument("--tokens", type=int, default=None,
                    help=f"calibration token budget (default: {DEFAULT_TOKENS['cpu']} on cpu, "
-                        f"{DEFAULT_TOKENS['cuda']} on cuda)")
+                        f"{DEFAULT_TOKENS['cuda']} on cuda; at least {MIN_TOKENS_PER_HEAD_DIM} x head_dim)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--group-size", type=int, default=None,
                    help="keys' INT2 quantisation group in channels (default: head_dim / 4)")

@@ -1,6 +1,7 @@
 """Every user error of the console scripts ends with one line on stderr and a non-zero exit,
 never a traceback; each CLI runs in a subprocess, as a user would run it."""
 import os
+import re
 import shutil
 import socket
 import stat
@@ -197,6 +198,45 @@ def test_not_a_safetensors_file_says_so(tmp_path, kind):
                 "`oscar-calibrate import-oscar-zoo`")
     r = _run("calibration.cli", "proxy", "--model", tmp_path / "no-model", "--rotations", bad)
     assert one_line_error(r, "oscar-calibrate: error: ") == f"oscar-calibrate: error: oscar rotations file {bad}: {want}"
+
+
+# ---------------------------------------------------------------- too little calibration text
+
+def test_too_little_calibration_text_is_refused(tmp_path, tiny_dir):
+    data = tmp_path / "short.txt"
+    data.write_text("def f(x):\n    return x + 1\n")
+    out = tmp_path / "r.safetensors"
+    r = _run("calibration.cli", "--model", tiny_dir, "--out", out, "--data", data, "--seq-len", "8", "--quiet")
+    line = one_line_error(r, "oscar-calibrate: error: ")
+    m = re.fullmatch(r"oscar-calibrate: error: too little calibration text: (\d+) tokens in whole windows of 8 "
+                     r"\(a shorter rest is dropped\), but the head_dim 32 statistics need at least 256 "
+                     r"\(8 x head_dim\): give more text with --data", line)
+    assert m and 0 < int(m.group(1)) < 256 and int(m.group(1)) % 8 == 0, line
+    assert list(tmp_path.iterdir()) == [data]
+
+
+def test_too_small_token_budget_is_refused_before_the_model_loads(tmp_path, tiny_dir):
+    r = _run("calibration.cli", "--model", tiny_dir, "--out", tmp_path / "r.safetensors", "--tokens", "300",
+             "--seq-len", "200")
+    assert one_line_error(r, "oscar-calibrate: error: ") == (
+        "oscar-calibrate: error: --tokens 300 (whole windows of --seq-len 200 hold 200) is too few: the head_dim "
+        "32 statistics need at least 256 tokens (8 x head_dim)")
+    assert "on cpu/" not in r.stderr  # the model was never loaded
+
+
+def test_calibration_text_below_the_budget_warns_and_records_the_real_count(tmp_path, tiny_dir):
+    data = tmp_path / "some.txt"
+    data.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(60)))
+    out = tmp_path / "r.safetensors"
+    r = _run("calibration.cli", "--model", tiny_dir, "--out", out, "--data", data, "--tokens", "8192",
+             "--seq-len", "64", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    warn = [l for l in r.stderr.splitlines() if "warning" in l]
+    assert len(warn) == 1 and warn[0].startswith("oscar-calibrate: warning: the calibration text ran out after ")
+    found = int(warn[0].split("ran out after ")[1].split()[0])
+    assert 256 <= found < 8192 and found % 64 == 0
+    meta = load_rotations(str(out)).meta
+    assert meta.calib_tokens == found == meta.recipe_detail["tokens"]
 
 
 # ---------------------------------------------------------------- examples/openai_client.py
