@@ -117,6 +117,19 @@ def test_float8_scales_gpu(kernels):
     kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
 
 
+def test_decode_reads_head_major_and_slot_major_caches_bitwise_the_same_gpu(kernels):
+    """The kernels take strides: a slot-major copy of a head-major cache decodes to bitwise
+    the same output (the interpreter test checks it within two bf16 ulps)."""
+    _, _, td, _ = kernels
+    sc = kc.build([13, 400, 3000], H=2, D=128, G=32, GV=128, S=16, W=64, page=64, seed=3, device="cuda",
+                  scale_dtype=torch.float8_e4m3fn)
+    q = kc.random_q(sc, 8, seed=5)
+    lens = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
+    outs = [td.triton_decode(q, layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale)
+            for layer in (sc.layer, kc.slot_major(sc.layer))]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_split_group_sizes_gpu(kernels):
     """Keys at 32 and values at 128 with float8 (scale, min), the per-tensor layout: store,
     decode (also at 128k) and extend against the reference."""
