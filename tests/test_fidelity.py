@@ -131,6 +131,19 @@ def test_heldout_files_match_tinylm_discovery(tinylm_dir):
     assert tasks.heldout_files(roots=roots) == held
 
 
+def test_heldout_roots_include_where_the_packages_import_from(tmp_path, monkeypatch):
+    """A held-out package importable only through a .pth or PYTHONPATH folder is found there."""
+    import importlib.util
+    pkg = tmp_path / "extra" / "sympy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    spec = importlib.machinery.ModuleSpec("sympy", None, is_package=True)
+    spec.submodule_search_locations.append(str(pkg))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sympy" else real(name, *a))
+    assert str((tmp_path / "extra").resolve()) in tasks.site_roots()
+
+
 def test_oscar_eval_smoke(tinylm_dir, tmp_path):
     from calibration.fidelity import cli
     shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))

@@ -171,7 +171,11 @@ def main(argv=None) -> int:
         print(f"oscar-eval: error: {e}", file=sys.stderr)
         return 2
 
-    stream = tasks.load_heldout_stream(tok, corpus_mb=a.corpus_mb)
+    try:
+        stream = tasks.load_heldout_stream(tok, corpus_mb=a.corpus_mb)
+    except FileNotFoundError as e:
+        print(f"oscar-eval: error: {e}", file=sys.stderr)
+        return 2
     pk = tasks.Passkey(tok, stream.tokens)
     prompts = tasks.passkey_prompts(pk, a.lengths, a.depths, a.passkey_trials) if a.passkey_trials > 0 else []
     eos = _eos_ids(model, tok)

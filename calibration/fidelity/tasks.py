@@ -27,6 +27,7 @@ Passkey (:class:`Passkey`, :func:`passkey_prompts`): a prompt of ``L - 16`` toke
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import random
 import site
@@ -94,6 +95,14 @@ def site_roots() -> list[str]:
         pass
     for k in ("purelib", "platlib"):
         cands.append(sysconfig.get_paths().get(k))
+    # where the held-out packages import from, when that is outside these (a .pth or PYTHONPATH)
+    for pkg in HELDOUT_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(pkg)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            cands.append(os.path.dirname(loc))
     roots = []
     for c in cands:
         if c and os.path.isdir(c):
