@@ -18,29 +18,25 @@ Shapes: Qwen3-8B-like layer (32 query / 8 KV heads, head_dim 128), INT2 group 12
 ring 128, page 64; random data; mean time of launches between CUDA events
 (triton.testing.do_bench: prefill is not graph-captured in SGLang).
 
-    python benchmarks/bench_extend.py [--out benchmarks/results/extend_h200.json]
+    python -m benchmarks.bench_extend [--out benchmarks/results/extend_h200.json]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
+
+from benchmarks.bench_kernels import T0, log, run_main, save
+from oscar_kernels import testing as kc
+from oscar_kernels.triton_extend import ExtendConfig, extend_config, triton_extend
+from oscar_kernels.triton_materialize import triton_materialize_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
-import kernel_cases as kc  # noqa: E402
-from bench_kernels import T0, log, run_main, save  # noqa: E402
-from oscar_kernels.triton_extend import ExtendConfig, extend_config, triton_extend  # noqa: E402
-from oscar_kernels.triton_materialize import triton_materialize_prefix  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 S, W, PAGE, GROUP = 16, 128, 64, 128

@@ -1,7 +1,7 @@
 """Kernel benchmark on one GPU: OSCAR INT2 hybrid decode vs SGLang's Triton BF16 decode vs
 FlashInfer's paged BF16 decode, plus the store kernel and the device copy bandwidth.
 
-    python benchmarks/bench_kernels.py [--sweep] [--out benchmarks/results/kernels_h200.json]
+    python -m benchmarks.bench_kernels [--sweep] [--out benchmarks/results/kernels_h200.json]
 
 Writes the JSON (after every stage, so an interrupted run keeps what it measured) and a
 plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 8 KV heads,
@@ -21,7 +21,7 @@ times the decode with each of its kernels left out on the key cases (where the t
 layout (``--group-size 128 --scale-dtype float16``: the default before session 9; the
 sweep keeps its own layouts, G=128/float16 unless named).
 
-    python benchmarks/bench_kernels.py --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
+    python -m benchmarks.bench_kernels --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
 """
 from __future__ import annotations
 
@@ -34,18 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
+
+from oscar_kernels import api
+from oscar_kernels import testing as kc
+from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_sizes
+from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
-import kernel_cases as kc  # noqa: E402
-from oscar_kernels import api  # noqa: E402
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_sizes  # noqa: E402
-from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 S, W, PAGE, GROUP = 16, 128, 64, 128

@@ -5,7 +5,7 @@ dataset) although the random / random-ids datasets never use it, and the GPU mac
 no ``datasets``. When it cannot be imported, a stand-in module is registered whose
 ``load_dataset`` raises, then the client runs unchanged with the same arguments.
 
-    python3 benchmarks/bench_serving_client.py --backend sglang --dataset-name random-ids ...
+    python3 -m benchmarks.bench_serving_client --backend sglang --dataset-name random-ids ...
 """
 from __future__ import annotations
 

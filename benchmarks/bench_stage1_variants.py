@@ -1,7 +1,7 @@
 """Decode launch variants side by side on one GPU (cold L2, CUDA-graph replay), at the
 default INT2 layout of bench_kernels (keys head_dim/4, values 128, float8 (scale, min)).
 
-    python benchmarks/bench_stage1_variants.py --cases 8x65536,64x131072 \
+    python -m benchmarks.bench_stage1_variants --cases 8x65536,64x131072 \
         --variant default={} --variant slot_ahead=off='{"slot_ahead": false}' --out OUT.json
 
 Each ``--variant NAME=JSON`` is a dict of DecodeConfig fields; every variant is timed on
@@ -17,10 +17,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402  (puts the checkout and tests/ on sys.path)
-import kernel_cases as kc  # noqa: E402
-import torch  # noqa: E402
+import torch
+
+from benchmarks import bench_kernels as bk
+from oscar_kernels import testing as kc
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

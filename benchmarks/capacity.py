@@ -8,8 +8,8 @@ line). The oscar server needs a rotations file for the shape: a data-free ``hada
 file is written for it (capacity depends on the file's shape, group sizes and scale dtype
 only, not on its values; calibration needs real weights).
 
-    python benchmarks/capacity.py            # .device/shapes/qwen3-8b-shape on the GPU machine
-    python benchmarks/capacity.py --dtypes oscar_int2 --group-size 32 --value-group-size 128 \
+    python -m benchmarks.capacity            # .device/shapes/qwen3-8b-shape on the GPU machine
+    python -m benchmarks.capacity --dtypes oscar_int2 --group-size 32 --value-group-size 128 \
         --scale-dtype float8_e4m3fn          # keys G=32, values G=128, float8 scales
 
 writes benchmarks/results/capacity_qwen3-8b-shape.json
@@ -22,12 +22,9 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, log, run_script, save_json  # noqa: E402
+from benchmarks.server_harness import ROOT, Server, log, run_script, save_json
 
 DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
 # oscar_kernels.int2's SCALE_DTYPES and DEFAULT_SCALE_DTYPE, without importing torch for --help

@@ -23,13 +23,13 @@ GPU machine (wheelhouse installed, .device/shapes carried). On two GPUs all four
 configurations fit one call (two at a time, one server per GPU, same settings):
 
     export PYTHONPATH=/tmp/site:$PWD
-    python3 benchmarks/e2e.py --gpus 0,1 --out $OUT/e2e_qwen3-8b-shape.json --log-dir $OUT/e2e_logs
+    python3 -m benchmarks.e2e --gpus 0,1 --out $OUT/e2e_qwen3-8b-shape.json --log-dir $OUT/e2e_logs
 
 On one GPU, one or two configurations per call (``--configs bf16_triton`` ...); results
 accumulate in the JSON given to --out when it is copied there first (copy the JSON back
 to benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
 ``--phases capacity,decode`` and ``--phases throughput``. Here, afterwards:
-``python3 benchmarks/e2e.py --plot-only`` and ``python3 benchmarks/report.py --write README.md``.
+``python3 -m benchmarks.e2e --plot-only`` and ``python3 -m benchmarks.report --write README.md``.
 """
 from __future__ import annotations
 
@@ -45,12 +45,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from benchmarks.capacity import (add_layout_args, resolve_layout, rotations_meta,
+                                 shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
+from benchmarks.server_harness import ROOT, Server, ServerDied, log
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # benchmarks/server_harness.py, capacity.py, plot_e2e.py
-    sys.path.insert(0, HERE)
-from capacity import (add_layout_args, resolve_layout, rotations_meta,  # noqa: E402
-                      shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
-from server_harness import ROOT, Server, ServerDied, log  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -518,7 +517,7 @@ def resolve_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     args = resolve_args(argv)
     if args.plot_only:
-        from plot_e2e import plot_e2e
+        from benchmarks.plot_e2e import plot_e2e
 
         log(f"plot: {plot_e2e(load_results(args.out), args.plot)}")
         return 0
@@ -552,11 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     run_all(args, deadline, data, rotations)
     log(f"results: {args.out}")
     try:
-        from plot_e2e import plot_e2e
+        from benchmarks.plot_e2e import plot_e2e
 
         log(f"plot: {plot_e2e(data, args.plot)}")
     except ImportError as e:  # no matplotlib on the GPU machine: plot here with --plot-only
-        log(f"no plot ({e}); run: python3 benchmarks/e2e.py --plot-only --out {args.out}")
+        log(f"no plot ({e}); run: python3 -m benchmarks.e2e --plot-only --out {args.out}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Plot of benchmarks/e2e.py's results: capacity, batch-1 decode latency, throughput.
 
-    python3 benchmarks/plot_e2e.py benchmarks/results/e2e_qwen3-8b-shape.json [out.png]
+    python3 -m benchmarks.plot_e2e benchmarks/results/e2e_qwen3-8b-shape.json [out.png]
 """
 from __future__ import annotations
 

@@ -7,17 +7,17 @@ section between two markers:
     ...generated markdown...
     <!-- /report:e2e -->
 
-    python3 benchmarks/report.py --write             # regenerate README.md and benchmarks/RESULTS.md
-    python3 benchmarks/report.py --check             # exit 1 when a section of either is stale
-    python3 benchmarks/report.py --write FILE.md     # only that file
-    python3 benchmarks/report.py e2e                 # print one section
+    python3 -m benchmarks.report --write             # regenerate README.md and benchmarks/RESULTS.md
+    python3 -m benchmarks.report --check             # exit 1 when a section of either is stale
+    python3 -m benchmarks.report --write FILE.md     # only that file
+    python3 -m benchmarks.report e2e                 # print one section
 
 tests/test_release_readme.py runs the check, so a new or changed results file must be
 followed by ``--write``. To render only what is committed (a checkout may hold results
 that are not committed yet):
 
     rm -rf /tmp/r && mkdir /tmp/r && git archive HEAD benchmarks/results | tar -x -C /tmp/r
-    python3 benchmarks/report.py --results /tmp/r/benchmarks/results --write
+    python3 -m benchmarks.report --results /tmp/r/benchmarks/results --write
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import targets  # noqa: E402  (benchmarks/targets.py: verdicts and the paired passkey gap)
+from benchmarks import targets  # verdicts and the paired passkey gap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -113,7 +112,7 @@ def _seconds(ms_values) -> str:
     return " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ms_values)
 
 
-@per_results_file("e2e_*.json", "python3 benchmarks/e2e.py", "one GPU per configuration")
+@per_results_file("e2e_*.json", "python3 -m benchmarks.e2e", "one GPU per configuration")
 def render_e2e(path: str, data: dict) -> list[str]:
     parts = []
     configs = data.get("configs", {})
@@ -172,7 +171,7 @@ def render_e2e(path: str, data: dict) -> list[str]:
     return parts
 
 
-@per_results_file("capacity_*.json", "python3 benchmarks/capacity.py", "one GPU")
+@per_results_file("capacity_*.json", "python3 -m benchmarks.capacity", "one GPU")
 def render_capacity(path: str, data: dict) -> list[str]:
     parts = []
     meta = data.get("meta", {})
@@ -241,7 +240,7 @@ def _ppl_passkey_caption(st: dict) -> str:
     return f"{ppl}; passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}"
 
 
-@per_results_file("server_*.json", "python3 benchmarks/server_fidelity.py --method NAME=FILE ...", "one GPU")
+@per_results_file("server_*.json", "python3 -m benchmarks.server_fidelity --method NAME=FILE ...", "one GPU")
 def render_server_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
@@ -298,7 +297,7 @@ def render_fidelity(path: str, data: dict) -> list[str]:
     return parts
 
 
-@per_results_file("soak_*.json", "python3 benchmarks/soak.py", "one GPU")
+@per_results_file("soak_*.json", "python3 -m benchmarks.soak", "one GPU")
 def render_soak(path: str, data: dict) -> list[str]:
     parts = []
     configs = data.get("configs", {})
@@ -324,7 +323,7 @@ def _layer_shape(data: dict) -> str:
             f"{sh.get('head_dim')}, {groups}{scales}, S={sh.get('sink_tokens')}, W={sh.get('recent_window')}")
 
 
-@per_results_file("kernels_*.json", "python3 benchmarks/bench_kernels.py", "one GPU",
+@per_results_file("kernels_*.json", "python3 -m benchmarks.bench_kernels", "one GPU",
                   keep=lambda f: not f.endswith("_sweep.json") and "cases" in _load(f))
 def render_kernels(path: str, data: dict) -> list[str]:
     parts = []
@@ -384,7 +383,7 @@ def _dataset_label(name: str) -> str:
     return "+".join(os.path.basename(p.rstrip("/")) for p in name.split(",")) if "/" in name else name
 
 
-@per_results_file("calibration_proxy*.json", "PYTHONPATH=. python3 benchmarks/calibration_sweep.py", "CPU")
+@per_results_file("calibration_proxy*.json", "python3 -m benchmarks.calibration_sweep", "CPU")
 def render_calibration_proxy(path: str, data: dict) -> list[str]:
     parts = []
     evals = data.get("evals", {})
@@ -485,7 +484,7 @@ EXTEND_COLUMNS = (("oscar_int2_us", "oscar, INT2 prefix read (the run's default 
                   ("flashinfer_bf16_us", "FlashInfer BF16 prefill"))
 
 
-@per_results_file("extend_*.json", "python3 benchmarks/bench_extend.py", "one GPU")
+@per_results_file("extend_*.json", "python3 -m benchmarks.bench_extend", "one GPU")
 def render_extend(path: str, data: dict) -> list[str]:
     parts = []
     png = os.path.splitext(path)[0] + ".png"
@@ -503,7 +502,7 @@ def render_extend(path: str, data: dict) -> list[str]:
     return parts
 
 
-@per_results_file("tp_*.json", "python3 benchmarks/tp_check.py --rotations FILE --tp 2", "two GPUs")
+@per_results_file("tp_*.json", "python3 -m benchmarks.tp_check --rotations FILE --tp 2", "two GPUs")
 def render_tp(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
@@ -609,7 +608,7 @@ def _headline_server(results_dir: str) -> list[list[str]]:
 def render_headline(results_dir: str) -> str:
     rows = _headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_server(results_dir)
     if not rows:
-        return none_yet("python3 benchmarks/capacity.py", "one GPU; see benchmarks/RESULTS.md")
+        return none_yet("python3 -m benchmarks.capacity", "one GPU; see benchmarks/RESULTS.md")
     return table(["measured", "oscar_int2", "BF16"], rows)
 
 
@@ -690,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             elif new != old:
                 stale = [n for n in sections_in(old) if update(_only(old, n), a.results) != _only(old, n)]
                 print(f"{path}: stale report sections {', '.join(stale)}; run: "
-                      f"python3 benchmarks/report.py --write", file=sys.stderr)
+                      f"python3 -m benchmarks.report --write", file=sys.stderr)
                 status = 1
     return status
 

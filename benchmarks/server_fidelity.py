@@ -15,7 +15,7 @@ oscar-eval's simulator and tinylm-A.eval.json:
   each) through ``/v1/completions`` (OpenAI client), greedy, 10 tokens; a hit when the
   first 6 characters are the value.
 
-    python benchmarks/server_fidelity.py --method naive=R/naive.safetensors \\
+    python -m benchmarks.server_fidelity --method naive=R/naive.safetensors \\
         --method hadamard=R/hadamard.safetensors --method oscar=R/oscar.safetensors
 
 writes benchmarks/results/server_tinylm-A.json
@@ -27,15 +27,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from server_harness import ROOT, Server, default_model, log, previous_entries, run_script, save_json  # noqa: E402
-
-from calibration.fidelity import tasks  # noqa: E402
+from benchmarks.server_harness import ROOT, Server, default_model, log, previous_entries, run_script, save_json
+from calibration.fidelity import tasks
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "server_tinylm-A.json")
 DEFAULT_LOGS = os.path.join(ROOT, "benchmarks", "results", "server_logs")

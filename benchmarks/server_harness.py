@@ -26,8 +26,6 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 _LIVE: list["Server"] = []
 _T0 = time.monotonic()

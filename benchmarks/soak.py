@@ -19,7 +19,7 @@ cache evicts and decode may retract:
    reference); their greedy outputs are compared token by token with the concurrent ones;
 4. idle check again; the log is scanned for the leak messages and for tracebacks.
 
-    python benchmarks/soak.py [--rotations FILE]
+    python -m benchmarks.soak [--rotations FILE]
 
 writes benchmarks/results/soak_tinylm-A.json (summary per configuration, "pass" = server up,
 no leak / traceback, no failed request) and the logs to benchmarks/results/soak_logs/.
@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shlex
-import sys
 import threading
 import time
 import urllib.request
@@ -39,10 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from server_harness import (ROOT, Server, ServerDied, default_model, first_divergence, log,  # noqa: E402
-                            previous_entries, run_script, save_json)
+from benchmarks.server_harness import (ROOT, Server, ServerDied, default_model, first_divergence, log,
+                                       previous_entries, run_script, save_json)
 
 CONFIGS = ("oscar_int2", "bf16", "fp8_e4m3")
 # server arguments per configuration beyond the common ones; the controls use SGLang's triton
@@ -248,7 +245,7 @@ def main(argv=None) -> int:
     if "oscar_int2" in configs and rotations is None:
         import tempfile
 
-        from capacity import write_shape_rotations
+        from benchmarks.capacity import write_shape_rotations
 
         rotations = write_shape_rotations(args.model, os.path.join(tempfile.gettempdir(), "oscar-soak",
                                                                    "hadamard.safetensors"), 32)

@@ -1,8 +1,8 @@
 """Where stage 1's time goes: the default decode timed side by side with ablated builds of its
 INT2 loop, each with a cold cache (as bench_kernels times it) and with an L2-resident one.
 
-    python benchmarks/stage1_ablation.py --cases 8x65536,64x131072 --out OUT.json [--tag T]
-    python benchmarks/stage1_ablation.py --sass      # CPU: sm_90 loop instructions per build
+    python -m benchmarks.stage1_ablation --cases 8x65536,64x131072 --out OUT.json [--tag T]
+    python -m benchmarks.stage1_ablation --sass      # CPU: sm_90 loop instructions per build
 
 Builds (``ABLATIONS``): the kernels are compiled with a @triton.jit helper of
 oscar_kernels.triton_hybrid_attn swapped for a cheaper one, so their numerics are wrong on
@@ -36,13 +36,12 @@ from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402  (puts the checkout and tests/ on sys.path)
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-import oscar_kernels.triton_decode as td  # noqa: E402
-import oscar_kernels.triton_hybrid_attn as tha  # noqa: E402
+import oscar_kernels.triton_decode as td
+import oscar_kernels.triton_hybrid_attn as tha
+from benchmarks import bench_kernels as bk
 
 RESIDENT_TOKENS = 4096
 
@@ -101,7 +100,7 @@ def resident(sc):
 
 
 def time_case(b: int, n: int, builds, use_resident: bool) -> list[dict]:
-    import kernel_cases as kc
+    from oscar_kernels import testing as kc
     import torch
     layout = bk.Layout()
     copies = bk.layout_copies(b, n, bk.l2_bytes(), layout)
@@ -125,7 +124,7 @@ SASS_CASES = ("k32_v128_float8_scales", "k32_v128_shallow")  # tests/aot_sm90.py
 def sass_counts(builds, cases=SASS_CASES) -> list[dict]:
     """sm_90 stage-1 build of each ablation (tests/aot_sm90.py, no GPU): registers, spills,
     the INT2 loop's instructions and opcodes, for the deep (3 stages, int64) and shallow pipelines."""
-    import aot_sm90
+    from oscar_kernels import aot_sm90
     out = []
     for name in builds:
         with ablated(name):  # one cache directory per build: its other kernels compile once

@@ -10,7 +10,7 @@ head and loads only that head's rotations; tp=4 replicates each head on two rank
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 are set for every server unless already set).
 
-    python benchmarks/tp_check.py --rotations tinylm-A.oscar.safetensors [--tp 2]
+    python -m benchmarks.tp_check --rotations tinylm-A.oscar.safetensors [--tp 2]
 
 writes benchmarks/results/tp_tinylm-A.json: per configuration and tp, start-up time and
 ``max_total_num_tokens``; per configuration the prompts whose outputs are equal, those
@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from server_harness import (ROOT, Server, agree_up_to_a_near_tie, default_model, first_divergence, log,  # noqa: E402
-                            run_script, save_json)
+from benchmarks.server_harness import (ROOT, Server, agree_up_to_a_near_tie, default_model, first_divergence, log,
+                                       run_script, save_json)
 
 CONFIGS = ("oscar_int2", "bf16")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

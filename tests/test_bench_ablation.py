@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from oscar_kernels import testing as kc
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sa = pytest.importorskip("stage1_ablation")
-import kernel_cases as kc  # noqa: E402
+sa = pytest.importorskip("benchmarks.stage1_ablation")
 
 
 def test_resident_table_maps_every_request_onto_request_one_first_slots():
@@ -50,8 +50,8 @@ def test_swapped_build_loses_the_unpacking_and_leaves_the_shared_cache_to_the_sh
     compiled first against the same TRITON_CACHE_DIR, must not be what the shipped decode then
     loads (Triton's on-disk keys do not see swapped helpers); the shipped compile comes before
     the ablation's own default build, which would otherwise rewrite the shared entry."""
-    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); sys.path.insert(0, 'tests'); "
-            "import stage1_ablation as sa, aot_sm90; case = 'k32_v128_float8_scales'; "
+    code = ("import json; from benchmarks import stage1_ablation as sa; from oscar_kernels import aot_sm90; "
+            "case = 'k32_v128_float8_scales'; "
             "no_unpack = sa.sass_counts(['no_unpack'], [case])[0]; "
             "r = [x for x in aot_sm90.run(case) if x['kernel'] == '_decode_stage1'][0]; "
             "default = sa.sass_counts(['default'], [case])[0]; "

@@ -1,8 +1,6 @@
 """benchmarks/bench_extend.py's OSCAR launches run (interpreted, CPU, one small chunk) and
 both prefix reads agree, so a GPU run spends its minutes measuring, not crashing."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,13 +8,12 @@ import torch
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CUDA present: the benchmark itself runs there", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def test_bench_extend_launches_agree_on_cpu():
     from test_kernels_interpret import triton_extend_mod  # interpreted kernel modules
 
-    import bench_extend
+    from benchmarks import bench_extend
 
     chunk = bench_extend.Chunk(200, 16, device="cpu")
     outs = []
@@ -31,7 +28,7 @@ def test_bench_extend_launches_agree_on_cpu():
 
 
 def test_bench_extend_plots_what_a_run_timed(tmp_path):
-    import bench_extend
+    from benchmarks import bench_extend
 
     result = {"device": "cpu", "cases": [
         {"prefix": 0, "new": 8192, "oscar_int2_us": 8906.7, "oscar_flashinfer_us": 4038.7},

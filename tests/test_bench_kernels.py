@@ -1,13 +1,9 @@
 """benchmarks/bench_kernels.py's cold-L2 bookkeeping on CPU: the copies that push a case's
 working set past 4 x L2 (sized by the bytes decode reads) and the function that runs every layer in turn."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-bk = pytest.importorskip("bench_kernels")
+bk = pytest.importorskip("benchmarks.bench_kernels")
 
 
 def test_copies_exceed_four_l2_and_stop_at_one():
@@ -53,7 +49,7 @@ def test_cases_option_names_table_cases():
 
 def test_stage1_variants_parse_named_decode_configs():
     import argparse
-    import bench_stage1_variants as bsv
+    from benchmarks import bench_stage1_variants as bsv
     assert bsv.parse_variant('slot_ahead=off={"slot_ahead": false}') == ("slot_ahead=off", {"slot_ahead": False})
     assert bsv.parse_variant("default={}") == ("default", {})
     assert bsv.parse_variant('max_registers=168={"max_registers": 168}') == ("max_registers=168",
@@ -65,7 +61,7 @@ def test_stage1_variants_parse_named_decode_configs():
 
 def test_stage1_variants_parse_storage_orders():
     import argparse
-    import bench_stage1_variants as bsv
+    from benchmarks import bench_stage1_variants as bsv
     assert bsv.parse_storage("head_major,slot_major") == ["head_major", "slot_major"]
     assert bsv.parse_storage("slot_major") == ["slot_major"]
     for bad in ("", "row_major", "head_major,nhd"):

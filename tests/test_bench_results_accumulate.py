@@ -1,11 +1,7 @@
 """A benchmark split over several GPU calls accumulates in one JSON (server_harness.previous_entries)."""
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from server_harness import previous_entries  # noqa: E402
+from benchmarks.server_harness import previous_entries
 
 
 def _write(path, settings, methods):
@@ -30,7 +26,7 @@ def test_other_settings_or_model_or_no_file_start_fresh(tmp_path):
 
 
 def test_first_divergence():
-    from server_harness import first_divergence
+    from benchmarks.server_harness import first_divergence
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) == -1
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
@@ -41,7 +37,7 @@ def test_tp_check_prompts_and_refusals():
     import numpy as np
     import pytest
 
-    import tp_check
+    from benchmarks import tp_check
 
     stream = np.arange(100_000)
     prompts = tp_check.build_prompts(stream, 4, 100, 400)
@@ -54,7 +50,7 @@ def test_tp_check_prompts_and_refusals():
 
 
 def test_near_tie_rule():
-    from server_harness import agree_up_to_a_near_tie as agree
+    from benchmarks.server_harness import agree_up_to_a_near_tie as agree
 
     top = [{"a": -0.1, "x": -3.0}, {"R": -3.119, "J": -3.182}, {"c": -0.5, "d": -0.7}]
     assert agree(["a", "R", "c"], ["a", "R", "c"], top, 0.1) is None
@@ -66,7 +62,7 @@ def test_near_tie_rule():
 
 
 def test_tp_check_classifies_divergences():
-    import tp_check
+    from benchmarks import tp_check
 
     prompts = [[1] * 10, [2] * 20, [3] * 30]
     ref = [([5, 6, 7], [{5: -0.1}, {6: -1.0, 9: -1.05}, {7: -0.2}]),

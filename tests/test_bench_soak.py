@@ -1,12 +1,8 @@
 """benchmarks/soak.py's server-log scan on CPU."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def test_soak_log_scan_counts_retractions_and_leaks():
-    from soak import scan_log
+    from benchmarks.soak import scan_log
 
     text = ("[x] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_tokens_gained: 90\n"
             "[x] server_args=ServerArgs(..., retract_decode_steps=20)\n"

@@ -293,10 +293,7 @@ def test_fake_int2_ablation_attributes_the_error(tiny, stream):
 
 def test_int2_parts_ablation_script(tinylm_dir, tmp_path):
     """benchmarks/fidelity_int2_parts.py: three oscar-eval runs on the same prompts, one JSON."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import fidelity_int2_parts
+    from benchmarks import fidelity_int2_parts
     shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
     rot_path = tmp_path / "hadamard.safetensors"
     save_rotations(str(rot_path), baseline_rotations(shape, "tinylm-A", "hadamard", 32))

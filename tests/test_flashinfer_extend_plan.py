@@ -99,7 +99,7 @@ def test_run_glues_rotation_materialisation_and_merge_like_the_reference(monkeyp
     stub = types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_TorchRaggedPrefill,
                                  merge_state=_torch_merge_state)
     monkeypatch.setitem(sys.modules, "flashinfer", stub)
-    import kernel_cases as kc
+    from oscar_kernels import testing as kc
     from oscar_kernels import flashinfer_extend
     fe = importlib.reload(flashinfer_extend)  # bind the interpreted kernel modules
     prefix, new = [24, 0, 40], [5, 7, 3]

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import kernel_cases as kc
+from oscar_kernels import testing as kc
 
 pytestmark = pytest.mark.gpu
 

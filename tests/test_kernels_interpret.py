@@ -15,7 +15,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
-import kernel_cases as kc  # noqa: E402
+from oscar_kernels import testing as kc  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
 _KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_hybrid_attn", "oscar_kernels.triton_store",

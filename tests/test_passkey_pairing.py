@@ -1,35 +1,20 @@
 """Passkey through the server: per-prompt hits in one order for every method, and the
 report's paired gap with its 95% half-width (a gap of 0.02 needs hundreds of prompts)."""
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def _report():
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["report"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import report, targets
 
 
 def test_paired_gap_and_its_half_width():
-    import targets
-
     gap, half = targets.paired_gap([1, 1, 0, 1], [1, 0, 0, 1])  # differences 0, 1, 0, 0
     assert gap == pytest.approx(0.25) and half == pytest.approx(1.96 * 0.5 / 2)
     assert targets.paired_gap([1, 0, 1], [1, 0, 1]) == (0.0, 0.0)
 
 
 def test_fidelity_table_shows_the_paired_interval_when_hits_are_recorded():
-    report = _report()
     methods = {"bf16": {"ppl_8k": 5.0, "passkey": {"8192": 0.75}, "passkey_hits": {"8192": [1, 1, 1, 0]}},
                "oscar": {"ppl_8k": 5.1, "passkey": {"8192": 0.5}, "passkey_hits": {"8192": [1, 0, 1, 0]}}}
     text = report.fidelity_table(methods)
@@ -40,7 +25,8 @@ def test_fidelity_table_shows_the_paired_interval_when_hits_are_recorded():
 
 def test_passkey_records_hits_per_prompt_in_prompt_order(monkeypatch):
     import openai
-    import server_fidelity
+
+    from benchmarks import server_fidelity
 
     cases = [((2048, 0.1, 0), "abc123", "abc123"), ((2048, 0.1, 1), "yyyyyy", "zzzzzz"),
              ((2048, 0.5, 0), "def456", "def456"), ((4096, 0.1, 0), "ghi789", "nope!!")]
@@ -64,8 +50,6 @@ def test_paired_passkey_target_is_missed_only_when_the_interval_excludes_the_bou
     """targets.passkey_paired: a gap resolved below -0.02 is "missed"; one whose interval
     reaches -0.02 is not (the run cannot tell it from the target)."""
     import json
-
-    import targets
 
     def write(osc_hits):
         data = {"methods": {"bf16": {"passkey_hits": {"8192": [1] * 100}},

@@ -4,7 +4,6 @@ The stand-ins speak the same interfaces the real ones do (/health, /server_info,
 JSONL that sglang.benchmark.serving appends), so these tests check the driver: commands,
 capacity arithmetic, phase bookkeeping, partial results, and that no server outlives it.
 """
-import importlib.util
 import json
 import os
 import sys
@@ -13,18 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import capacity, e2e
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-e2e = _load("e2e")
 
 FAKE_SERVER = textwrap.dedent('''
     import http.server, json, os, sys, time
@@ -261,7 +251,7 @@ def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     assert data["configs"]["oscar_int2"]["server_cmd"].count(st["oscar_rotations"]) == 1
     # a file given with --rotations: e2e records that file's layout
     g128 = str(tmp_path / "g128.safetensors")
-    sys.modules["capacity"].write_shape_rotations(str(tmp_path), g128, 128, None, "float16")
+    capacity.write_shape_rotations(str(tmp_path), g128, 128, None, "float16")
     assert e2e.main(_argv(tmp_path, _free_port(), "--configs", "oscar_int2", "--phases", "capacity",
                           "--rotations", g128)) == 0
     st2 = json.loads((tmp_path / "out" / "e2e.json").read_text())["settings"]
@@ -270,8 +260,7 @@ def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     assert e2e.main(_argv(tmp_path, _free_port(), "--configs", "oscar_int2", "--phases", "capacity")) == 0
     st3 = json.loads((tmp_path / "out" / "e2e.json").read_text())["settings"]
     assert st3["oscar_layout"] == {"group_size": 32, "value_group_size": 128, "scale_dtype": "float8_e4m3fn"}
-    capacity = sys.modules["capacity"]  # capacity.py records the same, from --rotations too
-    from types import SimpleNamespace
+    from types import SimpleNamespace  # capacity.py records the same, from --rotations too
     assert capacity.rotations_meta(SimpleNamespace(rotations=st["oscar_rotations"])) == st["oscar_layout"]
     os.remove(st["oscar_rotations"])
     assert capacity.rotations_meta(SimpleNamespace(rotations=None, group_size=32, value_group_size=None,

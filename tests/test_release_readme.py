@@ -1,7 +1,6 @@
 """README.md and benchmarks/RESULTS.md stay true to the code: generated tables, flags,
 defaults, refusals, commands, links, and the OpenAI client example (run against a
 stand-in server)."""
-import importlib.util
 import json
 import re
 import subprocess
@@ -12,21 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import report
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
 RESULTS_TEXT = RESULTS_MD.read_text()
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load(ROOT / "benchmarks" / "report.py", "report")
+REPORT = [sys.executable, "-m", "benchmarks.report"]  # run with cwd=ROOT
 
 
 def _section(title: str) -> str:
@@ -43,20 +34,18 @@ def test_result_tables_are_generated_from_the_results_files():
     assert report.sections_in(README) == ["headline"]
     assert sorted(report.sections_in(RESULTS_TEXT)) == sorted(set(report.SECTIONS) - {"headline"})
     assert [str(ROOT / "README.md"), str(RESULTS_MD)] == [str(d) for d in report.DOCUMENTS]
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run([*REPORT, "--check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
 
 
 def test_check_and_write_cover_both_documents(tmp_path):
     stale = tmp_path / "doc.md"
     stale.write_text("<!-- report:capacity -->\nold\n<!-- /report:capacity -->\n")
-    script = str(ROOT / "benchmarks" / "report.py")
-    r = subprocess.run([sys.executable, script, "--check", str(ROOT / "README.md"), str(stale)],
-                       capture_output=True, text=True)
+    r = subprocess.run([*REPORT, "--check", str(ROOT / "README.md"), str(stale)], capture_output=True, text=True,
+                       cwd=ROOT)
     assert r.returncode == 1 and "doc.md: stale report sections capacity" in r.stderr
-    r = subprocess.run([sys.executable, script, "--results", str(_e2e_fixture(tmp_path)), "--write", str(stale)],
-                       capture_output=True, text=True)
+    r = subprocess.run([*REPORT, "--results", str(_e2e_fixture(tmp_path)), "--write", str(stale)],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "700,000" in stale.read_text(), r.stderr
 
 
@@ -258,6 +247,17 @@ def test_scripts_named_in_the_docs_exist():
         for path in set(re.findall(r"\b((?:benchmarks|examples|docker|tests|\.ci)/[\w./-]+\.(?:py|sh)|docker/Dockerfile)\b",
                                    text)):
             assert (ROOT / path).is_file(), f"{name} names {path}, which does not exist"
+        for module in set(re.findall(r"python3? -m ((?:benchmarks|oscar_kernels|calibration|sglang_ext)(?:\.\w+)+)", text)):
+            path = module.replace(".", "/")
+            assert (ROOT / f"{path}.py").is_file() or (ROOT / path / "__main__.py").is_file(), \
+                f"{name} runs {module}, which does not exist"
+
+
+def test_docs_run_benchmarks_as_modules():
+    # run as a file, a benchmark does not find the `benchmarks` package that its imports name
+    for name, text in DOCS.items():
+        hits = re.findall(r"python3? (?:benchmarks|tests)/\w+\.py", text)
+        assert not hits, f"{name} runs {hits} as files: use python3 -m benchmarks.<script> from the repository root"
 
 
 def test_links_and_results_files_in_the_docs_exist():

@@ -1,12 +1,8 @@
 """benchmarks/targets.py: verdicts follow the results files (met / missed / not measured)."""
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import targets  # noqa: E402
+from benchmarks import targets
 
 
 def _write(d: Path, name: str, data: dict) -> None:
@@ -67,7 +63,7 @@ def test_e2e_throughput_is_judged_against_the_faster_bf16(tmp_path):
 
 
 def test_fidelity_table_shows_deltas_and_first_token_logprob():
-    import report
+    from benchmarks import report
 
     ref = {"ppl_8k": 5.0, "passkey": {"2048": 1.0, "8192": 0.9},
            "passkey_first_token_logprob": {"2048": -0.1, "8192": -0.5}}

@@ -45,8 +45,7 @@ NEAR_TIE = 0.1  # nats between BF16's first and second choice
 
 
 def _harness():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import server_harness
+    from benchmarks import server_harness
 
     return server_harness
 
@@ -266,7 +265,7 @@ def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, 
     if read == default:
         pytest.skip(f"the module server already reads {read} (flashinfer does not import)")
     h = _harness()
-    import server_fidelity
+    from benchmarks import server_fidelity
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tok((ROOT / "sglang_ext" / "backend.py").read_text() * 4)["input_ids"][:3000]

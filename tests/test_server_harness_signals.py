@@ -11,9 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sigterm_ends_a_pytest_session_using_the_harness(tmp_path):
     marker = tmp_path / "second_test_ran"
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(f"""
-        import os, signal, sys
-        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
-        import server_harness  # noqa: F401  (installs the handlers)
+        import os, signal
+        from benchmarks import server_harness  # noqa: F401  (installs the handlers)
 
         def test_first():
             os.kill(os.getpid(), signal.SIGTERM)
@@ -21,7 +20,8 @@ def test_sigterm_ends_a_pytest_session_using_the_harness(tmp_path):
         def test_second():
             open({str(marker)!r}, "w").close()
     """))
+    # python -m from the checkout: `benchmarks` imports from there
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode != 0
     assert not marker.exists(), done.stdout[-2000:]

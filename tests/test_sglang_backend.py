@@ -16,7 +16,7 @@ pytest.importorskip("sglang")
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from kernel_cases import random_rotation  # noqa: E402
+from oscar_kernels.testing import random_rotation  # noqa: E402
 from oscar_kernels.int2 import dequantise, quantise_rotated, unpack  # noqa: E402
 from oscar_kernels.reference import _attend, expand_gqa, rotate  # noqa: E402
 from sglang_ext.backend import OscarAttnBackend, rid_hash  # noqa: E402

@@ -104,7 +104,7 @@ def test_planned_request_rows():
 
 def small_pool(size=256, page=16, layers=2, heads=2, dim=64, group=32, sink=4, window=8, rows=5,
                seed=0, **kw):
-    from kernel_cases import random_rotation
+    from oscar_kernels.testing import random_rotation
 
     g = torch.Generator().manual_seed(seed)
     rots = [random_rotation(heads, dim, g) for _ in range(layers)]

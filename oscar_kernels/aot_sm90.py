@@ -5,7 +5,7 @@ kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 
 then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
 layouts, shared memory) on a machine without CUDA.
 
-Usage: python tests/aot_sm90.py [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes] [--dump DIR]
+Usage: python -m oscar_kernels.aot_sm90 [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes] [--dump DIR]
 (prints one JSON line per kernel: registers, spills, and per loop of its SASS the instruction
 count, spill instructions and, with --opcodes, the opcode histogram; --dump writes each
 kernel's TTGIR, PTX and SASS to DIR/CASE.KERNEL.{ttgir,ptx,sass})
@@ -24,14 +24,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -213,7 +208,7 @@ CASES = {
 
 
 def run(case: str) -> list[dict]:
-    import kernel_cases as kc
+    from oscar_kernels import testing as kc
     from oscar_kernels.triton_decode import DecodeConfig, triton_decode
     from oscar_kernels.triton_extend import ExtendConfig, triton_extend
     from oscar_kernels.triton_store import triton_store

@@ -1,4 +1,4 @@
-"""Builders of small hybrid-cache scenarios shared by the kernel tests (CPU and GPU).
+"""Builders of small hybrid-cache scenarios shared by the kernel tests (CPU and GPU) and benchmarks.
 
 A scenario holds B requests with given cached lengths; each request's positions map to
 slots on randomly permuted pages (page 0 is never used, as in SGLang). Content is written
