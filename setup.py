@@ -20,11 +20,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["calibration*", "oscar_kernels*", "sglang_ext*"]) + ["sglang_ext.patches"],
-    # the repository's patches/*.diff ship inside the package as sglang_ext/patches/
-    # (found by `oscar-sglang patch` after a non-editable install too)
-    package_dir={"sglang_ext.patches": "patches"},
-    package_data={"sglang_ext.patches": ["*.diff"]},
+    packages=find_packages(include=["calibration*", "oscar_kernels*", "sglang_ext*"]),
     install_requires=[
         "torch==2.11.0",
         "transformers==5.12.1",

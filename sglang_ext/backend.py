@@ -26,6 +26,9 @@ Decode uses only the batch's static tensors (``req_pool_indices``, ``seq_lens``,
 ``positions``, ``out_cache_loc``) and the pool's persistent ones; its only per-batch
 state update (``ring_end``) runs in ``init_forward_metadata_in_graph``, so a CUDA-graph
 decode needs no host synchronisation and allocates nothing outside the graph.
+
+The oscar settings (the prefix read) come from the server arguments, resolved once when
+SGLang builds the backend (:meth:`OscarAttnBackend.from_model_runner`).
 """
 from __future__ import annotations
 
@@ -35,15 +38,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-from sglang.srt.layers.radix_attention import AttentionType
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import assign_sink_slots, sink_slots_in_use
 
 from .pool import OscarKVPool, OscarWriteMeta
-from .settings import resolve_extend_prefix
+from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
+from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -144,73 +145,82 @@ def plan_extend(pool: OscarKVPool, fb, live_rows: Optional[Callable[[], Optional
                       slots=slots, write=write)
 
 
-class OscarAttnBackend(TritonAttnBackend):
+def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False):
+    """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device`` and build
+    FlashInfer's extend where it is the read: ("int2" | "bf16" | "flashinfer", the FlashInfer
+    extend or None)."""
+    cuda = torch.device(device).type == "cuda"
+    fi_extend, fi_error = None, None
+    # build FlashInfer's extend where the read would be FlashInfer if it imports
+    if resolve_extend_prefix(choice, cuda, True, deterministic) == "flashinfer" and cuda:
+        try:
+            fi_extend = api.make_flashinfer_extend(device)
+        except ImportError as e:
+            fi_error = e
+    read = resolve_extend_prefix(choice, cuda, fi_extend is not None, deterministic)
+    if read == "flashinfer" and cuda and fi_extend is None:
+        raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({fi_error})")
+    if fi_error is not None:
+        logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", fi_error)
+    return read, fi_extend
+
+
+class OscarAttnBackend(AttentionBackend):
     """The ``--attention-backend oscar`` backend (needs ``--kv-cache-dtype oscar_int2``).
 
-    Subclasses TritonAttnBackend for its constructor state and its place in SGLang's
-    runners; the oscar kernels read ``req_to_token`` directly, so Triton's kv-index
-    metadata and CUDA-graph index buffers are not built."""
+    The oscar kernels read ``req_to_token`` directly, so no kv-index metadata or CUDA-graph
+    index buffers are built; SGLang's graph runners see the AttentionBackend interface
+    (metadata out of and in the graph, ``init_cuda_graph_state``, the padding fill value)."""
 
-    def __init__(self, model_runner):
-        from .plugin import missing_hooks
+    # extend batches read their host length lists; decode reads no host sequence lengths
+    needs_cpu_seq_lens: bool = False
 
-        missing = missing_hooks()
-        if missing:
-            raise RuntimeError(f"oscar plugin hook not applied: {missing[0]} (was the "
-                               "'oscar' sglang.srt.plugins entry point loaded?)")
-        super().__init__(model_runner)
-        req_pool = model_runner.req_to_token_pool
-        self._init_oscar(model_runner.token_to_kv_pool, model_runner.model_config.v_head_dim,
-                         deterministic=bool(model_runner.server_args.enable_deterministic_inference),
-                         context_len=model_runner.model_config.context_len,
-                         live_rows=lambda: rows_in_use(req_pool))
+    @classmethod
+    def from_model_runner(cls, model_runner) -> "OscarAttnBackend":
+        """The backend SGLang's registry builds for a model runner, with the oscar settings
+        of its server arguments."""
+        sa, mc = model_runner.server_args, model_runner.model_config
+        deterministic = bool(sa.enable_deterministic_inference)
+        return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
+                   num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
+                   extend_prefix=oscar_settings(sa).extend_prefix, deterministic=deterministic,
+                   context_len=mc.context_len)
 
-    def _init_oscar(self, pool, v_head_dim: int, deterministic: bool = False, context_len: int = 0,
-                    live_rows: Optional[Callable[[], Optional[list[int]]]] = None) -> None:
-        """``deterministic`` (--enable-deterministic-inference): a request's outputs do not
-        depend on the batch around it: batch-invariant decode splits for ``context_len``
-        tokens (triton_decode.batch_invariant_config) and the INT2 prefix read.
-        ``live_rows``: see plan_extend (rows_in_use of SGLang's req_to_token pool)."""
+    def __init__(self, pool, req_to_token_pool, *, num_q_heads: int,
+                 extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
+                 context_len: int = 0):
+        """``pool``: the OscarKVPool; ``req_to_token_pool``: SGLang's request pool (its host
+        free list gives the rows of live requests, whose sink slots new sequences must not
+        take; see plan_extend); ``num_q_heads``: query heads on this rank; ``extend_prefix``:
+        --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference): a
+        request's outputs do not depend on the batch around it: batch-invariant decode splits
+        for ``context_len`` tokens (triton_decode.batch_invariant_config) and the INT2
+        prefix read."""
         if not isinstance(pool, OscarKVPool):
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
                              f"(the KV pool is {type(pool).__name__})")
-        self.pool = pool
-        self._live_rows = live_rows
-        # TritonAttnBackend read v_head_dim from the packed uint8 buffer (D/4): fix it.
-        self.v_head_dim = v_head_dim
+        # SGLang's forward context reads the pools from the backend (get_token_to_kv_pool)
+        self.token_to_kv_pool = self.pool = pool
+        self.req_to_token_pool = req_to_token_pool
         self._extend_plan: Optional[ExtendPlan] = None
         self._checked_layers: set[int] = set()
+        self.prefix_read, self._fi_extend = choose_prefix_read(
+            extend_prefix, pool.req_to_token.device, deterministic)
+        # FlashInfer's prefill over the materialised prefix is planned once per extend batch,
+        # on its first layer
+        self._fi_planned = None
         # Decode scratch for the largest possible batch (one per request row), allocated
         # once here, before CUDA-graph capture: decode then allocates nothing.
         self._decode_workspace = None
-        # --oscar-extend-prefix flashinfer (the "auto" default on CUDA): FlashInfer's prefill
-        # over the materialised prefix (planned once per extend batch, on its first layer)
-        self._fi_extend, self._fi_planned = None, None
-        self.prefix_read = self._make_prefix_read(pool, deterministic)
         if api.use_triton(pool.req_to_token):
             rows = pool.req_to_token.shape[0]
-            config = api.batch_invariant_decode_config(context_len, rows, self.num_head, pool.head_dim) \
+            config = api.batch_invariant_decode_config(context_len, rows, num_q_heads, pool.head_dim) \
                 if deterministic else None
             self._decode_workspace = api.make_decode_workspace(
-                rows, self.num_head, self.num_kv_head, pool.head_dim, pool.req_to_token.device, config)
+                rows, num_q_heads, pool.plan.num_kv_heads, pool.head_dim, pool.req_to_token.device, config)
 
-    def _make_prefix_read(self, pool, deterministic: bool = False) -> str:
-        """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) and build FlashInfer's
-        extend where it is the read; returns "int2", "bf16" or "flashinfer"."""
-        cuda = pool.req_to_token.is_cuda
-        fi_error = None
-        # build FlashInfer's extend where the read would be FlashInfer if it imports
-        if resolve_extend_prefix(pool.extend_prefix, cuda, True, deterministic) == "flashinfer" and cuda:
-            try:
-                self._fi_extend = api.make_flashinfer_extend(pool.req_to_token.device)
-            except ImportError as e:
-                fi_error = e
-        read = resolve_extend_prefix(pool.extend_prefix, cuda, self._fi_extend is not None, deterministic)
-        if read == "flashinfer" and cuda and self._fi_extend is None:
-            raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({fi_error})")
-        if fi_error is not None:
-            logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", fi_error)
-        return read
+    def _live_rows(self) -> Optional[list[int]]:
+        return rows_in_use(self.req_to_token_pool) if self.req_to_token_pool is not None else None
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -239,6 +249,10 @@ class OscarAttnBackend(TritonAttnBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         """Nothing to pre-allocate: decode reads the runner's static batch buffers."""
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        """Padded graph rows decode one token of SGLang's padding row (row 0, slot 0)."""
+        return 1
 
     # -- forward ----------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from .sglang_bridge import AddReqResult
+
 logger = logging.getLogger(__name__)
 
 # this scheduler process's cut alignment (None: SGLang's behaviour unchanged)
@@ -73,8 +75,6 @@ def ignore_eos_hook(original, adder, req, *args, **kwargs):
         return original(adder, req, *args, **kwargs)
 
     def wait():
-        from sglang.srt.managers.schedule_policy import AddReqResult
-
         return AddReqResult.OTHER
     return _aligned_call(original, adder, req, args, kwargs, adder.rem_chunk_tokens, wait)
 

@@ -1,7 +1,6 @@
-"""``oscar-sglang``: SGLang's server with the OSCAR plugin loaded, plus ``patch``.
+"""``oscar-sglang``: SGLang's server with the OSCAR plugin loaded.
 
     oscar-sglang [serve] <SGLang server arguments + --oscar-* flags>
-    oscar-sglang patch --check | --apply | --revert [--sglang-dir DIR]
 
 ``serve`` (the default) loads SGLang's plugins (the ``oscar`` entry point among them),
 parses exactly what ``sglang serve`` parses (plus the oscar flags) and runs SGLang's
@@ -15,7 +14,6 @@ import sys
 
 USAGE = """usage: oscar-sglang [serve] <model-path> | --model-path PATH [SGLang server arguments]
                     [--kv-cache-dtype oscar_int2 --oscar-rotations FILE [--oscar-* ...]]
-       oscar-sglang patch {--check,--apply,--revert} [--sglang-dir DIR]
 
 SGLang 0.5.17 with the OSCAR 2-bit KV cache, on CUDA GPUs. The server arguments are
 SGLang's own (`oscar-sglang --help` lists them); the oscar ones are in its group
@@ -32,7 +30,9 @@ def _plugin_visible_to_subprocesses() -> str | None:
     they only run sglang's load_plugins(), which finds installed entry points."""
     from importlib.metadata import entry_points
 
-    if "oscar" not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}:
+    from .sglang_bridge import GENERAL_PLUGINS_GROUP
+
+    if "oscar" not in {ep.name for ep in entry_points(group=GENERAL_PLUGINS_GROUP)}:
         return ("the 'oscar' SGLang plugin entry point is not installed "
                 "(pip install oscar-sglang, or pip install -e <checkout>)")
     allowed = os.environ.get("SGLANG_PLUGINS", "").strip()
@@ -42,27 +42,27 @@ def _plugin_visible_to_subprocesses() -> str | None:
 
 
 def load_oscar_plugin() -> None:
-    """Run SGLang's plugin loading (as ``sglang serve`` does) and make sure the oscar
-    ServerArgs hooks are in place for parsing even when the entry point is absent."""
-    from sglang.srt.plugins import load_plugins
-
-    from .settings import install_server_args_hooks
+    """Run SGLang's plugin loading (as ``sglang serve`` does) and activate the oscar plugin
+    here even when the entry point is absent, so that parsing knows the oscar flags
+    (check_runtime_ready then says why the scheduler processes would not)."""
+    from .plugin import activate
+    from .sglang_bridge import load_plugins
 
     load_plugins()
-    install_server_args_hooks()
+    activate()
 
 
 def check_runtime_ready(server_args) -> None:
     """For oscar_int2: the plugin registered its attention backend here and will be
     loaded by the scheduler subprocesses."""
     from .settings import OSCAR_ATTENTION_BACKEND, is_oscar
+    from .sglang_bridge import ATTENTION_BACKENDS
 
     if not is_oscar(server_args):
         return
     why = _plugin_visible_to_subprocesses()
     if why:
         raise LaunchError(why)
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     if OSCAR_ATTENTION_BACKEND not in ATTENTION_BACKENDS:
         raise LaunchError("the 'oscar' SGLang plugin did not register its attention backend "
@@ -108,8 +108,12 @@ def serve(argv: list[str]) -> int:
         if why:
             print(f"oscar-sglang: {why}", file=sys.stderr)
             return 2
-    load_oscar_plugin()
-    from sglang.srt.server_args import prepare_server_args
+    try:
+        load_oscar_plugin()
+    except ImportError as e:  # sglang_bridge.SglangBridgeError: sglang missing or not 0.5.17
+        print(f"oscar-sglang: {e}", file=sys.stderr)
+        return 2
+    from .sglang_bridge import kill_process_tree, prepare_server_args, run_server
 
     try:
         server_args = prepare_server_args(_normalise(argv))
@@ -121,9 +125,6 @@ def serve(argv: list[str]) -> int:
         print(f"oscar-sglang: {e}", file=sys.stderr)
         return 2
 
-    from sglang.launch_server import run_server
-    from sglang.srt.utils import kill_process_tree
-
     try:
         run_server(server_args)
     finally:
@@ -133,10 +134,6 @@ def serve(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["patch"]:
-        from .patching import main as patch_main
-
-        return patch_main(argv[1:])
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     if not argv:

@@ -9,9 +9,9 @@ start of every (spawned) scheduler process, so installing the package is all it 
 only on ``PYTHONPATH`` needs its ``*.egg-info``/``*.dist-info`` there too, see
 :func:`write_entry_point_metadata`).
 
-``register()`` (idempotent) calls the serve-config side's
-``settings.install_server_args_hooks()`` (flags, refusals), registers the ``oscar``
-attention backend, and hooks (SGLang's HookRegistry, AROUND/AFTER):
+``register()`` (idempotent) adds the --oscar-* ServerArgs fields, registers the ``oscar``
+attention backend (also among SGLang's deterministic backends) and installs, through
+:mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry, AROUND/AFTER):
 
 1. ``kv_cache_dtype.configure_kv_cache_dtype``: ``oscar_int2`` -> (``"oscar_int2"``, bf16);
 2. ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token;
@@ -24,7 +24,9 @@ attention backend, and hooks (SGLang's HookRegistry, AROUND/AFTER):
 7. ``Scheduler.init_deterministic_inference_config``: with --enable-deterministic-inference,
    prompts are chunked at multiples of --chunked-prefill-size only;
 8. ``PrefillAdder.add_one_req_ignore_eos`` / ``add_chunked_req``: the same alignment on the
-   two chunking paths SGLang leaves unaligned (:mod:`sglang_ext.chunk_alignment`).
+   two chunking paths SGLang leaves unaligned (:mod:`sglang_ext.chunk_alignment`);
+9. ``ServerArgs.add_cli_args`` / ``__init__`` / ``__post_init__`` / ``check_server_args``:
+   the flags and the start-up defaults and refusals (:mod:`sglang_ext.server_args_hooks`).
 Every hook passes through unchanged when the server is not serving ``oscar_int2``.
 """
 from __future__ import annotations
@@ -32,29 +34,27 @@ from __future__ import annotations
 import logging
 import os
 
+from . import chunk_alignment, server_args_hooks
+from .settings import FLAGS, OSCAR_ATTENTION_BACKEND, OSCAR_KV_DTYPE, is_oscar
+from .sglang_bridge import (ATTENTION_BACKEND_CHOICES, ATTENTION_BACKENDS,
+                            DETERMINISTIC_ATTENTION_BACKEND_CHOICES, HOOK_TARGETS, Hook,
+                            HookType, add_attention_backend_choices,
+                            add_deterministic_attention_backend_choices,
+                            add_server_args_fields, apply_hooks, get_token_to_kv_pool,
+                            install_hooks, register_attention_backend)
+
 logger = logging.getLogger(__name__)
 
-OSCAR_BACKEND = "oscar"
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _registered = False
 
 
 def create_oscar_backend(runner):
     from .backend import OscarAttnBackend
 
-    return OscarAttnBackend(runner)
-
-
-def _is_oscar(server_args) -> bool:
-    from .settings import is_oscar
-
-    return is_oscar(server_args)
+    return OscarAttnBackend.from_model_runner(runner)
 
 
 def configure_kv_cache_dtype_hook(original, *args, **kwargs):
-    from .settings import OSCAR_KV_DTYPE
-
     if kwargs.get("server_args_kv_cache_dtype") != OSCAR_KV_DTYPE:
         return original(*args, **kwargs)
     import torch
@@ -67,7 +67,7 @@ def configure_kv_cache_dtype_hook(original, *args, **kwargs):
 
 
 def compute_cell_size_hook(original, configurator, kvc, num_layers):
-    if not _is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args):
         return original(configurator, kvc, num_layers)
     from .pool import plan_for_configurator
 
@@ -76,7 +76,7 @@ def compute_cell_size_hook(original, configurator, kvc, num_layers):
 
 def profile_available_bytes_hook(result, kvc, *args, **kwargs):
     """AFTER: turn SGLang's KV budget into (oscar tokens) x (INT2 bytes per token)."""
-    if not _is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args):
         return None
     from .pool import plan_for_configurator
 
@@ -99,7 +99,7 @@ def profile_available_bytes_hook(result, kvc, *args, **kwargs):
 
 def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
     """AFTER: never more running requests than request rows the rings were reserved for."""
-    if not _is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args):
         return None
     from .pool import plan_for_configurator
 
@@ -107,7 +107,7 @@ def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
 
 
 def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
-    if not _is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args):
         return original(kvc, *args, **kwargs)
     unsupported = [name for name, on in (
         ("MLA", kvc.use_mla_backend), ("hybrid sliding-window", kvc.is_hybrid_swa),
@@ -124,8 +124,6 @@ def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
 
 
 def enable_fused_set_kv_buffer_hook(original, *args, **kwargs):
-    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
-
     from .pool import OscarKVPool
 
     if isinstance(get_token_to_kv_pool(), OscarKVPool):
@@ -140,10 +138,8 @@ def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
     the cache; with the cut points fixed per request (and the radix cache off, which SGLang
     does for backends without deterministic radix support) no prompt is split differently
     under load."""
-    from . import chunk_alignment
-
     sa = scheduler.server_args
-    if not (getattr(sa, "enable_deterministic_inference", False) and _is_oscar(sa)):
+    if not (getattr(sa, "enable_deterministic_inference", False) and is_oscar(sa)):
         chunk_alignment.set_alignment(None)
         return result
     page = sa.page_size or 1
@@ -154,38 +150,30 @@ def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
     return result
 
 
-def _hooks():
-    from sglang.srt.plugins.hook_registry import HookType
-
-    from .chunk_alignment import chunked_req_hook, ignore_eos_hook
-
+def hooks() -> list[Hook]:
+    """Every hook the plugin installs on SGLang (targets: sglang_bridge.HOOK_TARGETS)."""
+    t, around, after = HOOK_TARGETS, HookType.AROUND, HookType.AFTER
     return [
-        ("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
-         configure_kv_cache_dtype_hook, HookType.AROUND),
-        ("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-         compute_cell_size_hook, HookType.AROUND),
-        (f"{_CONFIGURATOR}._profile_available_bytes", profile_available_bytes_hook, HookType.AFTER),
-        (f"{_CONFIGURATOR}.resolve_max_num_reqs", resolve_max_num_reqs_hook, HookType.AFTER),
-        (f"{_CONFIGURATOR}._build_token_to_kv_pool", build_token_to_kv_pool_hook, HookType.AROUND),
-        ("sglang.srt.models.utils.enable_fused_set_kv_buffer", enable_fused_set_kv_buffer_hook,
-         HookType.AROUND),
-        ("sglang.srt.managers.scheduler.Scheduler.init_deterministic_inference_config",
-         deterministic_truncation_hook, HookType.AFTER),
-        (f"{_ADDER}.add_one_req_ignore_eos", ignore_eos_hook, HookType.AROUND),
-        (f"{_ADDER}.add_chunked_req", chunked_req_hook, HookType.AROUND),
+        Hook(t["kv_cache_dtype"], configure_kv_cache_dtype_hook, around),
+        Hook(t["cell_size"], compute_cell_size_hook, around),
+        Hook(t["kv_budget"], profile_available_bytes_hook, after),
+        Hook(t["max_num_reqs"], resolve_max_num_reqs_hook, after),
+        Hook(t["build_pool"], build_token_to_kv_pool_hook, around),
+        Hook(t["fused_rope_store"], enable_fused_set_kv_buffer_hook, around),
+        Hook(t["deterministic_chunks"], deterministic_truncation_hook, after),
+        Hook(t["ignore_eos_chunk"], chunk_alignment.ignore_eos_hook, around),
+        Hook(t["chunked_req"], chunk_alignment.chunked_req_hook, around),
+        Hook(t["cli_args"], server_args_hooks.add_cli_args, after),
+        Hook(t["server_args_init"], server_args_hooks.init, around),
+        Hook(t["server_args_post_init"], server_args_hooks.post_init, around),
+        Hook(t["check_server_args"], server_args_hooks.check_server_args, after),
     ]
 
 
-def missing_hooks() -> list[str]:
-    """Hook targets not (yet) patched in this process. HookRegistry.apply_hooks logs and
-    swallows a failed patch, so the backend checks this before serving."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    return [target for target, _, _ in _hooks() if target not in HookRegistry._patched]
-
-
 def register() -> None:
-    """Entry point: flags, the ``oscar`` backend and the pool hooks (idempotent).
+    """Entry point: the oscar ServerArgs fields, the ``oscar`` backend and the hooks
+    (idempotent; a hook target missing from the installed SGLang raises SglangBridgeError
+    before anything is registered).
 
     The hooks take effect when ``HookRegistry.apply_hooks()`` runs, which
     ``load_plugins()`` does right after all plugins registered; code that calls this
@@ -193,29 +181,23 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
-                                                                register_attention_backend)
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-
-    from .settings import install_server_args_hooks
-
-    install_server_args_hooks()
-    if OSCAR_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(OSCAR_BACKEND)(create_oscar_backend)
-    if OSCAR_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([OSCAR_BACKEND])
-    for target, hook, kind in _hooks():
-        HookRegistry.register(target, hook, kind)
+    install_hooks(hooks())
+    add_server_args_fields([(flag.field, flag.type) for flag in FLAGS])
+    if OSCAR_ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(OSCAR_ATTENTION_BACKEND)(create_oscar_backend)
+    if OSCAR_ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([OSCAR_ATTENTION_BACKEND])
+    if OSCAR_ATTENTION_BACKEND not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        # batch-invariant decode and prefill (OscarAttnBackend); not among SGLang's radix
+        # deterministic backends, so --enable-deterministic-inference turns the radix cache off
+        add_deterministic_attention_backend_choices([OSCAR_ATTENTION_BACKEND])
     _registered = True
 
 
 def activate() -> None:
     """register() and apply the hooks now (for callers outside ``load_plugins()``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
     register()
-    HookRegistry.apply_hooks()
+    apply_hooks()
 
 
 ENTRY_POINT = "oscar = sglang_ext.plugin:register"

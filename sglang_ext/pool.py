@@ -20,8 +20,6 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
-from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
 from calibration.model_shape import ModelShape
 from calibration.rotations_file import Rotations, RotationsMeta, load_rotations
@@ -31,6 +29,8 @@ from oscar_kernels.hybrid_cache import (HybridLayerCache, LayerRotation, allocat
 from oscar_kernels.int2 import SCALE_DTYPES
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
+from .settings import oscar_settings
+from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, MHATokenToKVPool, unwrap_write_loc
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,8 @@ class OscarKVPool(MHATokenToKVPool):
                  group_size: int, scale_dtype: str = "float16",
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
-                 enable_alt_stream: bool = True, extend_prefix: str = "int2",
-                 value_group_size: Optional[int] = None):
+                 enable_alt_stream: bool = True, value_group_size: Optional[int] = None):
         num_rows = req_to_token.shape[0]
-        self.extend_prefix = extend_prefix  # how extend reads cached prefixes (settings.EXTEND_PREFIX_READS)
         self.plan = OscarMemoryPlan(
             num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
             group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
@@ -244,8 +242,6 @@ def plan_for_configurator(kvc, num_rows: Optional[int] = None) -> OscarMemoryPla
     """The memory plan of this rank. ``num_rows`` defaults to the planned request rows
     (--max-running-requests per attention-DP worker, or the oscar default, + SGLang's
     padding row); the pool itself uses the real req_to_token row count."""
-    from .settings import oscar_settings
-
     s = oscar_settings(kvc.server_args)
     layout = rank_layout(kvc)
     _, meta = load_rank_rotations(s.rotations_path, kvc.model_config.hf_config, layout)
@@ -258,8 +254,6 @@ def plan_for_configurator(kvc, num_rows: Optional[int] = None) -> OscarMemoryPla
 def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_pool) -> OscarKVPool:
     """OscarKVPool for the configurator's model and rank (what SGLang's
     ``_build_mha_kv_pool`` builds for an MHA model, with the oscar storage)."""
-    from .settings import oscar_settings
-
     mc = kvc.model_config
     if mc.v_head_dim != mc.head_dim:
         raise ValueError(f"oscar_int2 needs equal K and V head dims, the model has "
@@ -275,4 +269,4 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
         start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
-        extend_prefix=s.extend_prefix, value_group_size=meta.value_group_size)
+        value_group_size=meta.value_group_size)

@@ -20,10 +20,10 @@ import os
 from .settings import (
     BATCH_INVARIANT_EXTEND_PREFIX,
     DEFAULT_PAGE_SIZE,
-    FLAGS,
     OSCAR_ATTENTION_BACKEND,
     OSCAR_KV_DTYPE,
     OscarConfigError,
+    given_flags,
     is_oscar,
     oscar_settings,
 )
@@ -193,8 +193,7 @@ def _check_model(sa, settings) -> None:
     model_config = _model_config(sa)
     if model_config is None:
         return
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-    from sglang.srt.configs.model_config import AttentionArch
+    from .sglang_bridge import AttentionArch, mambaish_config
 
     arch = (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
     if model_config.attention_arch == AttentionArch.MLA:
@@ -238,11 +237,11 @@ def _check_rotations_file(sa, settings, model_config) -> None:
 
 
 def check_stray_oscar_flags(server_args) -> None:
-    """--oscar-* fields given while the KV cache is not oscar_int2 (patched sglang):
-    refuse rather than silently serve another KV cache."""
+    """--oscar-* fields given while the KV cache is not oscar_int2: refuse rather than
+    silently serve another KV cache."""
     if is_oscar(server_args):
         return
-    given = [f.cli for f in FLAGS if getattr(server_args, f.field, None) is not None]
+    given = given_flags(server_args)
     if given:
         raise OscarConfigError(
             f"{given[0]} given but --kv-cache-dtype is {server_args.kv_cache_dtype!r}; "

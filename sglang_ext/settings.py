@@ -1,19 +1,10 @@
-"""The OSCAR serving settings: flag names, defaults, and where the runtime reads them.
+"""The OSCAR serving settings: flag definitions, defaults and the resolved settings.
 
-Two ways the flags reach SGLang 0.5.17:
-
-- **patched sglang** (``oscar-sglang patch --apply``): ``oscar_rotations``,
-  ``oscar_sink_tokens``, ``oscar_recent_window``, ``oscar_sink_slots`` and
-  ``oscar_extend_prefix`` are first-class
-  ``ServerArgs`` fields (so ``sgl.Engine(..., oscar_rotations=...)`` and ``--config`` YAML
-  take them) and ``oscar_int2`` is one of the ``--kv-cache-dtype`` choices;
-- **plugin only** (unpatched sglang): :func:`install_server_args_hooks` adds the choice and
-  the ``--oscar-*`` options to SGLang's parser and exports the parsed values as
-  ``SGLANG_OSCAR_*`` environment variables, which the scheduler subprocesses inherit.
-  (``sgl.Engine`` on an unpatched install: set the variables yourself.)
-
-:func:`oscar_settings` reads whichever is present (a non-None field wins over the
-environment; a missing value takes the default below). This module imports no sglang.
+The --oscar-* flags are ServerArgs fields that the plugin adds (``sgl.Engine(...,
+oscar_rotations=...)``, the command line and ``--config`` YAML all set them); they travel
+with the ServerArgs object to SGLang's scheduler processes. :func:`oscar_settings` resolves
+and validates them once per reader. Plain data: this module imports neither sglang nor
+another sglang_ext module.
 """
 from __future__ import annotations
 
@@ -23,17 +14,15 @@ from dataclasses import dataclass
 OSCAR_KV_DTYPE = "oscar_int2"
 OSCAR_ATTENTION_BACKEND = "oscar"
 
-# Defaults (one constant each). Sink size: placeholder until the fidelity sweep settles it.
+# Defaults (one constant each).
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_RECENT_WINDOW = 128
 # page size used when --kv-cache-dtype oscar_int2 is given without --page-size; sinks live
 # on a sequence's first page, so the page must hold at least the sink tokens.
 DEFAULT_PAGE_SIZE = 64
 # how extend (prefill) reads a cached prefix (oscar_kernels.triton_extend.PREFIX_READS, or
-# FlashInfer over the dequantised prefix); "auto": resolve_extend_prefix. FlashInfer by default:
-# on the H200 (e2e_qwen3-8b-shape.json, session 5, Qwen3-8B shape) it cut one request's time to
-# first token at 32k / 64k / 128k tokens from 4.03 / 16.02 / 72.62 s (int2) to 1.39 / 3.62 /
-# 10.76 s and raised 32 x 32k-token throughput from 61.3 to 169.4 output tok/s.
+# FlashInfer over the dequantised prefix); "auto": resolve_extend_prefix. FlashInfer by
+# default: the fastest prefill over long cached prefixes (benchmarks/results/e2e_*.json).
 EXTEND_PREFIX_READS = ("auto", "int2", "bf16", "flashinfer")
 DEFAULT_EXTEND_PREFIX = "auto"
 
@@ -55,10 +44,10 @@ def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool, det
 
 @dataclass(frozen=True)
 class OscarFlag:
-    """One --oscar-* option: ServerArgs field name, environment variable, parser."""
+    """One --oscar-* option: its ServerArgs field (default None: the oscar default), the
+    type its command-line value is parsed as, and its help."""
 
     field: str
-    env: str
     type: type
     help: str
 
@@ -68,18 +57,18 @@ class OscarFlag:
 
 
 FLAGS = (
-    OscarFlag("oscar_rotations", "SGLANG_OSCAR_ROTATIONS", str,
+    OscarFlag("oscar_rotations", str,
               "OSCAR rotations file (made by oscar-calibrate); required with "
               f"--kv-cache-dtype {OSCAR_KV_DTYPE}. The INT2 group sizes (keys', values') and scale dtype are read from it."),
-    OscarFlag("oscar_sink_tokens", "SGLANG_OSCAR_SINK_TOKENS", int,
+    OscarFlag("oscar_sink_tokens", int,
               f"OSCAR: first S tokens of every sequence kept in BF16 (default {DEFAULT_SINK_TOKENS}; "
               "must not exceed --page-size)."),
-    OscarFlag("oscar_recent_window", "SGLANG_OSCAR_RECENT_WINDOW", int,
+    OscarFlag("oscar_recent_window", int,
               f"OSCAR: last W tokens of every running request kept in BF16 (default {DEFAULT_RECENT_WINDOW})."),
-    OscarFlag("oscar_sink_slots", "SGLANG_OSCAR_SINK_SLOTS", int,
+    OscarFlag("oscar_sink_slots", int,
               "OSCAR: number of BF16 sink slots (sequences whose sinks are held at once; "
               "default: chosen by the pool)."),
-    OscarFlag("oscar_extend_prefix", "SGLANG_OSCAR_EXTEND_PREFIX", str,
+    OscarFlag("oscar_extend_prefix", str,
               "OSCAR: how prefill reads a cached prefix: int2 (unpacked inside the attention), "
               "bf16 (dequantised once per layer into a scratch buffer of 4 x prefix tokens x "
               "KV heads x head_dim bytes, then our BF16 attention), flashinfer (the same "
@@ -107,27 +96,16 @@ def is_oscar(server_args) -> bool:
     return getattr(server_args, "kv_cache_dtype", None) == OSCAR_KV_DTYPE
 
 
-def raw_value(server_args, field: str):
-    """The value given for one flag: a non-None ServerArgs field, else its environment
-    variable (a string), else None."""
-    value = getattr(server_args, field, None)
-    if value is not None:
-        return value
-    env = os.environ.get(FLAG_BY_FIELD[field].env)
-    return env if env not in (None, "") else None
-
-
-def _where(server_args, field: str) -> str:
-    """How the user gave ``field``: its --flag when set on ServerArgs, else its variable."""
-    flag = FLAG_BY_FIELD[field]
-    return flag.cli if getattr(server_args, field, None) is not None else flag.env
+def given_flags(server_args) -> list[str]:
+    """The --oscar-* flags set (not None) on ``server_args``."""
+    return [f.cli for f in FLAGS if getattr(server_args, f.field, None) is not None]
 
 
 def _int(server_args, field: str, default: int | None, minimum: int) -> int | None:
-    value = raw_value(server_args, field)
+    value = getattr(server_args, field, None)
     if value is None:
         return default
-    where = _where(server_args, field)
+    where = FLAG_BY_FIELD[field].cli
     try:
         n = int(value)
     except (TypeError, ValueError):
@@ -140,11 +118,11 @@ def _int(server_args, field: str, default: int | None, minimum: int) -> int | No
 
 
 def _choice(server_args, field: str, default: str, choices: tuple[str, ...]) -> str:
-    value = raw_value(server_args, field)
+    value = getattr(server_args, field, None)
     if value is None:
         return default
     if value not in choices:
-        raise OscarConfigError(f"{_where(server_args, field)}={value!r}: choose from {', '.join(choices)}")
+        raise OscarConfigError(f"{FLAG_BY_FIELD[field].cli}={value!r}: choose from {', '.join(choices)}")
     return value
 
 
@@ -154,7 +132,7 @@ def oscar_settings(server_args) -> OscarSettings:
         raise OscarConfigError(
             f"oscar settings requested but --kv-cache-dtype is {getattr(server_args, 'kv_cache_dtype', None)!r}, "
             f"not {OSCAR_KV_DTYPE!r}")
-    path = raw_value(server_args, "oscar_rotations")
+    path = getattr(server_args, "oscar_rotations", None)
     if path is None:
         raise OscarConfigError(
             f"--kv-cache-dtype {OSCAR_KV_DTYPE} needs --oscar-rotations FILE "
@@ -169,11 +147,3 @@ def oscar_settings(server_args) -> OscarSettings:
         sink_slots=_int(server_args, "oscar_sink_slots", None, 1),
         extend_prefix=_choice(server_args, "oscar_extend_prefix", DEFAULT_EXTEND_PREFIX, EXTEND_PREFIX_READS),
     )
-
-
-def install_server_args_hooks() -> None:
-    """Idempotent: the oscar_int2 choice, the --oscar-* options (plugin-only path) and the
-    start-up refusals, installed on sglang's ServerArgs (see server_args_hooks)."""
-    from .server_args_hooks import install
-
-    install()

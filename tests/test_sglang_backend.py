@@ -31,19 +31,33 @@ def _gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+class ReqPool:
+    """SGLang's request pool as the backend reads it: the req_to_token table and the host
+    free list of its rows (every row but row 0 and the live ones)."""
+
+    def __init__(self, req_to_token, live):
+        self.req_to_token, self._live = req_to_token, live
+
+    @property
+    def free_slots(self):
+        return [r for r in range(1, self.req_to_token.shape[0]) if r not in self._live()]
+
+
 class Sim:
     """A minimal stand-in for SGLang's scheduler: req_to_token rows, pages, batches."""
 
-    def __init__(self, sink_slots=None, live_rows=None):
-        """``sink_slots``: the pool's sink slots (default: per row); ``live_rows``: what the
-        backend asks for the rows of live requests (SGLang: rows_in_use of its pool)."""
+    def __init__(self, sink_slots=None, live_rows=None, **backend):
+        """``sink_slots``: the pool's sink slots (default: per row); ``live_rows()``: the rows
+        of live requests, read by the backend through a request pool's free list (None: a
+        request pool without one); ``backend``: OscarAttnBackend's keyword arguments."""
         g = torch.Generator().manual_seed(0)
         rots = [random_rotation(H, D, g) for _ in range(LAYERS)]
         self.pool = OscarKVPool(SIZE, P, H, D, LAYERS, "cpu", rotations=rots,
                                 req_to_token=torch.zeros(ROWS, CTX, dtype=torch.int32),
                                 sink_tokens=S, recent_window=W, group_size=G, num_sink_slots=sink_slots)
-        self.backend = OscarAttnBackend.__new__(OscarAttnBackend)
-        self.backend._init_oscar(self.pool, D, live_rows=live_rows)
+        r2t = self.pool.req_to_token
+        self.req_pool = SimpleNamespace(req_to_token=r2t) if live_rows is None else ReqPool(r2t, live_rows)
+        self.backend = OscarAttnBackend(self.pool, self.req_pool, num_q_heads=HQ, **backend)
         self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in range(LAYERS)]
         self.free_pages = list(range(1, SIZE // P + 1))  # page 0 is the padding page
         self.source = {}  # (row, position) -> content id that computed the token's K/V
@@ -339,7 +353,7 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
     with pytest.raises(NotImplementedError, match="save_kv_cache"):
         sim.backend.forward_decode(x, kv, kv, sim.layers[0], fb, save_kv_cache=False)
     with pytest.raises(ValueError, match="oscar_int2"):
-        sim.backend._init_oscar(object(), D)
+        OscarAttnBackend(object(), sim.req_pool, num_q_heads=HQ)
 
 
 @pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer", "auto"])
@@ -352,9 +366,7 @@ def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
 
     from oscar_kernels import api
 
-    sim = Sim()
-    sim.pool.extend_prefix = read
-    sim.backend._init_oscar(sim.pool, D)
+    sim = Sim(extend_prefix=read)
     seen = []
     real = api.extend_attention
 
@@ -379,12 +391,11 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
     """On a CUDA pool "auto" builds FlashInfer's extend; where flashinfer does not import it
     reads INT2 with one warning, while an explicit "flashinfer" refuses to start. Under
     --enable-deterministic-inference "auto" reads INT2 and builds no FlashInfer extend."""
-    from types import SimpleNamespace
     from unittest import mock
 
     from oscar_kernels import api
+    from sglang_ext.backend import choose_prefix_read
 
-    pool = SimpleNamespace(extend_prefix=choice, req_to_token=SimpleNamespace(is_cuda=True, device="cuda:0"))
     fi = object()
 
     def make(device):
@@ -392,15 +403,13 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
             raise ImportError("No module named 'flashinfer'")
         return fi
 
-    sim = Sim()
-    sim.backend._fi_extend = None
     with mock.patch.object(api, "make_flashinfer_extend", make):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
-                sim.backend._make_prefix_read(pool, deterministic)
+                choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
             return
-        assert sim.backend._make_prefix_read(pool, deterministic) == want
-    assert (sim.backend._fi_extend is fi) == (want == "flashinfer")
+        read, fi_extend = choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
+    assert read == want and (fi_extend is fi) == (want == "flashinfer")
     assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
 
 
@@ -409,16 +418,50 @@ def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypa
     (one split count, stage-1 shape and merge at every batch) and "auto" reads INT2."""
     from oscar_kernels import api
 
-    sim = Sim()
-    sim.pool.extend_prefix = "auto"
-    sim.backend.num_head, sim.backend.num_kv_head = HQ, H  # TritonAttnBackend.__init__'s, skipped by Sim
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the workspace is built for the Triton path only
-    sim.backend._init_oscar(sim.pool, D, deterministic=True, context_len=CTX)
+    sim = Sim(extend_prefix="auto", deterministic=True, context_len=CTX)
     cfg = sim.backend._decode_workspace.config
     assert sim.backend.prefix_read == "int2"
     assert len({cfg.splits_for(b, H, "cpu") for b in (1, 2, ROWS)}) == 1
     assert len({(cfg.stage1_shape_for(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
     assert cfg.min_chunk * cfg.max_splits >= CTX
-    sim.backend._init_oscar(sim.pool, D)
-    default = sim.backend._decode_workspace.config
+    default = Sim().backend._decode_workspace.config
     assert default == api.make_decode_workspace(1, HQ, H, D, "cpu").config
+
+
+def test_backend_reads_the_oscar_settings_from_the_server_arguments(tmp_path, monkeypatch):
+    """SGLang's registry builds the backend from a model runner: the prefix read comes from
+    its server arguments (--oscar-extend-prefix), the query heads from the model and the
+    attention-TP split, the pools are the runner's, and SGLang's forward context finds the
+    pool through the backend (the AttentionBackend contract, no TritonAttnBackend state)."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.forward_context import (ForwardContext, forward_context,
+                                                           get_req_to_token_pool, get_token_to_kv_pool)
+
+    from sglang_ext.settings import OSCAR_KV_DTYPE
+
+    sim = Sim()
+    rotations = tmp_path / "r.safetensors"
+    rotations.write_bytes(b"")  # the settings check only that the file is there
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=str(rotations),
+                                    oscar_extend_prefix="bf16", enable_deterministic_inference=False),
+        model_config=SimpleNamespace(get_max_num_attention_heads=lambda: 2 * HQ, context_len=CTX),
+        ps=SimpleNamespace(attn_tp_size=2), token_to_kv_pool=sim.pool, req_to_token_pool=sim.req_pool)
+    from unittest import mock
+
+    from oscar_kernels import api
+
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the decode workspace is built for Triton only
+    with mock.patch.object(api, "make_decode_workspace", lambda *a: a):
+        backend = OscarAttnBackend.from_model_runner(runner)
+    assert backend._decode_workspace[:4] == (ROWS, HQ, H, D)  # rows, query and KV heads of this rank
+    assert backend.prefix_read == "bf16" and not hasattr(sim.pool, "extend_prefix")
+    assert isinstance(backend, AttentionBackend) and not isinstance(backend, TritonAttnBackend)
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1 and backend.needs_cpu_seq_lens is False
+    with forward_context(ForwardContext(attn_backend=backend)):
+        assert get_token_to_kv_pool() is sim.pool and get_req_to_token_pool() is sim.req_pool
+    runner.server_args.oscar_extend_prefix = "fp8"
+    with pytest.raises(ValueError, match="--oscar-extend-prefix='fp8': choose from"):
+        OscarAttnBackend.from_model_runner(runner)

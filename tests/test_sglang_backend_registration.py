@@ -1,5 +1,5 @@
 """The `oscar` sglang.srt.plugins entry point on CPU: discovery the way SGLang's
-load_plugins() does it, registration (idempotent) and the hooks it installs."""
+load_plugins() does it, registration (idempotent) through the bridge and the hooks it installs."""
 import importlib.metadata
 import re
 import sys
@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("sglang")
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
 from sglang_cases import write_hadamard_file  # noqa: E402
-from sglang_ext import plugin  # noqa: E402
+from sglang_ext import plugin, sglang_bridge  # noqa: E402
 from sglang_ext.settings import OSCAR_KV_DTYPE  # noqa: E402
 from test_sglang_pool import fake_configurator, small_pool  # noqa: E402
 
@@ -55,9 +55,41 @@ def test_registration_is_idempotent(activated):
     plugin.register()
     assert ATTENTION_BACKEND_CHOICES.count("oscar") == 1
     assert ATTENTION_BACKENDS["oscar"] is plugin.create_oscar_backend
-    for target, hook, _ in plugin._hooks():
-        assert [h for _, h, _ in HookRegistry._hooks[target]].count(hook) == 1, target
-    assert plugin.missing_hooks() == []
+    hooks = plugin.hooks()
+    assert {h.target for h in hooks} == set(sglang_bridge.HOOK_TARGETS.values())
+    for h in hooks:
+        assert [fn for _, fn, _ in HookRegistry._hooks[h.target]].count(h.fn) == 1, h.target
+        assert h.target in HookRegistry._patched, h.target
+
+
+def test_the_bridge_is_the_only_module_that_imports_sglang():
+    """Every SGLang symbol sglang_ext uses is named in sglang_bridge: no other module of the
+    package imports sglang (at the top or inside a function)."""
+    import ast
+
+    importers = set()
+    for path in sorted((ROOT / "sglang_ext").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                importers.add(path.name)
+    assert importers == {"sglang_bridge.py"}
+
+
+def test_a_missing_sglang_symbol_is_one_error_naming_it_and_installs_nothing():
+    def hook(result, *args):
+        return None
+
+    good = sglang_bridge.Hook(sglang_bridge.HOOK_TARGETS["check_server_args"], hook, HookType.AFTER)
+    for target, why in (("sglang.srt.server_args.ServerArgs.no_such_method", "not found"),
+                        ("sglang.srt.no_such_module.f", "not found"),
+                        ("sglang.srt.server_args.ServerArgs", "is a class")):
+        with pytest.raises(sglang_bridge.SglangBridgeError) as e:
+            sglang_bridge.install_hooks([good, sglang_bridge.Hook(target, hook, HookType.AFTER)])
+        msg = str(e.value)
+        assert "\n" not in msg and target in msg and why in msg and "needs sglang==0.5.17, found 0.5.17" in msg
+        assert hook not in [fn for _, fn, _ in HookRegistry._hooks.get(good.target, [])]
 
 
 def test_kv_cache_dtype_hook(activated):

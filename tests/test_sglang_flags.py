@@ -3,17 +3,17 @@
 Two levels:
 - the refusal rules are called directly on a ServerArgs built *without* __post_init__
   (``bare_args``): the narrowest testable unit, no platform needed;
-- the whole path (parser -> from_cli_args -> __post_init__ with our hooks) runs for real
-  with ``--device cpu``, which SGLang 0.5.17 resolves without an accelerator.
-The patched-dataclass path runs in a subprocess on an overlay of the installed sglang
-whose srt/server_args.py is patched (test_patched_server_args_fields).
+- the whole path (parser -> from_cli_args -> __post_init__ with our hooks, or
+  sgl.Engine-style keywords) runs for real with ``--device cpu``, which SGLang 0.5.17
+  resolves without an accelerator.
 """
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import subprocess
 import sys
-import textwrap
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -22,7 +22,6 @@ import pytest
 
 from sglang_cases import SMALL_QWEN3, write_hadamard_file
 
-from sglang_ext import settings as st
 from sglang_ext.settings import (DEFAULT_PAGE_SIZE, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS,
                                  FLAGS, OSCAR_KV_DTYPE, OscarConfigError, OscarSettings, is_oscar,
                                  oscar_settings)
@@ -30,21 +29,21 @@ from sglang_ext.settings import (DEFAULT_PAGE_SIZE, DEFAULT_RECENT_WINDOW, DEFAU
 pytest.importorskip("sglang")
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 
-from sglang_ext import refusals  # noqa: E402
-from sglang_ext.server_args_hooks import OPTION_GROUP_TITLE, installed, is_patched  # noqa: E402
+from sglang_ext import plugin, refusals  # noqa: E402
+from sglang_ext.server_args_hooks import OPTION_GROUP_TITLE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-st.install_server_args_hooks()
-st.install_server_args_hooks()  # idempotent
+plugin.activate()
+plugin.activate()  # idempotent
 
 
-_ENV_NAMES = [f.env for f in FLAGS] + [e for e, _ in refusals._ENV_RULES]
+_ENV_NAMES = [e for e, _ in refusals._ENV_RULES]
 
 
 @pytest.fixture(autouse=True)
 def clean_env():
-    """Each test starts without SGLANG_OSCAR_* (the plugin path writes os.environ itself)
-    and leaves the environment as it found it."""
+    """Each test starts without the environment variables that refusals read and leaves
+    the environment as it found it."""
     saved = {k: os.environ.pop(k) for k in _ENV_NAMES if k in os.environ}
     yield
     for k in _ENV_NAMES:
@@ -72,9 +71,7 @@ def bare_args(**kw) -> ServerArgs:
 
 
 def oscar_bare(rot, **kw) -> ServerArgs:
-    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, **kw)
-    os.environ["SGLANG_OSCAR_ROTATIONS"] = rot
-    return sa
+    return bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=rot, **kw)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,14 +88,16 @@ def one_line(excinfo) -> str:
 
 # ------------------------------------------------------------------ install / parser
 
-def test_hooks_installed_once_on_this_unpatched_install():
-    assert installed()
-    assert not is_patched(), "these tests expect the venv's sglang unpatched"
-    for name in ("add_cli_args", "from_cli_args", "__post_init__", "check_server_args"):
+def test_server_args_hooks_and_fields_installed_once():
+    for name in ("add_cli_args", "__init__", "__post_init__", "check_server_args"):
         f = ServerArgs.__dict__[name]
         f = getattr(f, "__func__", f)
-        assert getattr(f, "_oscar_hook", False), name
-        assert not getattr(getattr(f, "__wrapped__", None), "_oscar_hook", False), f"{name} wrapped twice"
+        assert hasattr(f, "__wrapped__"), f"{name} not hooked"
+        assert not hasattr(f.__wrapped__, "__wrapped__"), f"{name} hooked twice"
+    assert isinstance(ServerArgs.__dict__["add_cli_args"], staticmethod)
+    names = [f.name for f in dataclasses.fields(ServerArgs)]
+    assert [n for n in names if n.startswith("oscar_")] == [f.field for f in FLAGS]
+    assert all(getattr(ServerArgs, f.field) is None for f in FLAGS)
 
 
 def test_parser_accepts_choice_and_oscar_flags():
@@ -125,39 +124,29 @@ def test_parser_rejects_bad_values(argv, capsys):
 
 # ------------------------------------------------------------------ settings
 
-def test_settings_from_env_with_defaults(small_rot):
-    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
-    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot}):
-        assert oscar_settings(sa) == OscarSettings(small_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, None)
-    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": small_rot, "SGLANG_OSCAR_SINK_TOKENS": "4",
-                                      "SGLANG_OSCAR_RECENT_WINDOW": "32", "SGLANG_OSCAR_SINK_SLOTS": "7",
-                                      "SGLANG_OSCAR_EXTEND_PREFIX": "bf16"}):
-        assert oscar_settings(sa) == OscarSettings(small_rot, 4, 32, 7, "bf16")
+def test_settings_from_the_fields_with_defaults(small_rot):
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=small_rot)
+    assert oscar_settings(sa) == OscarSettings(small_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, None)
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=small_rot, oscar_sink_tokens=4,
+                   oscar_recent_window=32, oscar_sink_slots=7, oscar_extend_prefix="bf16")
+    assert oscar_settings(sa) == OscarSettings(small_rot, 4, 32, 7, "bf16")
 
 
-def test_settings_fields_win_over_env(small_rot, tmp_path):
-    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
-    sa.oscar_rotations, sa.oscar_sink_tokens = small_rot, 2  # as a patched dataclass holds them
-    with mock.patch.dict(os.environ, {"SGLANG_OSCAR_ROTATIONS": str(tmp_path / "other"),
-                                      "SGLANG_OSCAR_SINK_TOKENS": "9"}):
-        s = oscar_settings(sa)
-    assert (s.rotations_path, s.sink_tokens) == (small_rot, 2)
-
-
-@pytest.mark.parametrize("env,match", [
+@pytest.mark.parametrize("kw,match", [
     ({}, "needs --oscar-rotations"),
-    ({"SGLANG_OSCAR_ROTATIONS": "/nonexistent/r.safetensors"}, "no such file"),
-    ({"SGLANG_OSCAR_SINK_TOKENS": "four"}, "SGLANG_OSCAR_SINK_TOKENS='four' is not an integer"),
-    ({"SGLANG_OSCAR_SINK_TOKENS": "-1"}, "SGLANG_OSCAR_SINK_TOKENS=-1 must be >= 0"),
-    ({"SGLANG_OSCAR_RECENT_WINDOW": "0"}, "SGLANG_OSCAR_RECENT_WINDOW=0 must be >= 1"),
-    ({"SGLANG_OSCAR_SINK_SLOTS": "0"}, "SGLANG_OSCAR_SINK_SLOTS=0 must be >= 1"),
-    ({"SGLANG_OSCAR_EXTEND_PREFIX": "fp8"}, "SGLANG_OSCAR_EXTEND_PREFIX='fp8': choose from auto, int2, bf16, flashinfer"),
+    ({"oscar_rotations": "/nonexistent/r.safetensors"}, "no such file"),
+    ({"oscar_sink_tokens": "four"}, "--oscar-sink-tokens='four' is not an integer"),
+    ({"oscar_sink_tokens": 2.5}, "--oscar-sink-tokens=2.5 is not an integer"),
+    ({"oscar_sink_tokens": -1}, "--oscar-sink-tokens=-1 must be >= 0"),
+    ({"oscar_recent_window": 0}, "--oscar-recent-window=0 must be >= 1"),
+    ({"oscar_sink_slots": 0}, "--oscar-sink-slots=0 must be >= 1"),
+    ({"oscar_extend_prefix": "fp8"}, "--oscar-extend-prefix='fp8': choose from auto, int2, bf16, flashinfer"),
 ])
-def test_settings_bad_input_one_line(env, match, small_rot):
-    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE)
-    if env and "SGLANG_OSCAR_ROTATIONS" not in env:
-        env = {"SGLANG_OSCAR_ROTATIONS": small_rot, **env}
-    with mock.patch.dict(os.environ, env), pytest.raises(OscarConfigError) as ei:
+def test_settings_bad_input_one_line(kw, match, small_rot):
+    if kw and "oscar_rotations" not in kw:
+        kw = {"oscar_rotations": small_rot, **kw}
+    sa = bare_args(kv_cache_dtype=OSCAR_KV_DTYPE, **kw)
+    with pytest.raises(OscarConfigError) as ei:
         oscar_settings(sa)
     assert match in one_line(ei)
 
@@ -253,8 +242,7 @@ def test_missing_rotations_refused():
 
 
 def test_stray_oscar_field_without_oscar_dtype_refused(small_rot):
-    sa = bare_args()
-    sa.oscar_rotations = small_rot  # a patched field given without the dtype
+    sa = bare_args(oscar_rotations=small_rot)  # the field given without the dtype
     with pytest.raises(OscarConfigError) as ei:
         refusals.check_oscar_server_args(sa)
     assert "--oscar-rotations given but --kv-cache-dtype is 'auto'" in one_line(ei)
@@ -316,7 +304,7 @@ def _prepare(tinylm_dir, *extra):
 def test_plugin_path_end_to_end(tinylm_dir, tiny_rot):
     sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
                   "--oscar-sink-tokens", "8", "--oscar-recent-window", "64")
-    assert os.environ["SGLANG_OSCAR_ROTATIONS"] == tiny_rot  # inherited by the schedulers
+    assert (sa.oscar_rotations, sa.oscar_sink_tokens, sa.oscar_recent_window) == (tiny_rot, 8, 64)
     assert oscar_settings(sa) == OscarSettings(tiny_rot, 8, 64, None)
     assert sa.attention_backend == "oscar" and sa.page_size == DEFAULT_PAGE_SIZE
     assert sa.cuda_graph_config.prefill.backend == "disabled"
@@ -393,70 +381,45 @@ def test_stray_cli_flag_refused(tinylm_dir, tiny_rot):
 def test_bf16_serving_unchanged(tinylm_dir):
     sa = _prepare(tinylm_dir)
     assert sa.kv_cache_dtype == "auto" and sa.attention_backend != "oscar"
-    assert "SGLANG_OSCAR_ROTATIONS" not in os.environ
+    assert all(getattr(sa, f.field) is None for f in FLAGS)
 
 
-# ------------------------------------------------------------------ patched dataclass
+# ------------------------------------------------------------------ fields as keywords
 
-def _overlay_patched_sglang(dest: Path) -> Path:
-    """dest/sglang: the installed package by symlinks, with srt/server_args.py patched."""
-    from sglang_ext import patching
+def test_engine_keywords_are_server_args_fields(tinylm_dir, tiny_rot):
+    """sgl.Engine(**kw) builds ServerArgs(**kw): the oscar keywords are taken like SGLang's
+    own fields, resolved by the same __post_init__, and kept by dataclasses.replace/asdict."""
+    sa = ServerArgs(model_path=str(tinylm_dir), device="cpu", kv_cache_dtype=OSCAR_KV_DTYPE,
+                    oscar_rotations=tiny_rot, oscar_sink_tokens=4, oscar_sink_slots=2,
+                    oscar_extend_prefix="bf16")
+    assert oscar_settings(sa) == OscarSettings(tiny_rot, 4, DEFAULT_RECENT_WINDOW, 2, "bf16")
+    assert sa.attention_backend == "oscar" and sa.page_size == DEFAULT_PAGE_SIZE
+    assert dataclasses.asdict(sa)["oscar_sink_slots"] == 2
+    with pytest.raises(OscarConfigError) as ei:
+        ServerArgs(model_path=str(tinylm_dir), device="cpu", oscar_rotations=tiny_rot)
+    assert "--oscar-rotations given but --kv-cache-dtype is 'auto'" in one_line(ei)
+    with pytest.raises(TypeError, match="oscar_rotation"):
+        ServerArgs(model_path=str(tinylm_dir), device="cpu", oscar_rotation=tiny_rot)  # a typo stays one
 
-    src = patching.installed_sglang_dir()
-    pkg = dest / "sglang"
-    (pkg / "srt").mkdir(parents=True)
-    for e in src.iterdir():
-        if e.name not in ("srt", "__pycache__"):
-            (pkg / e.name).symlink_to(e)
-    for e in (src / "srt").iterdir():
-        if e.name not in ("server_args.py", "__pycache__"):
-            (pkg / "srt" / e.name).symlink_to(e)
-    (pkg / "srt" / "server_args.py").write_bytes((src / "srt" / "server_args.py").read_bytes())
-    patches = patching.load_patches()
-    if patching.patch_state(patches[0], src)[0] != patching.APPLIED:
-        for p in patches:
-            patching.apply_patch(p, pkg)  # touches srt/server_args.py only (asserted below)
-    assert all(fp.path == "srt/server_args.py" for p in patches for fp in p.files)
-    return dest
+
+def test_bare_replace_keeps_the_oscar_fields(small_rot):
+    sa = oscar_bare(small_rot, oscar_recent_window=32)
+    with mock.patch.object(ServerArgs, "__post_init__", lambda self: None):
+        copy = dataclasses.replace(sa, page_size=128)
+    assert (copy.oscar_rotations, copy.oscar_recent_window, copy.page_size) == (small_rot, 32, 128)
 
 
 @pytest.mark.slow
-def test_patched_server_args_fields(tmp_path, tinylm_dir, tiny_rot):
-    overlay = _overlay_patched_sglang(tmp_path / "overlay")
-    script = textwrap.dedent(f"""
-        import dataclasses, os, sys
-        import sglang
-        assert sglang.__file__.startswith({str(overlay)!r}), sglang.__file__
-        from sglang.srt.server_args import ServerArgs, prepare_server_args
-        from sglang_ext.server_args_hooks import is_patched
-        from sglang_ext.settings import FLAGS, OscarSettings, install_server_args_hooks, oscar_settings
-        assert is_patched()
-        install_server_args_hooks()
-        # sgl.Engine-style kwargs
-        sa = ServerArgs(model_path={str(tinylm_dir)!r}, device="cpu", kv_cache_dtype="oscar_int2",
-                        oscar_rotations={tiny_rot!r}, oscar_sink_tokens=4, oscar_sink_slots=2,
-                        oscar_extend_prefix="bf16")
-        assert oscar_settings(sa) == OscarSettings({tiny_rot!r}, 4, 128, 2, "bf16"), oscar_settings(sa)
-        assert sa.attention_backend == "oscar"
-        assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ), "patched: no env needed"
-        # CLI: one --oscar-rotations option (the field's), help from the constants
-        sa = prepare_server_args(["--model-path", {str(tinylm_dir)!r}, "--device", "cpu",
-                                  "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", {tiny_rot!r},
-                                  "--oscar-recent-window", "32"])
-        assert oscar_settings(sa).recent_window == 32 and sa.oscar_recent_window == 32
-        assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ)
-        try:
-            ServerArgs(model_path={str(tinylm_dir)!r}, device="cpu", oscar_rotations={tiny_rot!r})
-        except ValueError as e:
-            assert "add --kv-cache-dtype oscar_int2" in str(e), e
-        else:
-            raise AssertionError("stray oscar_rotations accepted")
-        print("PATCHED-OK")
-    """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_OSCAR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(overlay), str(ROOT), str(ROOT / "tests")])
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert "PATCHED-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+def test_the_settings_reach_a_spawned_process_with_the_server_args(tinylm_dir, tiny_rot):
+    """SGLang starts its scheduler processes with multiprocessing's spawn and hands them the
+    ServerArgs object (pickled): the oscar fields arrive with it, no environment needed, and
+    the child reads the same settings without having loaded the plugin."""
+    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+                  "--oscar-sink-tokens", "8", "--oscar-extend-prefix", "int2")
+    assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = pool.submit(oscar_settings, sa).result(timeout=600)
+    assert got == OscarSettings(tiny_rot, 8, DEFAULT_RECENT_WINDOW, None, "int2") == oscar_settings(sa)
 
 
 # ------------------------------------------------------------------ launcher
@@ -476,8 +439,8 @@ def _serve(argv, reason=None, backend_registered=True):
     with mock.patch.object(launcher, "_plugin_visible_to_subprocesses", return_value=reason), \
             mock.patch.object(launcher, "device_problem", return_value=None), \
             mock.patch.dict(attention_registry.ATTENTION_BACKENDS, backends, clear=True), \
-            mock.patch("sglang.launch_server.run_server") as run, \
-            mock.patch("sglang.srt.utils.kill_process_tree") as kill:
+            mock.patch("sglang_ext.sglang_bridge.run_server") as run, \
+            mock.patch("sglang_ext.sglang_bridge.kill_process_tree") as kill:
         rc = launcher.main(argv)
     return rc, run, kill
 
@@ -515,11 +478,28 @@ def test_launcher_refuses_a_device_other_than_cuda_from_a_config_file(tinylm_dir
     cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\n")
     with mock.patch.object(launcher, "device_problem", wraps=launcher.device_problem) as check, \
             mock.patch("torch.cuda.is_available", return_value=True), \
-            mock.patch("sglang.launch_server.run_server") as run:
+            mock.patch("sglang_ext.sglang_bridge.run_server") as run:
         rc = launcher.main(["--config", str(cfg)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and run.call_count == 0 and [c.args for c in check.call_args_list] == [(None,), ("cpu",)]
     assert err[-1].startswith("oscar-sglang: --device cpu is not supported: oscar-sglang serves on CUDA GPUs only")
+
+
+def test_launcher_says_in_one_line_what_the_installed_sglang_lacks(capsys):
+    """A hook target that the installed SGLang does not have: the plugin's registration
+    refuses with one line naming it, and nothing starts."""
+    from sglang_ext import launcher, sglang_bridge
+
+    wrong = "sglang.srt.server_args.ServerArgs.add_cli_argz"
+    with mock.patch.object(plugin, "_registered", False), \
+            mock.patch.dict(sglang_bridge.HOOK_TARGETS, {"cli_args": wrong}), \
+            mock.patch.object(launcher, "device_problem", return_value=None), \
+            mock.patch("sglang_ext.sglang_bridge.run_server") as run:
+        rc = launcher.main(["--model-path", "m"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and run.call_count == 0
+    assert err[-1] == (f"oscar-sglang: needs sglang==0.5.17, found 0.5.17: hook target {wrong} not found "
+                       f"(AttributeError: type object 'ServerArgs' has no attribute 'add_cli_argz')")
 
 
 def test_launcher_bf16_needs_no_plugin(tinylm_dir):
@@ -532,7 +512,7 @@ def test_launcher_help_is_sglangs_plus_oscar_flags():
     r = subprocess.run([sys.executable, "-m", "sglang_ext.launcher", "--help"], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "oscar-sglang patch" in r.stdout and OPTION_GROUP_TITLE in r.stdout
+    assert "usage: oscar-sglang" in r.stdout and OPTION_GROUP_TITLE in r.stdout
     for flag in ("--model-path", "--kv-cache-dtype", "--mem-fraction-static", "--chunked-prefill-size",
                  *(f.cli for f in FLAGS)):
         assert flag in r.stdout, flag
