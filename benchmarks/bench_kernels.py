@@ -39,7 +39,7 @@ import triton.testing
 
 from oscar_kernels import api
 from oscar_kernels import testing as kc
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, default_group_sizes
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, KVLayout, torch_scale_dtype
 from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,10 +241,10 @@ def l2_bytes() -> int:
 @dataclass(frozen=True)
 class Layout:
     """The INT2 layout of a table run: keys' and values' group sizes, one scale dtype
-    (default: oscar-calibrate's, int2.default_group_sizes / DEFAULT_SCALE_DTYPE)."""
+    (default: oscar-calibrate's, KVLayout.default)."""
 
-    key_group: int = default_group_sizes(D)[0]
-    value_group: int = default_group_sizes(D)[1]
+    key_group: int = KVLayout.default(D).key_group_size
+    value_group: int = KVLayout.default(D).value_group_size
     scale_dtype: str = DEFAULT_SCALE_DTYPE
 
     def describe(self) -> dict:
@@ -439,7 +439,7 @@ def breakdown_record(name, kwargs, scs, q, b, n):
 
 
 def layout_copies(b: int, n: int, l2: int, layout: Layout):
-    return cold_copies(b, n, l2, layout.key_group, SCALE_DTYPES[layout.scale_dtype], value_group=layout.value_group)
+    return cold_copies(b, n, l2, layout.key_group, torch_scale_dtype(layout.scale_dtype), value_group=layout.value_group)
 
 
 def run_breakdown(result: dict, out: Path, cases, layout: Layout) -> None:
@@ -524,7 +524,8 @@ def main(argv=None):
                          "--group-size when that is given)")
     ap.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), default=DEFAULT_SCALE_DTYPE)
     args = ap.parse_args(argv)
-    layout = Layout(*default_group_sizes(D, args.group_size, args.value_group_size), args.scale_dtype)
+    groups = KVLayout.resolve(D, args.group_size, args.value_group_size)
+    layout = Layout(groups.key_group_size, groups.value_group_size, args.scale_dtype)
     out = Path(args.out)
     dev = torch.cuda.get_device_properties(0)
     result = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,

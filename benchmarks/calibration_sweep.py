@@ -19,10 +19,10 @@ import torch
 from calibration import text_sources
 from calibration.calibrate import (CalibrationConfig, build_rotations, collect_stats, load_model,
                                    o_proj_weights)
-from calibration.model_shape import ModelShape
+from oscar_kernels.contract.layout import KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
 from calibration.proxy import format_table, run_proxy
-from calibration.rotations_file import save_rotations
-from oscar_kernels.int2 import SCALE_DTYPES, bytes_per_token_per_head
+from oscar_kernels.contract.rotations_file import save_rotations
 
 # (name, recipe, variant, clip, objective, group size)
 CONFIGS = [
@@ -92,7 +92,7 @@ def main():
         save_rotations(os.path.join(a.out_dir, name.replace("/", "_") + ".safetensors"), rots[name])
     report = {"model": os.path.abspath(a.model), "calib_tokens": stats.tokens[0], "stats_seconds": round(t_stats, 1),
               "sink": a.sink, "recent": a.recent, "build_seconds": build_s,
-              "bytes_per_token_per_head": {n: bytes_per_token_per_head(shape.head_dim, c[5], SCALE_DTYPES["float16"])
+              "bytes_per_token_per_head": {n: KVLayout(c[5], c[5], "float16").bytes_per_token_per_head(shape.head_dim)
                                            for n, c in zip(rots, configs)},
               "evals": {}}
     for which in a.eval_data or ["stdlib-tests"]:

@@ -25,12 +25,9 @@ import shlex
 import time
 
 from benchmarks.server_harness import ROOT, Server, log, run_script, save_json
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES  # torch-free: --help needs no torch
 
 DTYPES = ("bf16", "fp8_e4m3", "oscar_int2")
-# oscar_kernels.int2's SCALE_DTYPES and DEFAULT_SCALE_DTYPE, without importing torch for --help
-# (tests/test_release_e2e.py checks they agree)
-SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
-DEFAULT_SCALE_DTYPE = "float8_e4m3fn"
 
 
 def default_shape(name: str = "qwen3-8b-shape") -> str:
@@ -55,8 +52,8 @@ def write_shape_rotations(model_dir: str, out: str, group_size: int, value_group
     """A data-free hadamard rotations file for the model's attention shape (keys in groups of
     ``group_size``, values of ``value_group_size``, default the same; ``scale_dtype`` scales)."""
     from calibration.fidelity.baseline_rotations import baseline_rotations
-    from calibration.model_shape import ModelShape
-    from calibration.rotations_file import save_rotations
+    from oscar_kernels.contract.model_shape import ModelShape
+    from oscar_kernels.contract.rotations_file import save_rotations
 
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         shape = ModelShape.from_hf_config(json.load(f))
@@ -80,13 +77,14 @@ def add_layout_args(ap: argparse.ArgumentParser) -> None:
 
 def resolve_layout(args) -> None:
     """Fill in the generated file's group sizes from the model's head_dim (oscar-calibrate's
-    defaults, oscar_kernels.int2.default_group_sizes) where the arguments leave them open."""
-    from calibration.model_shape import ModelShape
-    from oscar_kernels.int2 import default_group_sizes
+    defaults, oscar_kernels.contract.layout.KVLayout.resolve) where the arguments leave them open."""
+    from oscar_kernels.contract.layout import KVLayout
+    from oscar_kernels.contract.model_shape import ModelShape
 
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         head_dim = ModelShape.from_hf_config(json.load(f)).head_dim
-    args.group_size, args.value_group_size = default_group_sizes(head_dim, args.group_size, args.value_group_size)
+    layout = KVLayout.resolve(head_dim, args.group_size, args.value_group_size)
+    args.group_size, args.value_group_size = layout.key_group_size, layout.value_group_size
 
 
 def rotations_meta(args) -> dict:
@@ -96,7 +94,7 @@ def rotations_meta(args) -> dict:
         return {"group_size": args.group_size,
                 "value_group_size": args.value_group_size or args.group_size,
                 "scale_dtype": args.scale_dtype}
-    from calibration.rotations_file import load_rotations
+    from oscar_kernels.contract.rotations_file import load_rotations
 
     m = load_rotations(args.rotations).meta
     return {"group_size": m.group_size, "value_group_size": m.value_group_size, "scale_dtype": m.scale_dtype}

@@ -428,7 +428,7 @@ def render_fidelity_sweep(path: str, data: dict) -> list[str]:
 
 
 # oscar-calibrate's defaults as RESULTS.md states them next to files made with older ones
-# (calibration/calibrate.py, oscar_kernels/int2.py; tests/test_release_readme.py compares)
+# (calibration/calibrate.py, oscar_kernels/contract/layout.py; tests/test_release_readme.py compares)
 CALIBRATE_DEFAULTS = {"variant": "U-H-P", "clip": "none", "key_group": "head_dim / 4", "value_group": "min(128, head_dim)",
                       "scale_dtype": "float8_e4m3fn"}
 

@@ -1,4 +1,4 @@
-"""HF model + calibration text -> :class:`~calibration.rotations_file.Rotations`.
+"""HF model + calibration text -> :class:`~oscar_kernels.contract.rotations_file.Rotations`.
 
 Pipeline (recipe ``oscar``):
   1. stream token windows through the model's decoder, capturing every attention layer
@@ -19,15 +19,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, KVLayout, check_scale_dtype
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import RECIPES, Rotations, make_meta
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, check_group_sizes, default_group_sizes
 
 from . import text_sources
 from .capture import attention_modules, capture_attention
 from .clip import GRANULARITIES, OBJECTIVES, search_clip
 from .compose import VARIANTS, compose, hadamard_rotation, identity_rotation, sorted_eigh
-from .model_shape import ModelShape
-from .rotations_file import RECIPES, Rotations, make_meta
 from .statistics import AttentionStats
 
 DEFAULT_VARIANT = "U-H-P"
@@ -48,7 +48,7 @@ class CalibrationConfig:
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
-    group_size: int | None = None  # keys' INT2 group; None: head_dim / 4 (int2.default_group_sizes)
+    group_size: int | None = None  # keys' INT2 group; None: head_dim / 4 (KVLayout.resolve)
     value_group_size: int | None = None  # values' INT2 group; None: min(128, head_dim), or group_size if given
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     data: list[str] = field(default_factory=list)  # empty: the Python stdlib source
@@ -71,8 +71,7 @@ class CalibrationConfig:
             raise ValueError(f"unknown clip {c.clip!r} (choose from {', '.join(GRANULARITIES)})")
         if c.clip_objective not in OBJECTIVES:
             raise ValueError(f"unknown clip objective {c.clip_objective!r} (choose from {', '.join(OBJECTIVES)})")
-        if c.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"unknown scale dtype {c.scale_dtype!r} (choose from {', '.join(SCALE_DTYPES)})")
+        check_scale_dtype(c.scale_dtype)
         c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if c.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but CUDA is not available")
@@ -202,11 +201,11 @@ def hadamard_span(cfg: CalibrationConfig) -> str:
 
 
 def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
-    """``cfg`` with the group sizes resolved (int2.default_group_sizes: keys head_dim / 4,
-    values min(128, head_dim); values as keys when only the keys' size is given) and checked."""
-    g, gv = check_group_sizes(shape.head_dim, *default_group_sizes(shape.head_dim, cfg.group_size,
-                                                                     cfg.value_group_size))
-    return replace(cfg, group_size=g, value_group_size=gv)
+    """``cfg`` with the group sizes resolved (KVLayout.resolve: keys head_dim / 4, values
+    min(128, head_dim); values as keys when only the keys' size is given) and checked."""
+    layout = KVLayout.resolve(shape.head_dim, cfg.group_size, cfg.value_group_size,
+                              cfg.scale_dtype).check(shape.head_dim)
+    return replace(cfg, group_size=layout.key_group_size, value_group_size=layout.value_group_size)
 
 
 def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
@@ -216,7 +215,8 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     """Rotations (+ clips) from the statistics; ``value_metric`` feeds the ``attn`` clip
     objective; ``fixed`` gives the per-layer (R_K, R_V) instead of the recipe's."""
     cfg = for_shape(cfg, shape)
-    scale_dtype = SCALE_DTYPES[cfg.scale_dtype]
+    layout = KVLayout(cfg.group_size, cfg.value_group_size, cfg.scale_dtype)
+    scale_dtype = layout.torch_scale_dtype
     rots = [(k.double(), v.double()) for k, v in fixed] if fixed is not None else rotations_for(cfg, shape, stats)
     c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
     layers, clip_detail = [], []
@@ -273,10 +273,9 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     if extra_detail:
         detail.update(extra_detail)
     detail = {k: v for k, v in detail.items() if v is not None}
-    meta = make_meta(shape, model_name, cfg.group_size, cfg.recipe, recipe_detail=detail,
+    meta = make_meta(shape, model_name, layout, cfg.recipe, recipe_detail=detail,
                      calib_data=text_sources.describe(cfg.data) if stats is not None else "none",
-                     calib_tokens=stats.tokens[0] if stats is not None else 0,
-                     scale_dtype=cfg.scale_dtype, value_group_size=cfg.value_group_size)
+                     calib_tokens=stats.tokens[0] if stats is not None else 0)
     return Rotations(meta, layers)
 
 

@@ -19,8 +19,8 @@ from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_TOKENS, DE
                         MIN_TOKENS_PER_HEAD_DIM, CalibrationConfig)
 from .clip import GRANULARITIES, OBJECTIVES
 from .compose import VARIANTS
-from .rotations_file import RECIPES, SCALE_DTYPES
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES
+from oscar_kernels.contract.rotations_file import RECIPES
 
 SUBCOMMANDS = ("import-oscar-zoo", "proxy")
 
@@ -79,8 +79,9 @@ def _log(msg: str) -> None:
 
 
 def cmd_calibrate(argv: list[str]) -> int:
+    from oscar_kernels.contract.rotations_file import check_output_path, save_rotations
+
     from .calibrate import calibrate
-    from .rotations_file import check_output_path, save_rotations
 
     p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,8 +101,9 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 
 def cmd_import(argv: list[str]) -> int:
+    from oscar_kernels.contract.rotations_file import check_output_path, save_rotations
+
     from .calibrate import calibrate, model_shape
-    from .rotations_file import check_output_path, save_rotations
     from .zoo_import import import_oscar_zoo
 
     p = argparse.ArgumentParser(prog="oscar-calibrate import-oscar-zoo",
@@ -132,11 +134,12 @@ def cmd_import(argv: list[str]) -> int:
 def cmd_proxy(argv: list[str]) -> int:
     import torch
 
+    from oscar_kernels.contract.model_shape import ModelShape
+    from oscar_kernels.contract.rotations_file import check_matches_model, load_rotations
+
     from . import text_sources
     from .calibrate import load_model
-    from .model_shape import ModelShape
     from .proxy import format_table, run_proxy
-    from .rotations_file import check_matches_model, load_rotations
 
     p = argparse.ArgumentParser(prog="oscar-calibrate proxy",
                                 description="Per-layer attention error of rotations files with fake-INT2 K/V "

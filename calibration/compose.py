@@ -1,6 +1,6 @@
 """Rotations from covariances: eigendecomposition and the composition variants.
 
-Conventions (as in :mod:`oscar_kernels.transforms`): vectors are rows and a rotation acts as
+Conventions (as in :mod:`calibration.transforms`): vectors are rows and a rotation acts as
 ``x' = x @ R``. Factors (all [D, D], orthogonal):
 
 - ``U``: eigenvectors of C (C_Q for keys, C_S for values) as columns, eigenvalues sorted
@@ -17,8 +17,9 @@ What changes the INT2 error (quantisation is per token, per group of G consecuti
 channels, with the group's own min and range):
 
 - A permutation *after* the last mixing factor only reorders channels. With one group per
-  head (G = D, the default) min/max over the group are permutation invariant, so P there
-  changes nothing at all (``U-H-P`` == ``U-H`` exactly, up to channel order of the clip).
+  head (G = D; the default layout's key groups are D/4, see oscar_kernels.contract.layout)
+  min/max over the group are permutation invariant, so P there changes nothing at all
+  (``U-H-P`` == ``U-H`` exactly, up to channel order of the clip).
 - Bit reversal commutes with the Sylvester Hadamard: ``P H P = H`` because
   ``popcount(rev(i) & j) == popcount(i & rev(j))``. Hence ``U-P-H`` and ``U-H-P`` are
   the same matrix, and with G = D ``U-H``, ``U-H-P`` and ``U-P-H`` quantise identically.
@@ -40,8 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_kernels.transforms import (bit_reversal_permutation, block_hadamard_matrix, hadamard_matrix,
-                                      permutation_matrix)
+from .transforms import bit_reversal_permutation, block_hadamard_matrix, hadamard_matrix, permutation_matrix
 
 VARIANTS = {
     "U-H-P": "R = U @ H @ P (the paper's R = U H P acting on row vectors; H over the head)",

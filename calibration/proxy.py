@@ -29,9 +29,9 @@ import math
 
 import torch
 
-from oscar_kernels.int2 import SCALE_DTYPES, fake_quantise
-
-from .rotations_file import Rotations
+from oscar_kernels.contract.layout import torch_scale_dtype
+from oscar_kernels.contract.rotations_file import Rotations
+from oscar_kernels.int2 import fake_quantise
 
 METRICS = ("logit_rel", "attn_kl", "out_rel")
 
@@ -58,7 +58,7 @@ class ProxyErrors:
         if not self.quantise:
             return x
         y = fake_quantise(x.transpose(1, 2), group_size, lo.to(x.device), hi.to(x.device),
-                          SCALE_DTYPES[meta.scale_dtype])
+                          torch_scale_dtype(meta.scale_dtype))
         return y.transpose(1, 2)
 
     @torch.no_grad()

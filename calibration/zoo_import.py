@@ -17,11 +17,10 @@ import re
 
 import torch
 
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import Rotations, make_meta, no_clip
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.int2 import DEFAULT_SCALE_DTYPE, default_group_sizes
-
-from .model_shape import ModelShape
-from .rotations_file import Rotations, make_meta, no_clip
 
 _NAME = re.compile(r"^([kv])_rotation_(\d+)\.pt$")
 
@@ -47,8 +46,8 @@ def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bo
                      group_size: int | None = None, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                      value_group_size: int | None = None) -> Rotations:
     """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``
-    (group sizes and scale dtype default as oscar-calibrate's: int2.default_group_sizes)."""
-    group_size, value_group_size = default_group_sizes(shape.head_dim, group_size, value_group_size)
+    (group sizes and scale dtype default as oscar-calibrate's: KVLayout.resolve)."""
+    layout = KVLayout.resolve(shape.head_dim, group_size, value_group_size, scale_dtype)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such folder")
     found: dict[tuple[str, int], str] = {}
@@ -73,9 +72,8 @@ def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bo
         layers.append(LayerRotation(r_k, r_v, lo, hi, lo.clone(), hi.clone()))
     detail = {"imported": os.path.abspath(src), "source": "upstream OSCAR {k,v}_rotation_<layer>.pt",
               "order": "x' = x @ R (row vectors)" + ("; upstream matrices transposed" if transpose else ""),
-              "clip": "none", "group_size": group_size, "value_group_size": value_group_size,
-              "scale_dtype": scale_dtype}
-    meta = make_meta(shape, model_name, group_size, "oscar", recipe_detail=detail,
-                     calib_data=f"imported from {os.path.abspath(src)}", scale_dtype=scale_dtype,
-                     value_group_size=value_group_size)
+              "clip": "none", "group_size": layout.key_group_size,
+              "value_group_size": layout.value_group_size, "scale_dtype": layout.scale_dtype}
+    meta = make_meta(shape, model_name, layout, "oscar", recipe_detail=detail,
+                     calib_data=f"imported from {os.path.abspath(src)}")
     return Rotations(meta, layers)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .int2 import check_group_sizes, packed_dim
+from .contract.layout import check_group_sizes, packed_dim
+from .int2 import DEFAULT_TORCH_SCALE_DTYPE
 
 
 @dataclass
@@ -99,7 +100,7 @@ class HybridCacheIndex:
 
 def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size: int,
                    sink_tokens: int, recent_window: int, num_sink_slots: int, num_rows: int,
-                   scale_dtype: torch.dtype = torch.float16, device="cpu", *,
+                   scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE, device="cpu", *,
                    value_group_size: int | None = None) -> HybridLayerCache:
     """Zeroed buffers of one layer. ``group_size`` is the keys' INT2 group size and, unless
     ``value_group_size`` says otherwise, the values'. The scales of a token's K and V groups
@@ -110,8 +111,8 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
     [num_slots, H, ...] views (the kernels take strides). A KV head's codes and scales of
     consecutive slots are then contiguous, so a decode program (one KV head) reads a page
     as whole cache lines rather than 32-byte pieces 256 bytes apart shared with the other
-    heads' programs. Timed on the H200 (session 12, same run, default layout): decode
-    0.90-0.91 x the time of slot-major storage at batch 8-64 (16k-128k), 0.95 x at batch 1."""
+    heads' programs (decode takes about 0.9 x the time of slot-major storage on the H200;
+    benchmarks/DECODE_KERNEL_LOG.md)."""
     group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
     h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
     ngk = d // group_size

@@ -14,7 +14,8 @@ Per token and per KV head, a rotated vector x' (head_dim D) is
      as one contiguous "plane": kernels compute q.k as a sum of four D/4-wide dot
      products and P@V as four D/4-wide outputs, with no interleaving in registers.
 
-Scales are stored as ``[..., D/G, 2]`` in the scale dtype (float16 by default):
+Scales are stored as ``[..., D/G, 2]`` in the scale dtype (the layout's, see
+:mod:`oscar_kernels.contract.layout`; float8_e4m3fn by default):
 ``[..., g, 0] = scale``, ``[..., g, 1] = min``. scale and min are cast to the scale
 dtype *before* codes are computed, so stored (scale, min) and codes agree exactly.
 """
@@ -22,61 +23,11 @@ from __future__ import annotations
 
 import torch
 
-CODES_PER_BYTE = 4
+from .contract.layout import (CODES_PER_BYTE, DEFAULT_SCALE_DTYPE, check_group_size, packed_dim,
+                              torch_scale_dtype)
+
 LEVELS = 4  # 2 bits
-# float8_e4m3fn: groups of 64 cost what float16 groups of 128 do (72 B per token and KV
-# head at D = 128); scale and min round to nearest-even on 3 mantissa bits
-SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                "float8_e4m3fn": torch.float8_e4m3fn}
-
-
-# The default layout (oscar-calibrate, benchmarks): keys in groups of head_dim/4 (one per
-# plane), values in one group of min(128, head_dim), float8_e4m3fn (scale, min): 74 B per token
-# and KV head at head_dim 128. Keys carry the accuracy: through the server, passkey 8k on
-# tinylm-A (300 prompts) is 0.917 with it vs 0.830 with G=128 / float16 for both (BF16 0.94).
-DEFAULT_SCALE_DTYPE = "float8_e4m3fn"
-
-
-def default_group_sizes(head_dim: int, key_group: int | None = None,
-                        value_group: int | None = None) -> tuple[int, int]:
-    """(keys' group, values' group) with the defaults filled in: keys head_dim/4, values
-    min(128, head_dim); a key group given without a value group applies to both."""
-    if key_group is None:
-        key_group = max(1, head_dim // CODES_PER_BYTE)
-        value_group = min(128, head_dim) if value_group is None else value_group
-    return key_group, key_group if value_group is None else value_group
-
-
-def packed_dim(head_dim: int) -> int:
-    """Bytes per token per head for the codes of one of K or V."""
-    if head_dim % CODES_PER_BYTE:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of {CODES_PER_BYTE}")
-    return head_dim // CODES_PER_BYTE
-
-
-def check_group_size(head_dim: int, group_size: int) -> None:
-    if group_size < 1 or group_size & (group_size - 1) or head_dim % group_size:
-        raise ValueError(f"group size {group_size} must be a power of two dividing head_dim {head_dim}")
-
-
-def check_group_sizes(head_dim: int, group_size: int, value_group_size: int | None = None) -> tuple[int, int]:
-    """(keys' group, values' group), checked; the values take the keys' size when None."""
-    gv = group_size if value_group_size is None else value_group_size
-    check_group_size(head_dim, group_size)
-    try:
-        check_group_size(head_dim, gv)
-    except ValueError as e:
-        raise ValueError(f"value {e}") from None
-    return group_size, gv
-
-
-def bytes_per_token_per_head(head_dim: int, group_size: int, scale_dtype: torch.dtype,
-                             value_group_size: int | None = None) -> int:
-    """INT2 bytes one token costs per KV head for K and V together (codes + scale + min);
-    keys in groups of ``group_size``, values in ``value_group_size`` (default: the same)."""
-    group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
-    elem = torch.empty((), dtype=scale_dtype).element_size()
-    return 2 * packed_dim(head_dim) + (head_dim // group_size + head_dim // gv) * 2 * elem
+DEFAULT_TORCH_SCALE_DTYPE = torch_scale_dtype(DEFAULT_SCALE_DTYPE)  # the layout's default, as a torch dtype
 
 
 def clip(x: torch.Tensor, clip_min: torch.Tensor | None, clip_max: torch.Tensor | None) -> torch.Tensor:
@@ -88,7 +39,7 @@ def clip(x: torch.Tensor, clip_min: torch.Tensor | None, clip_max: torch.Tensor 
     return x
 
 
-def quantise(x: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float16):
+def quantise(x: torch.Tensor, group_size: int, scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE):
     """x [..., D] -> (codes uint8 [..., D] in 0..3, scales [..., D/G, 2] scale_dtype)."""
     d = x.shape[-1]
     check_group_size(d, group_size)
@@ -138,7 +89,7 @@ def quantise_rotated(
     clip_min: torch.Tensor | None,
     clip_max: torch.Tensor | None,
     group_size: int,
-    scale_dtype: torch.dtype = torch.float16,
+    scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE,
 ):
     """The whole write path for one of K/V.
 
@@ -152,7 +103,7 @@ def quantise_rotated(
 
 
 def fake_quantise(x: torch.Tensor, group_size: int, clip_min=None, clip_max=None,
-                  scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                  scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE) -> torch.Tensor:
     """clip -> quantise -> dequantise, float32, same shape as x (for simulation)."""
     codes, scales = quantise(clip(x.float(), clip_min, clip_max), group_size, scale_dtype)
     return dequantise(codes, scales)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oscar_kernels.int2 import SCALE_DTYPES, bytes_per_token_per_head
+from oscar_kernels.contract.layout import SCALE_DTYPES, KVLayout
 
 # Defaults of the oscar runtime (used when the server arguments leave them open).
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # ring rows are reserved up front: cap them
@@ -88,8 +88,8 @@ class OscarMemoryPlan:
     @property
     def bytes_per_token(self) -> int:
         """INT2 codes + scales of one token, all layers (SGLang's cell size for oscar)."""
-        return self.num_layers * self.num_kv_heads * bytes_per_token_per_head(
-            self.head_dim, self.group_size, SCALE_DTYPES[self.scale_dtype], self.value_group_size)
+        layout = KVLayout(self.group_size, self.value_group_size, self.scale_dtype)
+        return self.num_layers * self.num_kv_heads * layout.bytes_per_token_per_head(self.head_dim)
 
     def _bf16_layer_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * BF16_BYTES

@@ -21,12 +21,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import Rotations, RotationsMeta, load_rotations
 from oscar_kernels import api
+from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, torch_scale_dtype
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import Rotations, RotationsMeta, load_rotations
 from oscar_kernels.hybrid_cache import (HybridLayerCache, LayerRotation, allocate_index,
                                         allocate_layer)
-from oscar_kernels.int2 import SCALE_DTYPES
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 from .settings import oscar_settings
@@ -97,7 +97,7 @@ class OscarKVPool(MHATokenToKVPool):
     def __init__(self, size: int, page_size: int, head_num: int, head_dim: int,
                  layer_num: int, device: str, *, rotations: Sequence[LayerRotation],
                  req_to_token: torch.Tensor, sink_tokens: int, recent_window: int,
-                 group_size: int, scale_dtype: str = "float16",
+                 group_size: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
                  enable_alt_stream: bool = True, value_group_size: Optional[int] = None):
@@ -136,7 +136,7 @@ class OscarKVPool(MHATokenToKVPool):
             self.layers = [
                 allocate_layer(num_slots, p.num_kv_heads, p.head_dim, p.group_size,
                                p.sink_tokens, p.recent_window, p.num_sink_slots, p.num_rows,
-                               SCALE_DTYPES[p.scale_dtype], self.device,
+                               torch_scale_dtype(p.scale_dtype), self.device,
                                value_group_size=p.value_group_size)
                 for _ in range(self.layer_num)]
             self.index = allocate_index(num_slots, self.page_size, p.num_sink_slots, p.num_rows,

@@ -212,8 +212,8 @@ _VALIDATED_FILES: set = set()
 
 
 def _check_rotations_file(sa, settings, model_config) -> None:
-    from calibration.model_shape import ModelShape, kv_heads_for_rank
-    from calibration.rotations_file import RotationsFileError, load_rotations
+    from oscar_kernels.contract.model_shape import ModelShape, kv_heads_for_rank
+    from oscar_kernels.contract.rotations_file import RotationsFileError, load_rotations
 
     try:
         shape = ModelShape.from_hf_config(model_config.hf_config)

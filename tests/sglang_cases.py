@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import Rotations, make_meta, no_clip, save_rotations
+from calibration.transforms import hadamard_matrix
+from oscar_kernels.contract.layout import KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import Rotations, make_meta, no_clip, save_rotations
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.transforms import hadamard_matrix
 
 # A small Qwen3-shaped config (2 layers, GQA 4 query / 2 KV heads of dim 64).
 SMALL_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -22,7 +23,7 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(rot.clone(), rot.clone(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
               for _ in range(shape.num_layers)]
-    return Rotations(make_meta(shape, model_name, group_size, "hadamard"), layers)
+    return Rotations(make_meta(shape, model_name, KVLayout(group_size, group_size, "float16"), "hadamard"), layers)
 
 
 def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
@@ -41,8 +42,8 @@ def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(orth(), orth(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
               for _ in range(shape.num_layers)]
-    meta = make_meta(shape, "test", group_size, "oscar", scale_dtype=scale_dtype,
-                     value_group_size=value_group_size)
+    layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
+    meta = make_meta(shape, "test", layout, "oscar")
     save_rotations(str(path), Rotations(meta, layers))
     return str(path)
 

@@ -6,12 +6,11 @@ import torch
 
 from calibration.calibrate import CalibrationConfig, calibrate, load_model, model_shape
 from calibration.cli import main
-from calibration.model_shape import ModelShape
+from oscar_kernels.contract.model_shape import ModelShape
 from calibration.proxy import run_proxy
-from calibration.rotations_file import load_rotations
+from oscar_kernels.contract.rotations_file import load_rotations, orthogonality_error
 from calibration import text_sources
 from calibration_helpers import save_tiny_model_dir
-from oscar_kernels.transforms import orthogonality_error
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from safetensors import safe_open
 
 from calibration.calibrate import CalibrationConfig, build_rotations
 from calibration.compose import VARIANTS
-from calibration.model_shape import ModelShape, kv_heads_for_rank
-from calibration.rotations_file import (RotationsFileError, load_rotations, save_rotations)
+from oscar_kernels.contract.model_shape import ModelShape, kv_heads_for_rank
+from oscar_kernels.contract.rotations_file import (RotationsFileError, load_rotations, orthogonality_error,
+                                                   save_rotations)
 from calibration.statistics import AttentionStats
-from oscar_kernels.transforms import orthogonality_error
 
 SHAPE = ModelShape("Qwen3ForCausalLM", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 
@@ -222,6 +222,7 @@ def test_wrong_tensor_shape_is_refused(tmp_path):
     (lambda m: m.__setitem__("bits", "4"), "bits=4, only 2-bit files are served"),
     (lambda m: m.__setitem__("group_size", "24"), "group_size 24 must be a power of two"),
     (lambda m: m.__setitem__("scale_dtype", "int8"), "unknown scale_dtype 'int8'"),
+    (lambda m: m.pop("scale_dtype"), "metadata lacks scale_dtype"),  # no default dtype: the file says
     (lambda m: m.__setitem__("value_group_size", "48"), "value_group_size 48 must be a power of two dividing head_dim 32"),
     (lambda m: m.__setitem__("value_group_size", "24"), "value_group_size 24 must be a power of two"),
     (lambda m: m.__setitem__("value_group_size", "big"), "metadata value_group_size='big' is not an integer"),

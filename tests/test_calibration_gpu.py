@@ -4,10 +4,10 @@ import torch
 
 from calibration.calibrate import CalibrationConfig, calibrate, collect_stats, load_model
 from calibration.cli import main
-from calibration.rotations_file import load_rotations
+from oscar_kernels.contract.rotations_file import load_rotations
 from calibration.calibrate import model_shape
 from calibration_helpers import save_tiny_model_dir
-from oscar_kernels.transforms import bit_reversal_permutation, hadamard_matrix, permutation_matrix
+from calibration.transforms import bit_reversal_permutation, hadamard_matrix, permutation_matrix
 
 pytestmark = pytest.mark.gpu
 

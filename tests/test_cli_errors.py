@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from calibration.calibrate import CalibrationConfig, calibrate
-from calibration.rotations_file import load_rotations, save_rotations
+from oscar_kernels.contract.rotations_file import load_rotations, save_rotations
 from calibration_helpers import save_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_rotations_file_is_readable_by_others_and_a_permission_error_says_so(tmp
     assert path.stat().st_mode & 0o777 == 0o644
     _not_mine(path)
     prefix = _subject_to_file_modes()
-    check = "import sys; from calibration.rotations_file import load_rotations; load_rotations(sys.argv[1])"
+    check = "import sys; from oscar_kernels.contract.rotations_file import load_rotations; load_rotations(sys.argv[1])"
     ok = subprocess.run([*prefix, sys.executable, "-c", check, str(path)], cwd=ROOT, capture_output=True,
                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -13,8 +13,8 @@ from calibration.fidelity import tasks
 from calibration.fidelity.attention import forward_step, use_simulated_attention
 from calibration.fidelity.baseline_rotations import baseline_rotations
 from calibration.fidelity.sim_cache import Bf16KVSim, HybridKVSim
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import save_rotations
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import save_rotations
 
 L, CHUNK = 128, 32
 

@@ -1,10 +1,16 @@
-"""Numerics contracts: transforms, INT2 quantisation/packing, and the reference read rule."""
+"""Numerics contracts: transforms, the INT2 layout, INT2 quantisation/packing, and the
+reference read rule."""
+import inspect
 import math
 
 import pytest
 import torch
 
-from oscar_kernels import int2, reference as ref, transforms as tf
+from calibration import transforms as tf
+from oscar_kernels import int2, reference as ref
+from oscar_kernels.contract import layout
+from oscar_kernels.contract.layout import KVLayout
+from oscar_kernels.contract.rotations_file import orthogonality_error
 from oscar_kernels.hybrid_cache import allocate_index, allocate_layer, assign_sink_slots, sink_slot_for
 
 
@@ -12,7 +18,7 @@ from oscar_kernels.hybrid_cache import allocate_index, allocate_layer, assign_si
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 128])
 def test_hadamard_orthogonal_symmetric_involution(n):
     h = tf.hadamard_matrix(n)
-    assert tf.orthogonality_error(h) < 1e-12
+    assert orthogonality_error(h) < 1e-12
     assert torch.equal(h, h.T)
     assert torch.allclose(h @ h, torch.eye(n, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(h.abs(), torch.full((n, n), 1 / math.sqrt(n), dtype=torch.float64))
@@ -34,7 +40,7 @@ def test_hadamard_rejects_non_power_of_two():
 
 def test_block_hadamard_structure():
     b = tf.block_hadamard_matrix(16, 4)
-    assert tf.orthogonality_error(b) < 1e-12
+    assert orthogonality_error(b) < 1e-12
     h4 = tf.hadamard_matrix(4)
     for i in range(4):
         for j in range(4):
@@ -59,7 +65,7 @@ def test_permutation_matrix_form():
     p = tf.permutation_matrix(perm)
     x = torch.randn(3, 16, dtype=torch.float64)
     assert torch.equal(x @ p, x[:, perm])
-    assert tf.orthogonality_error(p) == 0.0
+    assert orthogonality_error(p) == 0.0
     assert torch.equal(p, p.T)  # an involution's permutation matrix is symmetric
 
 
@@ -81,6 +87,53 @@ def test_pack_unpack_round_trip():
     assert torch.equal(int2.unpack(packed), codes)
     with pytest.raises(ValueError):
         int2.packed_dim(6)
+
+
+# ---------------------------------------------------------------- the INT2 layout
+def test_default_layout():
+    assert KVLayout.default(128) == KVLayout(32, 128, "float8_e4m3fn")
+    assert KVLayout.default(64) == KVLayout(16, 64, "float8_e4m3fn")
+    assert KVLayout.default(256) == KVLayout(64, 128, "float8_e4m3fn")
+    assert KVLayout.default(128).bytes_per_token_per_head(128) == 74  # 64 B codes + 5 groups x 2 x 1 B
+
+
+def test_layout_resolve_fills_only_what_is_open():
+    assert KVLayout.resolve(128, 64) == KVLayout(64, 64, "float8_e4m3fn")  # a key group alone: both
+    assert KVLayout.resolve(128, None, 64) == KVLayout(32, 64, "float8_e4m3fn")
+    assert KVLayout.resolve(128, 16, 128, "float16") == KVLayout(16, 128, "float16")
+
+
+def test_layout_bytes_and_checks():
+    # codes 2 * D/4, plus (scale, min) per key group and per value group
+    assert KVLayout(128, 128, "float16").bytes_per_token_per_head(128) == 64 + 2 * 2 * 2
+    assert KVLayout(32, 64, "float32").bytes_per_token_per_head(128) == 64 + (4 + 2) * 2 * 4
+    assert KVLayout(16, 32, "bfloat16").check(64) == KVLayout(16, 32, "bfloat16")
+    with pytest.raises(ValueError, match="^group size 24 must be a power of two dividing head_dim 128$"):
+        KVLayout(24, 128, "float16").check(128)
+    with pytest.raises(ValueError, match="^value group size 256 must be"):
+        KVLayout(32, 256, "float16").bytes_per_token_per_head(128)
+    with pytest.raises(ValueError, match="unknown scale dtype 'int8'"):
+        KVLayout(32, 128, "int8").check(128)
+    assert [KVLayout(8, 8, n).torch_scale_dtype for n in layout.SCALE_DTYPES] == [
+        torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+    assert all(torch.empty((), dtype=layout.torch_scale_dtype(n)).element_size() == b
+               for n, b in layout.SCALE_DTYPE_BYTES.items())
+
+
+def test_layout_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from oscar_kernels.contract.layout import KVLayout; "
+            "KVLayout.default(128).bytes_per_token_per_head(128); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # benchmarks' --help and the byte arithmetic stay torch-free
+
+
+@pytest.mark.parametrize("fn", [int2.quantise, int2.quantise_rotated, int2.fake_quantise, allocate_layer])
+def test_numerics_default_to_the_layout_scale_dtype(fn):
+    default = inspect.signature(fn).parameters["scale_dtype"].default
+    assert default == KVLayout.default(128).torch_scale_dtype
 
 
 # ---------------------------------------------------------------- quantisation
@@ -112,9 +165,9 @@ def test_quantise_constant_group_and_exact_levels():
 
 def test_check_group_size_errors():
     with pytest.raises(ValueError):
-        int2.check_group_size(128, 24)
+        layout.check_group_size(128, 24)
     with pytest.raises(ValueError):
-        int2.check_group_size(64, 128)
+        layout.check_group_size(64, 128)
 
 
 def test_clip_behaviour():
@@ -212,5 +265,5 @@ def test_quantise_float8_scales_error_bound():
     lo, step = xg.amin(-1), (xg.amax(-1) - xg.amin(-1)) / 3
     bound = step / 2 + lo.abs() / 16 + 3 * step / 16 + 1e-6
     assert bool(((xg - xh.reshape(64, 4, 2, 64)).abs() <= bound.unsqueeze(-1)).all())
-    assert int2.bytes_per_token_per_head(128, 64, torch.float8_e4m3fn) == int2.bytes_per_token_per_head(
-        128, 128, torch.float16)  # groups of 64 in float8 cost what groups of 128 in float16 do
+    assert KVLayout(64, 64, "float8_e4m3fn").bytes_per_token_per_head(128) == KVLayout(
+        128, 128, "float16").bytes_per_token_per_head(128)  # groups of 64 in float8 cost what groups of 128 in float16 do

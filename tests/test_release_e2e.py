@@ -234,7 +234,7 @@ def test_bench_client_runs_without_hf_datasets_and_takes_our_options(tmp_path):
 def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     """Without --rotations e2e writes capacity.py's data-free hadamard file for the shape,
     with the keys' and values' group sizes and the scale dtype asked for, and records them."""
-    from calibration.rotations_file import load_rotations
+    from oscar_kernels.contract.rotations_file import load_rotations
 
     tmp_path, _ = fakes
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
@@ -266,7 +266,7 @@ def test_generated_rotations_take_key_and_value_group_sizes(fakes):
     assert capacity.rotations_meta(SimpleNamespace(rotations=None, group_size=32, value_group_size=None,
                                                    scale_dtype="float16")) == \
         {"group_size": 32, "value_group_size": 32, "scale_dtype": "float16"}
-    from oscar_kernels import int2  # capacity.py's copies of the dtype names, kept free of torch
-    assert capacity.SCALE_DTYPES == tuple(int2.SCALE_DTYPES) and capacity.DEFAULT_SCALE_DTYPE == int2.DEFAULT_SCALE_DTYPE
+    from oscar_kernels.contract import layout  # capacity.py's dtype names and default are the contract's
+    assert (capacity.SCALE_DTYPES, capacity.DEFAULT_SCALE_DTYPE) == (layout.SCALE_DTYPES, layout.DEFAULT_SCALE_DTYPE)
     assert capacity.shape_rotations_name("m", 128) == "m.hadamard.g128.safetensors"  # today's name
     assert capacity.shape_rotations_name("m", 128, 128, "float16") == "m.hadamard.g128.safetensors"

@@ -106,12 +106,13 @@ def test_calibration_budget_caption_names_the_files_settings_and_todays_defaults
 
 def test_report_states_the_calibration_defaults_of_the_code():
     from calibration import calibrate
-    from oscar_kernels import int2
+    from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, KVLayout
 
     d = report.CALIBRATE_DEFAULTS
     assert (d["variant"], d["clip"], d["scale_dtype"]) == (calibrate.DEFAULT_VARIANT, calibrate.DEFAULT_CLIP,
-                                                           int2.DEFAULT_SCALE_DTYPE)
-    assert int2.default_group_sizes(128) == (32, 128) and int2.default_group_sizes(64) == (16, 64)
+                                                           DEFAULT_SCALE_DTYPE)
+    assert KVLayout.default(128) == KVLayout(32, 128, DEFAULT_SCALE_DTYPE)
+    assert KVLayout.default(64) == KVLayout(16, 64, DEFAULT_SCALE_DTYPE)
     assert (d["key_group"], d["value_group"]) == ("head_dim / 4", "min(128, head_dim)")
 
 
@@ -198,12 +199,12 @@ def test_every_refusal_is_documented():
 
 def test_calibrate_options_table_gives_the_codes_defaults():
     from calibration import calibrate
-    from oscar_kernels import int2
+    from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, KVLayout
 
     rows = _flags_table("oscar-calibrate")
     assert rows["--model"] == rows["--out"] == "required"
     assert rows["--variant"] == f"`{calibrate.DEFAULT_VARIANT}`" and rows["--clip"] == f"`{calibrate.DEFAULT_CLIP}`"
-    assert rows["--scale-dtype"] == f"`{int2.DEFAULT_SCALE_DTYPE}`"
+    assert rows["--scale-dtype"] == f"`{DEFAULT_SCALE_DTYPE}`"
     assert rows["--tokens"] == (f"{calibrate.DEFAULT_TOKENS['cpu']:,} on cpu, "
                                 f"{calibrate.DEFAULT_TOKENS['cuda']:,} on cuda")
     import argparse
@@ -213,8 +214,8 @@ def test_calibrate_options_table_gives_the_codes_defaults():
     parser = argparse.ArgumentParser()
     cli._add_model_args(parser)
     assert rows["--seq-len"] == str(parser.get_default("seq_len"))
-    assert rows["--group-size"] == f"head_dim / 4 ({int2.default_group_sizes(128)[0]} at head_dim 128)"
-    assert rows["--value-group-size"] == "min(128, head_dim)" and int2.default_group_sizes(256)[1] == 128
+    assert rows["--group-size"] == f"head_dim / 4 ({KVLayout.default(128).key_group_size} at head_dim 128)"
+    assert rows["--value-group-size"] == "min(128, head_dim)" and KVLayout.default(256).value_group_size == 128
 
 
 DOCS = {"README.md": README, "benchmarks/RESULTS.md": RESULTS_TEXT}

@@ -8,7 +8,7 @@ import torch
 from conftest import SHARED
 from sglang_cases import SMALL_QWEN3, write_distinct_heads_file, write_hadamard_file
 
-from calibration.rotations_file import RotationsFileError
+from oscar_kernels.contract.rotations_file import RotationsFileError
 from oscar_kernels import reference as ref
 from oscar_kernels.hybrid_cache import allocate_index, allocate_layer, assign_sink_slots
 from sglang_ext.memory import (DEFAULT_MAX_RUNNING_REQUESTS, OscarMemoryPlan, bf16_bytes_per_token,
@@ -122,7 +122,7 @@ def test_pool_buffers_shapes_and_true_bytes():
         assert pool.get_key_buffer(l) is lc.k_packed and pool.get_value_buffer(l) is lc.v_packed
         assert lc.k_packed.shape == (slots, 2, 16) and lc.k_packed.dtype == torch.uint8
         assert pool.k_scale_buffer[l] is lc.k_scales
-        assert lc.v_scales.shape == (slots, 2, 2, 2) and lc.v_scales.dtype == torch.float16
+        assert lc.v_scales.shape == (slots, 2, 2, 2) and lc.v_scales.dtype == torch.float8_e4m3fn  # the default
         assert lc.k_sink.shape == (6, 4, 2, 64) and lc.k_sink.dtype == torch.bfloat16
         assert lc.v_ring.shape == (5, 8, 2, 64) and lc.v_ring.dtype == torch.bfloat16
         assert pool.layer_rotation(l).k_rot.dtype == torch.float32

@@ -13,10 +13,11 @@ import os
 
 import torch
 
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import SCALE_DTYPES, Rotations, make_meta, no_clip, save_rotations
+from calibration.transforms import hadamard_matrix
+from oscar_kernels.contract.layout import SCALE_DTYPES, KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import Rotations, make_meta, no_clip, save_rotations
 from oscar_kernels.hybrid_cache import LayerRotation
-from oscar_kernels.transforms import hadamard_matrix
 
 BASELINES = ("naive", "hadamard")
 
@@ -34,11 +35,11 @@ def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_si
         k_lo, k_hi = no_clip(h, d)
         v_lo, v_hi = no_clip(h, d)
         layers.append(LayerRotation(r.clone(), r.clone(), k_lo, k_hi, v_lo, v_hi))
-    meta = make_meta(shape, model_name, group_size, recipe,
+    layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
+    meta = make_meta(shape, model_name, layout, recipe,
                      recipe_detail={"rotation": "identity" if recipe == "naive" else "hadamard(head_dim)",
                                     "clip": "none", "source": "calibration.fidelity.baseline_rotations"},
-                     calib_data="none (data-free)", calib_tokens=0, scale_dtype=scale_dtype,
-                     value_group_size=value_group_size)
+                     calib_data="none (data-free)", calib_tokens=0)
     return Rotations(meta, layers)
 
 

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import RotationsFileError, check_matches_model, load_rotations
-from oscar_kernels.int2 import SCALE_DTYPES
+from oscar_kernels.contract.layout import SCALE_DTYPES
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import RotationsFileError, check_matches_model, load_rotations
 
 from . import runner, tasks
 from .attention import use_simulated_attention

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from oscar_kernels import api
 from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
                                         assign_sink_slots)
-from oscar_kernels.int2 import SCALE_DTYPES, check_group_sizes, fake_quantise
+from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
+from oscar_kernels.int2 import fake_quantise
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -121,8 +122,8 @@ class FakeInt2KVSim(Bf16KVSim):
         super().__init__(len(rotations), h, d, max_batch, max_len, device)
         self.rotations = [r.to(self.device) for r in rotations]
         self.group_size, self.value_group_size = check_group_sizes(d, group_size, value_group_size)
-        self.scale_dtype = SCALE_DTYPES[scale_dtype]
-        self.value_scale_dtype = SCALE_DTYPES[value_scale_dtype or scale_dtype]
+        self.scale_dtype = torch_scale_dtype(scale_dtype)
+        self.value_scale_dtype = torch_scale_dtype(value_scale_dtype or scale_dtype)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
@@ -180,7 +181,7 @@ class HybridKVSim(_KVSim):
         self.row_len = -(-max_len // self.page_size) * self.page_size  # rows start on a page
         num_slots = max_batch * self.row_len
         self.rotations = [r.to(self.device) for r in rotations]
-        sdt = SCALE_DTYPES[scale_dtype]
+        sdt = torch_scale_dtype(scale_dtype)
         self.layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
                                       num_sink_slots=max_batch, num_rows=max_batch,
                                       scale_dtype=sdt, device=self.device,

@@ -18,9 +18,9 @@ import os
 import tempfile
 import time
 
-from calibration.model_shape import ModelShape
-from calibration.rotations_file import load_rotations
-from oscar_kernels.int2 import SCALE_DTYPES, bytes_per_token_per_head
+from oscar_kernels.contract.layout import KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import load_rotations
 
 from . import cli
 
@@ -31,8 +31,8 @@ def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int
     groups of ``group_size``, values of ``value_group_size`` (default: the same)."""
     value_group_size = value_group_size or group_size
     bf16_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 * 2
-    int2_token = shape.num_layers * shape.num_kv_heads * bytes_per_token_per_head(
-        shape.head_dim, group_size, SCALE_DTYPES[scale_dtype], value_group_size)
+    int2_token = shape.num_layers * shape.num_kv_heads * KVLayout(
+        group_size, value_group_size, scale_dtype).bytes_per_token_per_head(shape.head_dim)
     return {"group_size": group_size, "value_group_size": value_group_size, "scale_dtype": scale_dtype,
             "bf16_bytes_per_token": bf16_token, "int2_bytes_per_token": int2_token,
             "ring_bytes_per_request": recent * bf16_token, "sink_bytes_per_sequence": sink * bf16_token,

@@ -1,8 +1,9 @@
-"""Orthogonal building blocks of OSCAR rotations (pure PyTorch).
+"""Orthogonal building blocks of OSCAR rotations (pure PyTorch, offline only).
 
 Conventions used everywhere in this project:
 - vectors are rows; a rotation R [d, d] acts as ``x' = x @ R``;
-- every matrix returned here is orthogonal: ``R @ R.T == I``.
+- every matrix returned here is orthogonal: ``R @ R.T == I``
+  (``oscar_kernels.contract.rotations_file.orthogonality_error`` measures it).
 """
 from __future__ import annotations
 
@@ -53,10 +54,3 @@ def permutation_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -
     p = torch.zeros(n, n, dtype=dtype)
     p[perm, torch.arange(n)] = 1
     return p
-
-
-def orthogonality_error(r: torch.Tensor) -> float:
-    """max |R R^T - I| over the last two axes (any leading batch axes)."""
-    r = r.double()
-    eye = torch.eye(r.shape[-1], dtype=torch.float64)
-    return float((r @ r.transpose(-1, -2) - eye).abs().amax())

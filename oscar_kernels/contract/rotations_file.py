@@ -27,15 +27,14 @@ from datetime import datetime, timezone
 
 import torch
 
-from oscar_kernels.hybrid_cache import LayerRotation
-
+from ..hybrid_cache import LayerRotation
+from .layout import SCALE_DTYPES, KVLayout
 from .model_shape import ModelShape, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
 VERSION = "1"
 SUPPORTED_VERSIONS = (VERSION,)
 RECIPES = ("oscar", "hadamard", "naive")
-SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 ORTHOGONALITY_TOL = 1e-3
 _TENSOR_KINDS = LayerRotation.FIELDS
 _INT_FIELDS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "group_size", "bits",
@@ -57,11 +56,11 @@ class RotationsMeta:
     num_kv_heads: int
     head_dim: int
     group_size: int  # the keys' INT2 group size
+    scale_dtype: str  # of the INT2 (scale, min) of keys and values, a name in layout.SCALE_DTYPES
     recipe: str
     recipe_detail: dict = field(default_factory=dict)
     calib_data: str = ""
     calib_tokens: int = 0
-    scale_dtype: str = "float16"
     bits: int = 2
     created: str = ""
     version: str = VERSION
@@ -70,6 +69,10 @@ class RotationsMeta:
     def __post_init__(self):
         if self.value_group_size is None:
             self.value_group_size = self.group_size
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.group_size, self.value_group_size, self.scale_dtype)
 
     @property
     def shape(self) -> ModelShape:
@@ -93,11 +96,12 @@ class Rotations:
         return self.for_kv_heads(kv_heads_for_rank(self.meta.num_kv_heads, tp_size, tp_rank))
 
 
-def make_meta(shape: ModelShape, model_name: str, group_size: int, recipe: str, **kw) -> RotationsMeta:
+def make_meta(shape: ModelShape, model_name: str, layout: KVLayout, recipe: str, **kw) -> RotationsMeta:
     return RotationsMeta(architecture=shape.architecture, model_name=model_name,
                          num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
                          num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         group_size=group_size, recipe=recipe, **kw)
+                         group_size=layout.key_group_size, value_group_size=layout.value_group_size,
+                         scale_dtype=layout.scale_dtype, recipe=recipe, **kw)
 
 
 def check_output_path(path: str) -> None:
@@ -159,7 +163,7 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
     if md.get("version") not in SUPPORTED_VERSIONS:
         raise _fail(path, f"unsupported format version {md.get('version')!r} "
                           f"(this oscar-sglang reads {', '.join(SUPPORTED_VERSIONS)})")
-    missing = [k for k in ("architecture", "recipe", *_INT_FIELDS) if k not in md]
+    missing = [k for k in ("architecture", "recipe", "scale_dtype", *_INT_FIELDS) if k not in md]
     if missing:
         raise _fail(path, f"metadata lacks {', '.join(missing)}")
     ints = {}
@@ -174,8 +178,15 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
         raise _fail(path, "metadata recipe_detail is not valid JSON") from None
     return RotationsMeta(architecture=md["architecture"], model_name=md.get("model_name", ""),
                          recipe=md["recipe"], recipe_detail=detail,
-                         calib_data=md.get("calib_data", ""), scale_dtype=md.get("scale_dtype", "float16"),
+                         calib_data=md.get("calib_data", ""), scale_dtype=md["scale_dtype"],
                          created=md.get("created", ""), version=md["version"], **ints)
+
+
+def orthogonality_error(r: torch.Tensor) -> float:
+    """max |R R^T - I| over the last two axes (any leading batch axes)."""
+    r = r.double()
+    eye = torch.eye(r.shape[-1], dtype=torch.float64)
+    return float((r @ r.transpose(-1, -2) - eye).abs().amax())
 
 
 def _validate(rot: Rotations, path: str) -> None:
@@ -206,8 +217,7 @@ def _validate(rot: Rotations, path: str) -> None:
             if kind.endswith("rot") and not torch.isfinite(t).all():
                 raise _fail(path, f"{kind}.{l} contains Inf")
         for kind in ("k_rot", "v_rot"):
-            r = getattr(lr, kind).double()
-            err = float((r @ r.transpose(-1, -2) - torch.eye(d, dtype=torch.float64)).abs().amax())
+            err = orthogonality_error(getattr(lr, kind))
             if not err <= ORTHOGONALITY_TOL:
                 raise _fail(path, f"{kind}.{l} is not orthogonal (max |R R^T - I| = {err:.2e} "
                                   f"> {ORTHOGONALITY_TOL:g})")
