@@ -4,8 +4,8 @@ Where a long prompt's time to first token goes with OSCAR: every 8k-token chunk 
 the whole cached prefix. Compares, on the same lengths and in the same run:
 
 - ``oscar_int2_us``: extend_config("int2"), the prefix unpacked in every program, with that
-  read's default tiles (``oscar_int2_*``: other tiles of that read);
-- ``oscar_bf16_*``: prefix_read="bf16", the prefix materialised once as BF16
+  read's tiles (triton_extend.EXTEND_TILES);
+- ``oscar_bf16_rows128_n64_s3_us``: prefix_read="bf16", the prefix materialised once as BF16
   (triton_materialize) and BF16 flash attention, tiles named in the key (rows, BF16 tokens
   per step, stages); ``materialize_us`` is that first kernel alone;
 - ``oscar_flashinfer_us``: FlashInferExtend, the materialised prefix read by FlashInfer's
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ import triton.testing
 
 from benchmarks.bench_kernels import T0, log, run_main, save
 from oscar_kernels import testing as kc
-from oscar_kernels.triton_extend import ExtendConfig, extend_config, triton_extend
+from oscar_kernels.triton_extend import EXTEND_TILES, ExtendConfig, extend_config, triton_extend
 from oscar_kernels.triton_materialize import triton_materialize_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,16 +151,10 @@ def main(argv=None):
                         "recent_window": W, "page_size": PAGE},
               "timing": "mean between CUDA events (triton.testing.do_bench), one layer, batch 1, random data",
               "cases": []}
-    bf16 = extend_config("bf16")  # the BF16 read's default tiles: 128 rows, 64-token steps, 3 stages
-    int2 = extend_config("int2")  # 64 rows, 32-token steps, 2 stages
-    result["default_tiles"] = {read: {k: getattr(cfg, k) for k in ("block_rows", "block_n", "block_n_bf16", "num_stages")}
-                               for read, cfg in (("int2", int2), ("bf16", bf16))}
-    # INT2-read tiles compile without spills on sm_90 at 1-2 stages (64-token INT2 steps spill 912 B)
-    variants = (("oscar_int2_us", int2),
-                ("oscar_int2_s1_us", replace(int2, num_stages=1)),
-                ("oscar_bf16_rows128_n64_s3_us", bf16),
-                ("oscar_bf16_rows128_n64_s2_us", replace(bf16, num_stages=2)),
-                ("oscar_bf16_rows64_n64_s3_us", replace(bf16, block_rows=64)))
+    keys = ("block_rows", "block_n", "block_n_bf16", "num_stages")
+    result["default_tiles"] = {read: {k: getattr(t, k) for k in keys} for read, t in EXTEND_TILES.items()}
+    # the bf16 key names its tiles (rows, BF16 tokens per step, stages), as earlier runs' columns do
+    variants = (("oscar_int2_us", extend_config("int2")), ("oscar_bf16_rows128_n64_s3_us", extend_config("bf16")))
     for prefix, new in CASES:
         log(f"case prefix={prefix} new={new}")
         chunk = Chunk(prefix, new)

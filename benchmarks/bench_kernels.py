@@ -1,7 +1,7 @@
 """Kernel benchmark on one GPU: OSCAR INT2 hybrid decode vs SGLang's Triton BF16 decode vs
 FlashInfer's paged BF16 decode, plus the store kernel and the device copy bandwidth.
 
-    python -m benchmarks.bench_kernels [--sweep] [--out benchmarks/results/kernels_h200.json]
+    python -m benchmarks.bench_kernels [--breakdown] [--out benchmarks/results/kernels_h200.json]
 
 Writes the JSON (after every stage, so an interrupted run keeps what it measured) and a
 plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 8 KV heads,
@@ -12,16 +12,11 @@ KV head), BF16 sink 16 / ring 128 tokens, page 64. Timings: CUDA-graph replay
 failure is recorded as null with its reason. SGLang's Triton BF16 kernel indexes its K/V
 buffers with int32 offsets, so it is skipped (with the reason) when a buffer has 2^31 or
 more elements; FlashInfer runs before it, and a CUDA error (which poisons the process's
-context) ends the run with what was measured so far. ``--sweep`` then times DecodeConfig
-variants (register cap, block sizes, stages, split policy, key precision, warps) and the
-group sizes 32 / 64 on four key cases, then the variants on the other eight, until
-``--budget-s`` (seconds since start; later items are recorded as skipped). ``--breakdown``
-times the decode with each of its kernels left out on the key cases (where the time goes).
-``--group-size / --value-group-size / --scale-dtype`` set the table's and breakdown's INT2
-layout (``--group-size 128 --scale-dtype float16``: the default before session 9; the
-sweep keeps its own layouts, G=128/float16 unless named).
-
-    python -m benchmarks.bench_kernels --sweep --budget-s 330 --out OUT.json   (< 7 min on an H200)
+context) ends the run with what was measured so far. ``--breakdown`` times the decode with
+each of its kernels left out on the key cases (where the time goes). ``--group-size /
+--value-group-size / --scale-dtype`` set the INT2 layout of the table and the breakdown
+(``--group-size 128 --scale-dtype float16``: the layout whose groups span the head, with its
+own tuned tiles).
 """
 from __future__ import annotations
 
@@ -171,19 +166,8 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None, workspace: DecodeWor
                                  sc.sm_scale, out=out, workspace=ws, config=cfg)
 
 
-# store launch variants timed at batch 1 and 64 (the store takes 7-10 us at every batch: latency).
-# All compile for sm_90 without spills (tests/aot_sm90.py registers: default (tf32x3, 8 warps) 128,
-# ieee x 4 warps 245, ieee x 8 warps 254, tf32x3 x 4 warps 138, k_block 16 128, one K+V program
-# 253); k_block 128, num_warps 2 and k_block 64 x 8 warps spill.
-STORE_VARIANTS = (("precision=ieee,num_warps=4", dict(precision="ieee", num_warps=4)),  # round-5 default
-                  ("precision=ieee", dict(precision="ieee")), ("num_warps=4", dict(num_warps=4)),
-                  ("k_block=16", dict(k_block=16)), ("kv_programs=1", dict(kv_programs=1)))
-
-
-def oscar_store(sc, **launch):
-    """One decode step's store: B tokens at position n-1 of every request (``launch``:
-    triton_store's launch parameters; none: the api path)."""
-    from oscar_kernels.triton_store import triton_store
+def oscar_store(sc):
+    """One decode step's store: B tokens at position n-1 of every request (api.store_kv)."""
     b, n = len(sc.lens), sc.lens[0]
     rows = sc.rows.long()
     k = torch.randn(b, H, D, device="cuda", dtype=torch.bfloat16)
@@ -191,11 +175,7 @@ def oscar_store(sc, **launch):
     pos = torch.full((b,), n - 1, device="cuda", dtype=torch.int64)
     slots = sc.req_to_token[rows, n - 1].long()
     ends = pos + 1
-    if not launch:
-        return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
-                                    rows, ends)
-    return lambda: triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows,
-                                ends, **launch)
+    return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends)
 
 
 def try_time(name: str, make, rep: int = 40, calls: int = 1):
@@ -301,84 +281,13 @@ def plot(result: dict, path: Path) -> None:
         ax2.axhline(0.7 * result["copy_GBps"], color="k", ls="--", label="0.7 x copy")
     ax2.set_ylabel("OSCAR effective bandwidth (GB/s)")
     ax2.legend(fontsize=7)
-    fig.suptitle(f"{result.get('device', 'GPU')}: 32 q / 8 kv heads, d=128, INT2 g={GROUP}, "
+    shape = result.get("shape", {})
+    fig.suptitle(f"{result.get('device', 'GPU')}: 32 q / 8 kv heads, d=128, INT2 keys g={shape.get('group_size')} / "
+                 f"values g={shape.get('value_group_size')}, {shape.get('scale_dtype')} scales, "
                  f"sink {S} + ring {W} BF16")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"plot -> {path}")
-
-
-def plot_sweep(result: dict, path: Path) -> None:
-    """GB/s of every sweep variant per case (one line per variant; default bold; the
-    default of the main cases fills the cases the sweep did not time it on)."""
-    recs = [r for r in result["sweep"] if r.get("oscar_GBps")]
-    timed = {(r["batch"], r["context"]) for r in recs if r["variant"] == "default"}
-    recs += [{"variant": "default", "batch": c["batch"], "context": c["context"], "oscar_GBps": c["oscar_GBps"]}
-             for c in result["cases"] if c.get("oscar_GBps") and (c["batch"], c["context"]) not in timed]
-    if not recs:
-        return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        log(f"no sweep plot: {e}")
-        return
-    cases = sorted({(r["batch"], r["context"]) for r in recs})
-    fig, ax = plt.subplots(figsize=(14, 6))
-    for k, name in enumerate(dict.fromkeys(r["variant"] for r in recs)):
-        got = {(r["batch"], r["context"]): r["oscar_GBps"] for r in recs if r["variant"] == name}
-        xs = [i for i, c in enumerate(cases) if c in got]
-        ax.plot(xs, [got[cases[i]] for i in xs], marker="o", lw=3 if name == "default" else 1,
-                ls="-" if k < 10 else "--", color="k" if name == "default" else None, label=name)
-    ax.set_xticks(range(len(cases)), [f"b{b}\n{n // 1024}k" for b, n in cases])
-    if result.get("copy_GBps"):
-        ax.axhline(0.7 * result["copy_GBps"], color="k", ls="--", lw=0.8, label="0.7 x copy")
-    ax.set_ylabel("OSCAR decode effective bandwidth (GB/s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{result.get('device', 'GPU')}: DecodeConfig variants")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    log(f"sweep plot -> {path}")
-
-
-def sweep_variants(sms: int):
-    """DecodeConfig variants around the default (name, kwargs), most informative first:
-    stage 1's launch shape (the batch >= 8 cases are stage-1 bound), then the merge."""
-    return [
-        ("default", {}),
-        ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
-        ("block_n=64,max_registers=168 (above batch 4)", dict(block_n=64, max_registers=168)),
-        ("block_n=32,max_registers=None", dict(block_n=32, max_registers=None)),
-        ("num_stages=3", dict(num_stages=3)),
-        ("num_stages=1", dict(num_stages=1)),
-        (f"target_programs={8 * sms} (8 x SMs)", dict(target_programs=8 * sms)),
-        (f"target_programs={30 * sms} (30 x SMs, two waves)", dict(target_programs=30 * sms)),
-        ("num_warps=2,block_n=64,max_registers=None", dict(num_warps=2, block_n=64, max_registers=None)),
-        ("block_n=64,max_registers=None (uncapped)", dict(block_n=64, max_registers=None)),
-        ("block_n=64,max_registers=144", dict(block_n=64, max_registers=144)),
-        ("half_keys=False (bf16 keys)", dict(half_keys=False)),
-        ("min_chunk=128", dict(min_chunk=128)),
-        ("min_chunk=512", dict(min_chunk=512)),
-        ("max_splits=64", dict(max_splits=64)),
-        ("max_splits=256", dict(max_splits=256)),
-        ("merge_grid=kv_head", dict(merge_grid="kv_head")),
-        ("merge_grid=split", dict(merge_grid="split")),
-        ("merge_partials_per_step=16", dict(merge_partials_per_step=16)),
-        ("rotate_out_block=0", dict(rotate_out_block=0)),
-    ]
-
-
-# small batches, one pass: the batch-dependent defaults around their crossings (merge_grid "auto":
-# split_merge_max_batch; stage 1's block_n: small_batch_max, both 4): each default against the other
-# side's choice, and 3 stages (won at b1/b8, lost at b64 in round 6)
-SMALL_BATCH_CASES = ((1, 16384), (1, 131072), (2, 65536), (4, 65536), (8, 65536), (16, 65536))
-SMALL_BATCH_VARIANTS = (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head")),
-                        ("merge_grid=split", dict(merge_grid="split")),
-                        ("block_n=128,max_registers=None", dict(block_n=128, max_registers=None)),
-                        ("block_n=64,max_registers=168 (above batch 4)", dict(block_n=64, max_registers=168)),
-                        ("num_stages=3", dict(num_stages=3)))
 
 
 def oscar_timed(name, scs, q, cfg, rep=20):
@@ -388,19 +297,6 @@ def oscar_timed(name, scs, q, cfg, rep=20):
         ws = DecodeWorkspace(q.shape[0], HQ, H, D, "cuda", cfg or DecodeConfig())
         return in_turn([oscar_decode(s, q, cfg, ws) for s in scs])
     return try_time(name, make, rep=rep, calls=len(scs))
-
-
-def sweep_record(name, kwargs, group, scs, q, b, n):
-    cfg = DecodeConfig(**kwargs)
-    sc = scs[0]
-    us, _, err = oscar_timed(name, scs, q, cfg)
-    byts = int2_bytes_read(sc.layer, sc.lens, HQ)
-    rec = {"variant": name, "config": kwargs, "group": group, "batch": b, "context": n, "oscar_decode_us": us,
-           "oscar_GBps": round(byts / (us * 1e-6) / 1e9, 1) if us else None}
-    if err:
-        rec["error"] = err
-    log(f"sweep {name} g={group} b={b} n={n}: {us} us, {rec['oscar_GBps']} GB/s")
-    return rec
 
 
 KEY_CASES = ((8, 65536), (64, 16384), (1, 65536), (64, 131072))
@@ -413,15 +309,15 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def breakdown_record(name, kwargs, scs, q, b, n):
-    """Where decode time goes, timed by leaving one kernel out: full decode, then the decode
-    with each launched kernel replaced by no launch; time(kernel) ~ full - without(kernel)."""
+def breakdown_record(scs, q, b, n):
+    """Where the default decode's time goes, timed by leaving one kernel out: full decode, then
+    the decode with each launched kernel replaced by no launch; time(kernel) ~ full - without(kernel)."""
     import oscar_kernels.triton_decode as td
-    cfg = DecodeConfig(**kwargs)
-    rec = {"variant": name, "config": kwargs, "batch": b, "context": n}
+    name = "default"
+    cfg = DecodeConfig()
+    rec = {"variant": name, "config": {}, "batch": b, "context": n}
     rec["full_us"], _, err = oscar_timed(name, scs, q, cfg)
-    merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}.get(cfg.merge_grid_for(b),
-                                                                                  "_decode_merge")
+    merge = {"query_head": "_decode_merge_row", "split": "_decode_merge_split"}[cfg.merge_grid_for(b)]
     for kernel in ("_rotate_q_kernel", "_decode_stage1", merge):
         saved = getattr(td, kernel)
         setattr(td, kernel, _NoLaunch())
@@ -443,53 +339,15 @@ def layout_copies(b: int, n: int, l2: int, layout: Layout):
 
 
 def run_breakdown(result: dict, out: Path, cases, layout: Layout) -> None:
-    """Leave-one-kernel-out timings of the default decode and the kv_head merge on the
-    key cases (assert nothing about them: they are for reading)."""
+    """Leave-one-kernel-out timings of the default decode on the key cases (assert nothing
+    about them: they are for reading)."""
     for b, n in [c for c in KEY_CASES if c in cases]:
         scs = layout_copies(b, n, l2_bytes(), layout)
         q = kc.random_q(scs[0], HQ)
-        for name, kwargs in (("default", {}), ("merge_grid=kv_head", dict(merge_grid="kv_head"))):
-            result["breakdown"].append(breakdown_record(name, kwargs, scs, q, b, n))
-            save(result, out)
+        result["breakdown"].append(breakdown_record(scs, q, b, n))
+        save(result, out)
         del scs, q
         torch.cuda.empty_cache()
-
-
-def _sweep_pass(result, out, cases, variants, group, budget_s, scale_dtype=torch.float16):
-    """Variants x cases, variant-major (a variant compiles once per batch size), with the
-    cases' caches built once and kept for the pass."""
-    scen = {}
-    l2 = l2_bytes()
-    for b, n in cases:
-        scs = cold_copies(b, n, l2, group, scale_dtype)
-        scen[(b, n)] = (scs, kc.random_q(scs[0], HQ))
-    for name, kwargs in variants:
-        for b, n in cases:
-            if time.time() - T0 > budget_s:
-                result["sweep"].append({"variant": name, "group": group, "batch": b, "context": n,
-                                        "skipped": "time budget"})
-                continue
-            scs, q = scen[(b, n)]
-            result["sweep"].append(sweep_record(name, kwargs, group, scs, q, b, n))
-        save(result, out)
-    scen.clear()
-    torch.cuda.empty_cache()
-
-
-def run_sweep(result: dict, out: Path, cases, budget_s: float) -> None:
-    """Every variant on the four key cases, the merge choice and stage-1 shapes at small
-    batches, group sizes 32 / 64 on the key cases, then every variant on the other cases,
-    until the budget (items not started are recorded as skipped)."""
-    variants = sweep_variants(result["sms"])
-    key = [c for c in KEY_CASES if c in cases]
-    _sweep_pass(result, out, key, variants, GROUP, budget_s)
-    _sweep_pass(result, out, SMALL_BATCH_CASES, SMALL_BATCH_VARIANTS, GROUP, budget_s)
-    _sweep_pass(result, out, key, [("group=64,float8 scales", {})], 64, budget_s, torch.float8_e4m3fn)
-    for group in (32, 64):
-        _sweep_pass(result, out, key, [(f"group={group}", {})], group, budget_s)
-    rest = [c for c in cases if c not in key]
-    for batch in BATCHES:  # one batch size at a time: a few caches in memory
-        _sweep_pass(result, out, [c for c in rest if c[0] == batch], variants[1:], GROUP, budget_s)
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -510,8 +368,6 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_h200.json"))
-    ap.add_argument("--sweep", action="store_true", help="also time decode variants")
-    ap.add_argument("--budget-s", type=float, default=330, help="start no sweep item after this many seconds")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the decode with each kernel left out, on the key cases")
@@ -541,7 +397,7 @@ def main(argv=None):
               "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
                                   "max_kv_splits=8 (SGLang default), splits from get_num_kv_splits_triton",
               "flashinfer_note": "BatchDecodeWithPagedKVCacheWrapper, NHD, page 16, tensor cores for GQA>=4",
-              "copy_GBps": None, "cases": [], "skipped": [], "breakdown": [], "sweep": []}
+              "copy_GBps": None, "cases": [], "skipped": [], "breakdown": []}
     l2 = l2_bytes()
     result["l2_bytes"] = l2
     log(f"device {dev.name}, {dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB")
@@ -583,9 +439,6 @@ def main(argv=None):
             rec["store_us"], _, err = try_time("store", lambda: oscar_store(sc))
             if err:
                 rec["store_error"] = err
-            if b in (1, 64):
-                rec["store_variants_us"] = {name: try_time(f"store {name}", lambda: oscar_store(sc, **kw))[0]
-                                            for name, kw in STORE_VARIANTS}
             rec["bf16_bytes"] = bf16_bytes(b, n)
             # the BF16 case's layers side by side in the pool (cold L2, as for oscar)
             slots = sc.layer.k_packed.shape[0]
@@ -615,14 +468,10 @@ def main(argv=None):
             sc = scs = q = None  # free the caches before the next case
             torch.cuda.empty_cache()
         plot(result, out.with_suffix(".png"))
-        if args.breakdown or args.sweep:
+        if args.breakdown:
             del pool
             torch.cuda.empty_cache()
-        if args.breakdown:
             run_breakdown(result, out, cases, layout)
-        if args.sweep:
-            run_sweep(result, out, cases, args.budget_s)
-            plot_sweep(result, out.with_name(out.stem + "_sweep.png"))
     except CudaContextLost as e:
         result["aborted"] = f"CUDA context lost, later measurements impossible in this process: {e}"
         log(result["aborted"])

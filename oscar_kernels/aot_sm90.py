@@ -5,10 +5,10 @@ kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 
 then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
 layouts, shared memory) on a machine without CUDA.
 
-Usage: python -m oscar_kernels.aot_sm90 [--case NAME ...] [--decode-config JSON] [--kernel NAME] [--opcodes] [--dump DIR]
-(prints one JSON line per kernel: registers, spills, and per loop of its SASS the instruction
-count, spill instructions and, with --opcodes, the opcode histogram; --dump writes each
-kernel's TTGIR, PTX and SASS to DIR/CASE.KERNEL.{ttgir,ptx,sass})
+Usage: python -m oscar_kernels.aot_sm90 [--case NAME ...] [--kernel NAME] [--opcodes] [--dump DIR]
+(prints one JSON line per kernel launch: registers, spills, and per loop of its SASS the
+instruction count, spill instructions and, with --opcodes, the opcode histogram; --dump writes
+each launch's TTGIR, PTX and SASS to DIR/CASE.N.KERNEL.{ttgir,ptx,sass}, N its launch index)
 Must run without TRITON_INTERPRET (tests/test_kernels_compile.py runs it as a subprocess).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -142,7 +143,7 @@ class _Recorder:
                 rec.update(_ptxas_stats(compiled, sass))
                 rec["ok"] = True
                 if DUMP_DIR is not None:
-                    stem = f"{self.case}.{self.kernel.__name__}"
+                    stem = f"{self.case}.{len(self.results)}.{self.kernel.__name__}"
                     for ext in ("ttgir", "ptx"):
                         (DUMP_DIR / f"{stem}.{ext}").write_text(compiled.asm[ext])
                     (DUMP_DIR / f"{stem}.sass").write_text(sass)
@@ -161,8 +162,8 @@ def _patch(case, results):
     from oscar_kernels import triton_decode, triton_extend, triton_materialize, triton_store
     saved = []
     for mod, name in ((triton_store, "_store_kernel"), (triton_decode, "_rotate_q_kernel"),
-                      (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge"),
-                      (triton_decode, "_decode_merge_row"), (triton_decode, "_decode_merge_split"),
+                      (triton_decode, "_decode_stage1"), (triton_decode, "_decode_merge_row"),
+                      (triton_decode, "_decode_merge_split"),
                       (triton_extend, "_extend_kernel"), (triton_materialize, "_materialize_kernel")):
         saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, _Recorder(getattr(mod, name), case, results))
@@ -178,42 +179,45 @@ def _unpatch(saved):
         setattr(mod, name, k)
 
 
+@dataclass(frozen=True)
+class Case:
+    """What one case launches: store, decode of ``decode_batch`` requests (the batch picks
+    stage 1's tiles and the merge: DecodeConfig.stage1_tiles / merge_grid_for), extend with
+    ``prefix_read``."""
+
+    scenario: dict
+    hq: int = 32
+    decode_batch: int = 2
+    prefix_read: str = "int2"
+
+
+_G128 = dict(D=128, G=128, S=16, W=64, page=64)
+_K32_V128 = dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
 CASES = {
-    # name: (scenario kwargs, decode config kwargs, extend config kwargs, Hq)
-    "g128": (dict(D=128, G=128, S=16, W=64, page=64), {}, {}, 32),
-    "g32_nw4": (dict(D=128, G=32, S=16, W=64, page=64), dict(num_warps=4), {}, 32),
-    "g64_d64": (dict(D=64, G=64, S=4, W=16, page=16), {}, {}, 16),
-    "g8_gq1": (dict(D=128, G=8, S=4, W=16, page=16), {}, {}, 8),
-    "nodot_convert": (dict(D=128, G=128, S=0, W=0, page=16), dict(use_dot=False, magic_unpack=False),
-                      dict(magic_unpack=False), 32),
-    "g128_nobf16": (dict(D=128, G=128, S=0, W=0, page=64), {}, {}, 32),
-    "g64_float8_scales": (dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn), {}, {}, 32),
-    "k32_v128_float8_scales": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
-                               {}, {}, 32),
-    # what runs at batch 1 on the default layout (DecodeConfig.pipeline_for: 2 stages, int32
-    # slot offsets; the cases compile at batch 2, where it runs 3 stages and int64)
-    "k32_v128_shallow": (dict(D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn),
-                         dict(shallow_pipeline_max=2), {}, 32),
-    "g128_whole_row_rotation": (dict(D=128, G=128, S=16, W=64, page=64),
-                                dict(rotate_out_block=0, merge_grid="query_head", merge_partials_per_step=16), {}, 32),
-    "g128_kv_head_merge": (dict(D=128, G=128, S=16, W=64, page=64), dict(merge_grid="kv_head"), {}, 32),
-    # the BF16 read with its default tiles (triton_extend.BF16_READ_TILES)
-    "g128_bf16_prefix": (dict(D=128, G=128, S=16, W=64, page=64), {},
-                         dict(prefix_read="bf16", block_rows=128, block_n_bf16=64, num_stages=3), 32),
-    # what runs above batch 4 (the cases compile at batch 2): stage 1 at block_n 64 under the
-    # register cap, the query_head merge (64 partials per step)
-    "g128_large_batch": (dict(D=128, G=128, S=16, W=64, page=64), dict(small_batch_max=0, split_merge_max_batch=0),
-                         {}, 32),
+    # G = D at batch 2: 128-token steps uncapped, the split merge
+    "g128": Case(_G128),
+    # ... above batch 4: 64-token steps under the register cap, the query-head merge
+    "g128_large_batch": Case(_G128, decode_batch=5),
+    "g128_bf16_prefix": Case(_G128, prefix_read="bf16"),
+    "g128_nobf16": Case(dict(D=128, G=128, S=0, W=0, page=64)),
+    "g32": Case(dict(D=128, G=32, S=16, W=64, page=64)),
+    "g64_d64": Case(dict(D=64, G=64, S=4, W=16, page=16), hq=16),
+    "g8_gq1": Case(dict(D=128, G=8, S=4, W=16, page=16), hq=8),
+    "g64_float8_scales": Case(dict(D=128, G=64, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)),
+    # the default layout above batch 1 (3 stages, int64 slot offsets) and at batch 1 (2, int32)
+    "k32_v128_float8_scales": Case(_K32_V128),
+    "k32_v128_batch1": Case(_K32_V128, decode_batch=1),
 }
+_LENS = (70, 5, 33, 12, 90)
 
 
 def run(case: str) -> list[dict]:
     from oscar_kernels import testing as kc
-    from oscar_kernels.triton_decode import DecodeConfig, triton_decode
-    from oscar_kernels.triton_extend import ExtendConfig, triton_extend
+    from oscar_kernels.triton_decode import triton_decode
+    from oscar_kernels.triton_extend import extend_config, triton_extend
     from oscar_kernels.triton_store import triton_store
-    scen, dcfg, ecfg, hq = CASES[case]
-    sc = kc.build([70, 5], H=8, fill=False, seed=0, **scen)
+    spec = CASES[case]
+    sc = kc.build(list(_LENS[:max(2, spec.decode_batch)]), H=8, fill=False, seed=0, **spec.scenario)
     h, d = sc.layer.num_kv_heads, sc.layer.head_dim
     results: list[dict] = []
     saved = _patch(case, results)
@@ -223,13 +227,14 @@ def run(case: str) -> list[dict]:
         idx = torch.zeros(t, dtype=torch.int64)
         triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, k.clone(), idx, idx, idx, idx + 1,
                      rotated_out=(k.clone(), k.clone()))
-        q = torch.zeros(2, hq, d, dtype=torch.bfloat16)
+        b = spec.decode_batch
+        q = torch.zeros(b, spec.hq, d, dtype=torch.bfloat16)
         lens = torch.tensor(sc.lens, dtype=torch.int32)
-        triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale,
-                      config=DecodeConfig(**dcfg))
-        qe = torch.zeros(t, hq, d, dtype=torch.bfloat16)
-        triton_extend(qe, k, k.clone(), sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
-                      torch.tensor([0, 2, 3], dtype=torch.int32), 2, sc.sm_scale, config=ExtendConfig(**ecfg))
+        triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows[:b], lens[:b], sc.sm_scale)
+        qe = torch.zeros(t, spec.hq, d, dtype=torch.bfloat16)  # two requests: 2 and 1 new tokens
+        triton_extend(qe, k, k.clone(), sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows[:2], lens[:2],
+                      torch.tensor([0, 2, 3], dtype=torch.int32), 2, sc.sm_scale,
+                      config=extend_config(spec.prefix_read), prefix_lens_host=sc.lens[:2])
     finally:
         _unpatch(saved)
     return results
@@ -240,8 +245,6 @@ def main(argv=None):
         sys.exit("aot_sm90: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: all")
-    ap.add_argument("--decode-config", type=json.loads, default={}, metavar="JSON",
-                    help='DecodeConfig fields over each case\'s own (e.g. \'{"max_registers": 224}\')')
     ap.add_argument("--kernel", help="print only this kernel's records (e.g. _decode_stage1)")
     ap.add_argument("--opcodes", action="store_true", help="keep each loop's opcode histogram in the records")
     ap.add_argument("--dump", type=Path, metavar="DIR", help="write each kernel's TTGIR, PTX and SASS here")
@@ -252,8 +255,6 @@ def main(argv=None):
         DUMP_DIR = args.dump
     failed = 0
     for case in args.case or list(CASES):
-        scen, dcfg, ecfg, hq = CASES[case]
-        CASES[case] = (scen, {**dcfg, **args.decode_config}, ecfg, hq)
         for rec in run(case):
             failed += not rec["ok"]
             if args.kernel and rec["kernel"] != args.kernel:

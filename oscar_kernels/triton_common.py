@@ -91,12 +91,6 @@ def head_index(h, SLOT64: tl.constexpr):
 
 
 @triton.jit
-def mma_f32(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b for float32 operands at the given input precision ("ieee", "tf32x3", ...)."""
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
 def to_scale_dtype(x, SCALE_DTYPE: tl.constexpr):
     """x (float32) in the scale dtype. float8_e4m3fn: rounded to nearest-even on 3 mantissa
     bits in float32 first (carry into the exponent included; steps of 2^-9 below 2^-6;
@@ -114,12 +108,12 @@ def to_scale_dtype(x, SCALE_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def sink_slot_of_row(row, req_to_token_ptr, r2t_stride, sink_slot_of_page_ptr,
+def sink_slot_of_row(row, req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr,
                      page_of_sink_slot_ptr, page_size):
     """Sink slot valid for the sequence in ``row`` (-1 if none): the slot c registered for
     the page of position 0, valid while page_of_sink_slot[c] still names that page
     (hybrid_cache.sink_slot_for). ``row`` may be a scalar or a tensor."""
-    first = tl.load(req_to_token_ptr + row.to(tl.int64) * r2t_stride).to(tl.int64)
+    first = tl.load(req_to_token_ptr + row.to(tl.int64) * stride_req_to_token_row).to(tl.int64)
     page = first // page_size
     c = tl.load(sink_slot_of_page_ptr + page).to(tl.int64)
     owner = tl.load(page_of_sink_slot_ptr + tl.maximum(c, 0)).to(tl.int64)
@@ -147,16 +141,17 @@ def check_cache_layout(layer) -> None:
         raise ValueError(f"the Triton kernels read {names} scales, not {layer.k_scales.dtype}")
 
 
-def group_scale_args(layer, float8_words: bool = True):
-    """(kgs, vgs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are read
-    as one int32 (scale, min) pair per token and group, float8 scales as one int16 pair, or
-    (``float8_words``, when the layout allows it: float8_words_view) as the aligned int32
-    word holding the pair. Strides in pair units."""
+def group_scale_args(layer):
+    """(k_pairs, v_pairs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are
+    read as one int32 (scale, min) pair per token and group, float8 scales as the aligned
+    int32 word holding the pair (float8_words_view: 4-byte loads, which Triton's pipeliner
+    prefetches) or, where the layout allows no word view, as one int16 pair. Strides in pair
+    units; float32 scales (or odd strides) are read element by element (PAIR None)."""
     ks, vs = layer.k_scales, layer.v_scales
     pair = {2: torch.int32, 1: torch.int16}.get(ks.element_size())
     if pair is not None and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
         kgs, vgs = ks.view(pair), vs.view(pair)
-        if pair == torch.int16 and float8_words:
+        if pair == torch.int16:
             kw, vw = float8_words_view(ks), float8_words_view(vs)
             if kw is not None and vw is not None:
                 kgs, vgs = kw, vw
@@ -194,10 +189,32 @@ def pair_views(layer):
     return k16, v16, k16.stride(0), k16.stride(1)
 
 
-def half_keys(enabled: bool, magic_unpack: bool, layer) -> bool:
-    """Whether K codes unpack as float16 (HALF): asked for, magic unpacking, and one group
-    per plane or wider (keys' G >= D/4)."""
-    return enabled and magic_unpack and layer.key_group_size >= layer.head_dim // 4
+def scale_args(layer):
+    """(k_scales, v_scales, stride_slot, stride_head, stride_group): the (scale, min) tensors
+    with their element strides (K and V share them: check_cache_layout)."""
+    ks = layer.k_scales
+    return (ks, layer.v_scales, *ks.stride()[:3])
+
+
+def code_args(layer):
+    """(k_packed, v_packed, stride_slot, stride_head): the packed INT2 codes as bytes."""
+    kp = layer.k_packed
+    return (kp, layer.v_packed, kp.stride(0), kp.stride(1))
+
+
+def bf16_side_args(layer):
+    """The BF16 side cache as every kernel takes it: (k_sink, v_sink, stride_sink_slot,
+    stride_sink_pos, stride_sink_head, k_ring, v_ring, stride_ring_row, stride_ring_cell,
+    stride_ring_head) of the [C, S, H, D] sinks and [R, W, H, D] rings."""
+    ks, kr = layer.k_sink, layer.k_ring
+    return (ks, layer.v_sink, *ks.stride()[:3], kr, layer.v_ring, *kr.stride()[:3])
+
+
+def sink_index_args(index, req_to_token: torch.Tensor):
+    """(req_to_token, stride_req_to_token_row, sink_slot_of_page, page_of_sink_slot,
+    page_size): what sink_slot_of_row reads to find a request's sink slot."""
+    return (req_to_token, req_to_token.stride(0), index.sink_slot_of_page, index.page_of_sink_slot,
+            index.page_size)
 
 
 def element_extent(t: torch.Tensor) -> int:

@@ -12,10 +12,11 @@ the attention (o' in float32), o = o' R_V^T (the rotation kernels of triton_deco
 With ``ExtendConfig.prefix_read="bf16"`` a fourth launch first materialises every
 request's hybrid prefix as BF16 rows (triton_materialize), so that the prefix is unpacked
 once per call instead of once per block of rows, and the attention is BF16 throughout.
+Each read has its own tuned tiles (EXTEND_TILES).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,41 +24,44 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
-from .triton_common import (INTERPRET, check_cache_layout, check_last_dim_contiguous, group_scale_args,
-                            half_keys, head_index, needs_int64_slots, pair_views)
-from .triton_decode import rotate_tokens
-from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
-from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state, mm,
+from .triton_common import (INTERPRET, bf16_side_args, check_cache_layout, check_last_dim_contiguous, group_scale_args,
+                            head_index, mma, needs_int64_slots, pair_views, scale_args, sink_index_args)
+from .triton_decode import LOG2E, rotate_tokens
+from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state,
                                  online_softmax, request_layout, store_pairs)
+from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
 
 
 @triton.jit
-def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
-                   rows_ptr, pre_ptr, qo_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size, vf_ptr,
-                   kpk_ptr, vpk_ptr, spk_s, spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
-                   kgs_ptr, vgs_ptr, sgs_s, sgs_h,
-                   ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
-                   kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
-                   kpre_ptr, vpre_ptr, spre_t, spre_h, pre_off_ptr,
-                   o_ptr, so_t, so_h, qk_scale,
+def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_ptr, stride_new_token, stride_new_head,
+                   rows_ptr, prefix_lens_ptr, qo_indptr_ptr,
+                   req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr, page_of_sink_slot_ptr,
+                   page_size, ring_valid_from_ptr,
+                   k_pairs_ptr, v_pairs_ptr, stride_pair_slot, stride_pair_head,
+                   k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+                   k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, stride_scale_pair_head,
+                   k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+                   k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+                   k_prefix_ptr, v_prefix_ptr, stride_prefix_token, stride_prefix_head, prefix_offsets_ptr,
+                   o_ptr, stride_o_token, stride_o_head, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
-                   BN_BF16: tl.constexpr, PAIR: tl.constexpr, MAGIC: tl.constexpr,
-                   USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-                   HALF: tl.constexpr, BF16_PREFIX: tl.constexpr):
+                   BN_BF16: tl.constexpr, PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
+                   BF16_PREFIX: tl.constexpr):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
     BF16_PREFIX: the prefix was materialised (triton_materialize) as BF16 rows
-    kpre/vpre[pre_off[b] + t]; one [R, D] accumulator runs over them and the new tokens.
+    k/v_prefix[prefix_offsets[b] + t]; one [R, D] accumulator runs over them and the new tokens.
     Otherwise two phases keep the live state small: (1) the INT2 prefix with plane
     accumulators, normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring,
     causal new tokens) with one [R, D] accumulator, then the log-sum-exp merge with the
     parked part."""
+    HALF: tl.constexpr = GK >= D // 4  # key codes unpack as float16 when a key group spans a plane
     mb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
-    qo_lo = tl.load(qo_ptr + b).to(tl.int64)
-    e = tl.load(qo_ptr + b + 1).to(tl.int64) - qo_lo
+    qo_lo = tl.load(qo_indptr_ptr + b).to(tl.int64)
+    e = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - qo_lo
     m0 = mb * BM
     if m0 < e:
         R: tl.constexpr = BM * GQP
@@ -68,51 +72,53 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         tok = qo_lo + tq
         hq = (h * GQ + gg).to(tl.int64)
         d = tl.arange(0, D)
-        o_vec = o_ptr + tok * so_t + hq * so_h  # [R] row pointers of o'
-        q_vec = qr_ptr + tok * sq_t + hq * sq_h
+        o_vec = o_ptr + tok * stride_o_token + hq * stride_o_head  # [R] row pointers of o'
+        q_vec = q_rot_ptr + tok * stride_q_token + hq * stride_q_head
         m_i = tl.full([R], float("-inf"), tl.float32)
         l_i = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
         if BF16_PREFIX:
             q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-            pre = tl.load(pre_off_ptr + b).to(tl.int64) * spre_t + h * spre_h
-            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kpre_ptr + pre, vpre_ptr + pre, spre_t,
-                                       0, tl.load(pre_ptr + b).to(tl.int64), 0, qk_scale, BN_BF16, D,
-                                       USE_DOT, INTERP)
+            pre = tl.load(prefix_offsets_ptr + b).to(tl.int64) * stride_prefix_token + h * stride_prefix_head
+            m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_prefix_ptr + pre, v_prefix_ptr + pre, stride_prefix_token,
+                                       0, tl.load(prefix_lens_ptr + b).to(tl.int64), 0, qk_scale, BN_BF16, D, INTERP)
         else:
-            row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
-                                                     pos_of_ptr, page_size, vf_ptr, S, W)
+            row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, prefix_lens_ptr, req_to_token_ptr,
+                                                     stride_req_to_token_row, sink_slot_of_page_ptr,
+                                                     page_of_sink_slot_ptr, page_size, ring_valid_from_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
-            qops, qsums = int2_query(q_vec, rmask, qk_scale, D, GK, MAGIC, HALF)
+            qops, qsums = int2_query(q_vec, rmask, qk_scale, D, GK, HALF)
             hh = head_index(h, SLOT64)
-            st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo, r2t_ptr + row * r2t_stride,
-                            kpk_ptr, vpk_ptr, spk_s, hh * spk_h, ksc_ptr, vsc_ptr, ssc_s, ssc_g, hh * ssc_h,
-                            kgs_ptr, vgs_ptr, sgs_s, hh * sgs_h, qk_scale, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64, HALF)
-            outs, m2, l2 = int2_finish(st, D, GV, MAGIC)
+            st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo,
+                            req_to_token_ptr + row * stride_req_to_token_row,
+                            k_pairs_ptr, v_pairs_ptr, stride_pair_slot, hh * stride_pair_head,
+                            k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, hh * stride_scale_head,
+                            k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, hh * stride_scale_pair_head,
+                            BN, D, GK, GV, PAIR, INTERP, SLOT64, HALF, False)
+            outs, m2, l2 = int2_finish(st, D, GV)
             store_pairs(o_vec, rmask, outs, D)
             # ---- phase 2: BF16 sinks, ring, then the new tokens causally
             q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
             if S > 0:
-                cs = tl.maximum(c, 0) * ssk_c + h * ssk_h
-                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, ksink_ptr + cs, vsink_ptr + cs, ssk_p,
-                                           0, s_b, 0, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+                cs = tl.maximum(c, 0) * stride_sink_slot + h * stride_sink_head
+                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_sink_ptr + cs, v_sink_ptr + cs, stride_sink_pos,
+                                           0, s_b, 0, qk_scale, BN_BF16, D, INTERP)
             if W > 0:
-                rr = row * srg_r + h * srg_h
-                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, kring_ptr + rr, vring_ptr + rr, srg_c,
-                                           ring_lo, n, W, qk_scale, BN_BF16, D, USE_DOT, INTERP)
+                rr = row * stride_ring_row + h * stride_ring_head
+                m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_ring_ptr + rr, v_ring_ptr + rr, stride_ring_cell,
+                                           ring_lo, n, W, qk_scale, BN_BF16, D, INTERP)
         nb = tl.arange(0, BN_BF16)
-        kv_new = h * sn_h
+        kv_new = h * stride_new_head
         for j0 in range(0, tl.minimum(e, m0 + BM), BN_BF16):
             j = j0 + nb
             jmask = j < e
-            joff = (qo_lo + j) * sn_t + kv_new
-            k = tl.load(knew_ptr + joff[None, :] + d[:, None], mask=jmask[None, :], other=0.0)
-            s = mm(q, k, tl.zeros([R, BN_BF16], tl.float32), USE_DOT, INTERP) * qk_scale
+            joff = (qo_lo + j) * stride_new_token + kv_new
+            k = tl.load(k_new_ptr + joff[None, :] + d[:, None], mask=jmask[None, :], other=0.0)
+            s = mma(q, k, tl.zeros([R, BN_BF16], tl.float32), INTERP) * qk_scale
             causal = jmask[None, :] & (j[None, :] <= tq[:, None])
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
-            v = tl.load(vnew_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
-            acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], USE_DOT, INTERP)
+            v = tl.load(v_new_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
+            acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], INTERP)
         if BF16_PREFIX:  # every row attends to its own token at least: l_i > 0
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         else:
@@ -130,39 +136,33 @@ def _extend_kernel(qr_ptr, sq_t, sq_h, knew_ptr, vnew_ptr, sn_t, sn_h,
         tl.store(o_vec[:, None] + d[None, :], o, mask=rmask[:, None])
 
 
+@dataclass(frozen=True)
+class ExtendTiles:
+    """How the extend kernel is launched for one prefix read."""
+
+    block_rows: int  # query rows (tokens x query heads of a KV head) per program
+    block_n: int  # INT2 prefix tokens per step
+    block_n_bf16: int  # BF16 (sink / ring / materialised prefix / new) tokens per step
+    num_stages: int
+    num_warps: int = 8
+
+
+# The tuned tiles of each prefix read (H200; figures in benchmarks/DECODE_KERNEL_LOG.md), no
+# register spills on sm_90 with either; each read keeps its own: the BF16 read's tiles spill
+# in the INT2 read, and 64-token INT2 steps spill
+EXTEND_TILES = {"int2": ExtendTiles(block_rows=64, block_n=32, block_n_bf16=32, num_stages=2),
+                "bf16": ExtendTiles(block_rows=128, block_n=32, block_n_bf16=64, num_stages=3)}
+PREFIX_READS = tuple(EXTEND_TILES)
+
+
 @dataclass
 class ExtendConfig:
-    """Launch parameters of the extend kernel."""
+    """How extend reads a cached prefix: "int2" (unpacked in every program, nothing
+    materialised) or "bf16" (materialised once per call by triton_materialize, sum(prefix) x
+    H x D x 4 bytes of scratch, then BF16 flash attention; calls whose prefixes sum to more
+    than MAX_MATERIALIZED_TOKENS read INT2)."""
 
-    block_rows: int = 64  # query rows (tokens x query heads of a KV head) per program
-    block_n: int = 32  # INT2 prefix tokens per step
-    block_n_bf16: int = 32  # BF16 (sink / ring / new) tokens per step
-    num_warps: int = 8  # (64 rows, 32-token steps, 8 warps: no register spills on sm_90)
-    num_stages: int = 2
-    magic_unpack: bool = True
-    half_keys: bool = True  # as DecodeConfig.half_keys
-    use_dot: bool = True
-    fp32_precision: str = "ieee"
-    # how the prefix is read: "int2" (unpacked in every program, nothing materialised) or
-    # "bf16" (materialised once per call by triton_materialize: sum(prefix) x H x D x 4 bytes
-    # of scratch, then BF16 flash attention)
     prefix_read: str = "int2"
-    materialize_block: int = 64  # prefix tokens per materialising program
-    # "bf16" only while a call's prefixes sum to at most this many tokens; larger calls read INT2
-    max_materialized_tokens: int = MAX_MATERIALIZED_TOKENS
-
-
-PREFIX_READS = ("int2", "bf16")
-
-# Tiles per prefix read, timed on the H200 (extend_h200.json, one layer, 8,192 new tokens over
-# prefixes of 0 / 32k / 120k tokens). INT2 read (64 rows, 32-token steps): 2 stages 6.4 / 42.7 /
-# 157.0 ms against 7.1 / 52.3 / 272.1 with 1 stage; 16-token steps or 32 rows are slower (64-token
-# INT2 steps spill on sm_90). BF16 read: 128 rows, 64-token steps, 3 stages 3.2 / 14.7 / 46.3 ms,
-# against 3.5 / 18.0 / 60.8 with 2 stages, 3.3 / 16.3 / 55.5 with 128-token steps and 2 stages,
-# and 6.8 / 56.6 / 218.6 with the INT2 read's tiles. Each read keeps its own tiles: the BF16
-# read's spill 284 bytes in the INT2 read on sm_90.
-BF16_READ_TILES = dict(block_rows=128, block_n_bf16=64, num_stages=3)
-INT2_READ_TILES = {k: getattr(ExtendConfig, k) for k in BF16_READ_TILES}  # ExtendConfig's defaults
 
 
 def check_prefix_read(prefix_read: str) -> None:
@@ -171,9 +171,9 @@ def check_prefix_read(prefix_read: str) -> None:
 
 
 def extend_config(prefix_read: str = "int2") -> ExtendConfig:
-    """The default ExtendConfig of a prefix read, with that read's tiles."""
+    """The ExtendConfig of a prefix read (checked)."""
     check_prefix_read(prefix_read)
-    return ExtendConfig(prefix_read=prefix_read, **(BF16_READ_TILES if prefix_read == "bf16" else {}))
+    return ExtendConfig(prefix_read=prefix_read)
 
 
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
@@ -213,42 +213,32 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         q_rot_buffer = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
     if o_rot_buffer is None:
         o_rot_buffer = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
-    q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), q_rot_buffer[:t], cfg.fp32_precision)
+    q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), q_rot_buffer[:t])
     o_rot = o_rot_buffer[:t]
     gq = hq // h
     gqp = triton.next_power_of_2(gq)
-    lay = layer
-    gs = group_scale_args(lay)
     host = None
     if cfg.prefix_read == "bf16":
         host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
-    bf16_prefix = host is not None and sum(host) <= cfg.max_materialized_tokens
-    if cfg.prefix_read == "bf16" and not bf16_prefix:  # prefixes above the scratch cap: INT2 read
-        cfg = replace(cfg, **INT2_READ_TILES)
+    bf16_prefix = host is not None and sum(host) <= MAX_MATERIALIZED_TOKENS  # else the INT2 read
+    tiles = EXTEND_TILES["bf16" if bf16_prefix else "int2"]
     if bf16_prefix:
         pre_off = prefix_offsets(prefix_lens)
-        k_pre, v_pre = triton_materialize_prefix(lay, index, req_to_token, rows, prefix_lens, host,
-                                                 block_tokens=cfg.materialize_block, offsets=pre_off)
+        k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens, host, offsets=pre_off)
     else:  # unused pointers (never read)
         k_pre = v_pre = k_rot
         pre_off = prefix_lens
-    bm = max(1, cfg.block_rows // gqp)
-    grid = (triton.cdiv(max_extend_len, bm), b, h)
-    _extend_kernel[grid](
+    bm = max(1, tiles.block_rows // gqp)
+    scale_pairs = group_scale_args(layer)
+    _extend_kernel[(triton.cdiv(max_extend_len, bm), b, h)](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
-        rows, prefix_lens, qo_indptr, req_to_token, req_to_token.stride(0),
-        index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
-        *pair_views(lay),
-        lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
-        *gs[:4],
-        lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
-        lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
+        rows, prefix_lens, qo_indptr, *sink_index_args(index, req_to_token), index.ring_valid_from,
+        *pair_views(layer), *scale_args(layer), *scale_pairs[:4], *bf16_side_args(layer),
         k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
-        o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * 1.4426950408889634,
-        GQ=gq, GQP=gqp, BM=bm, D=d, GK=lay.key_group_size, GV=lay.value_group_size, S=lay.sink_tokens, W=lay.recent_window,
-        BN=cfg.block_n, BN_BF16=cfg.block_n_bf16, PAIR=gs[4], MAGIC=cfg.magic_unpack,
-        USE_DOT=cfg.use_dot, INTERP=INTERPRET, SLOT64=needs_int64_slots(lay),
-        HALF=half_keys(cfg.half_keys, cfg.magic_unpack, lay), BF16_PREFIX=bf16_prefix, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E,
+        GQ=gq, GQP=gqp, BM=bm, D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens,
+        W=layer.recent_window, BN=tiles.block_n, BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
+        SLOT64=needs_int64_slots(layer), BF16_PREFIX=bf16_prefix, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
-    return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, cfg.fp32_precision, transpose=True)
+    return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

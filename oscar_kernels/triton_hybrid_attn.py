@@ -13,12 +13,13 @@ channel (scale gathered per channel).
 
 Byte pairs. The packed codes are read as int16 elements: element p of a token's row holds
 bytes 2p (low) and 2p + 1 (high), i.e. channels i D/4 + 2p ("even") and i D/4 + 2p + 1
-("odd") of every plane i. With the "magic" unpack one LOP3 per output register turns a
+("odd") of every plane i. One LOP3 per output register (the "magic" unpack) turns a
 register of two int16 elements into two 16-bit floats:
     V (bf16): 0x4300 | (byte & (3 << 2i)) = 128 + STEP_i * code, STEP = (1, 4, 16, 16)
               (plane 3 is shifted down by 2 first: bit 7 of the low byte is an exponent bit)
-    K (fp16, half_keys): 0x6400 | (byte & (3 << 2i)) = 1024 + 4^i * code (10-bit mantissa:
-              every field fits in place)
+    K (fp16, HALF: keys' G >= D/4): 0x6400 | (byte & (3 << 2i)) = 1024 + 4^i * code
+              (10-bit mantissa: every field fits in place; q' then goes into the dots as
+              float16 too, so it must stay below 65504 in magnitude, as in any fp16 attention)
 applied to the register and to the register shifted right by 8 (the odd bytes): 9 (K) or
 11 (V) integer instructions per 16 codes, no byte permutes, no int->float conversions.
 Each (plane, parity) is one [tokens, D/8] (K) or [D/8, tokens] (V) tile, so the channel
@@ -26,7 +27,7 @@ order inside a dot is (2p + e); q' operands are gathered in the same order once 
 and divided by STEP_i (exact), and outputs are stored back to their channels. V stays bf16:
 its other operand, w = p * scale, needs bf16's range.
 
-Orientation (chosen from sm_90 SASS, tests/aot_sm90.py): scores are computed transposed,
+Orientation (chosen from sm_90 SASS, oscar_kernels/aot_sm90.py): scores are computed transposed,
 s^T [tokens, rows] = codes [tokens, D/8] @ q'^T, so the unpacked K codes are the tensor-core
 A operand straight from shared memory (ldmatrix); V pairs are loaded transposed
 [D/8, tokens] (ldmatrix.trans of 16-bit elements) and acc^T [D/8, rows] += codes^T @ w.
@@ -53,15 +54,6 @@ from .triton_common import mma, sink_slot_of_row
 
 
 @triton.jit
-def mm(a, b, acc, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
-    """acc + a @ b: tensor cores (tl.dot) or CUDA-core broadcast-multiply-reduce."""
-    if USE_DOT:
-        return mma(a, b, acc, INTERP)
-    else:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
 def opaque(x, INTERP: tl.constexpr):
     """x, through an identity Triton cannot see into (a PTX mov, which ptxas removes): the
     sum acc * alpha + opaque(dot(a, b, 0)) then stays an FMA after the dot instead of being
@@ -73,12 +65,12 @@ def opaque(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def fresh_dot(a, b, acc, alpha, USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+def fresh_dot(a, b, acc, alpha, INTERP: tl.constexpr):
     """acc * alpha + a @ b with the dot started from zero: the tensor cores only sum one
     block (their accumulator starts from the zero register), the running sum is an
     ordinary float32 FMA (Triton would otherwise rewrite it into dot(a, b, acc * alpha), a
     long truncating accumulation chain; see opaque)."""
-    return acc * alpha + opaque(mm(a, b, tl.zeros(acc.shape, tl.float32), USE_DOT, INTERP), INTERP)
+    return acc * alpha + opaque(mma(a, b, tl.zeros(acc.shape, tl.float32), INTERP), INTERP)
 
 
 @triton.jit
@@ -113,33 +105,30 @@ _HALF_ASM_3: tl.constexpr = _unpack_asm(0x64006400, 0x00C000C0)
 
 
 @triton.jit
-def plane_step(i: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+def plane_step(i: tl.constexpr, HALF: tl.constexpr):
     """STEP_i: the unpacked value of code c of plane i is OFF + STEP_i * c (OFF: code_offset)."""
-    if MAGIC:
-        if i == 0:
-            return 1.0
-        elif i == 1:
-            return 4.0
-        elif i == 2 or not HALF:
-            return 16.0
-        else:
-            return 64.0
-    else:
+    if i == 0:
         return 1.0
+    elif i == 1:
+        return 4.0
+    elif i == 2 or not HALF:
+        return 16.0
+    else:
+        return 64.0
 
 
 @triton.jit
-def code_offset(MAGIC: tl.constexpr, HALF: tl.constexpr):
-    """OFF of unpack_pair: 128 (bf16 magic), 1024 (fp16 magic) or 0."""
-    return (1024.0 if HALF else 128.0) if MAGIC else 0.0
+def code_offset(HALF: tl.constexpr):
+    """OFF of unpack_pair: 128 (bf16) or 1024 (fp16)."""
+    return 1024.0 if HALF else 128.0
 
 
 @triton.jit
-def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
+def unpack_pair(x, i: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
     """int16 tile of byte pairs -> (even, odd) tiles of plane i's codes (low / high byte of
-    each element): OFF + STEP_i * code with MAGIC, else the code; bf16 (OFF = 128), or
-    float16 when HALF (OFF = 1024, magic only: no shift for plane 3)."""
-    if MAGIC and not INTERP:
+    each element) as OFF + STEP_i * code: bf16 (OFF = 128), or float16 when HALF (OFF = 1024,
+    no shift for plane 3). The interpreter computes the same values arithmetically."""
+    if not INTERP:
         if HALF:
             if i == 0:
                 asm: tl.constexpr = _HALF_ASM_0
@@ -166,9 +155,8 @@ def unpack_pair(x, i: tl.constexpr, MAGIC: tl.constexpr, INTERP: tl.constexpr, H
         xi = x.to(tl.int32) & 0xFFFF
         ce = ((xi >> (2 * i)) & 3).to(tl.float32)
         co = ((xi >> (8 + 2 * i)) & 3).to(tl.float32)
-        if MAGIC:
-            ce = code_offset(MAGIC, HALF) + ce * plane_step(i, MAGIC, HALF)
-            co = code_offset(MAGIC, HALF) + co * plane_step(i, MAGIC, HALF)
+        ce = code_offset(HALF) + ce * plane_step(i, HALF)
+        co = code_offset(HALF) + co * plane_step(i, HALF)
         if HALF:
             return ce.to(tl.float16), co.to(tl.float16)
         else:
@@ -216,17 +204,18 @@ def _fp8_pair_bits(x16):
 
 
 @triton.jit
-def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.constexpr,
+def group_scales(pairs_ptr, slot, head_off, stride_slot, g: tl.constexpr, mask, PAIR: tl.constexpr,
                  INTERP: tl.constexpr = False):
-    """(scale, min) float32 [BN] of group g of a block of slots. PAIR (tl.float16 /
+    """(scale, min) float32 [BN] of group g of a block of slots (triton_common.group_scale_args:
+    ``pairs_ptr``, ``stride_slot`` and ``head_off`` in pair units). PAIR (tl.float16 /
     tl.bfloat16 / tl.float8e4nv, else None): the scales are addressed as int32 (16-bit) or
     int16 (float8) (scale, min) pairs, one load per token (strides in pair units). float8
     through an int32 pointer (triton_common.float8_words_view): pair i is read as word
     i >> 1 and shifted by 16 (i & 1), a 4-byte load the software pipeliner prefetches."""
     if PAIR is not None:
-        if PAIR == tl.float8e4nv and sc_ptr.dtype.element_ty == tl.int32:
-            idx = slot * s_slot + hoff + g
-            x = load_or0(sc_ptr + (idx >> 1), mask)
+        if PAIR == tl.float8e4nv and pairs_ptr.dtype.element_ty == tl.int32:
+            idx = slot * stride_slot + head_off + g
+            x = load_or0(pairs_ptr + (idx >> 1), mask)
             sh = (idx & 1).to(tl.int32) * 16
             if INTERP:
                 sc, mn = _fp8_pair_bits(x >> sh)
@@ -234,7 +223,7 @@ def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.con
                 sc, mn = tl.inline_asm_elementwise(_FP8_WORD_ASM, "=r,=r,r,r", [x, sh],
                                                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
             return sc, mn
-        x = load_or0(sc_ptr + slot * s_slot + hoff + g, mask)
+        x = load_or0(pairs_ptr + slot * stride_slot + head_off + g, mask)
         if PAIR == tl.float8e4nv and not INTERP:
             sc, mn = tl.inline_asm_elementwise(_FP8_PAIR_ASM, "=r,=r,h", [x], dtype=(tl.float32, tl.float32),
                                                is_pure=True, pack=1)
@@ -245,16 +234,16 @@ def group_scales(sc_ptr, slot, hoff, s_slot, g: tl.constexpr, mask, PAIR: tl.con
             mn = (x >> 16).to(tl.int16).to(PAIR, bitcast=True).to(tl.float32)
         return sc, mn
     else:
-        base = sc_ptr + slot * s_slot + hoff + 2 * g
+        base = pairs_ptr + slot * stride_slot + head_off + 2 * g
         return load_or0(base, mask).to(tl.float32), load_or0(base + 1, mask).to(tl.float32)
 
 
 @triton.jit
-def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G: tl.constexpr,
-                    OFF: tl.constexpr):
+def channel_dequant(c, step, chan, slot2, mask2, scales_ptr, head_off, stride_group, stride_slot,
+                    G: tl.constexpr, OFF: tl.constexpr):
     """Dequantise unpacked codes per channel (G < D/4): bf16 min_g + code * scale_g, with
     code = (c - OFF) / step and g = chan // G (chan, slot2, mask2 broadcast against c)."""
-    base = sc_ptr + slot2 * s_slot + hoff + (chan // G) * s_grp
+    base = scales_ptr + slot2 * stride_slot + head_off + (chan // G) * stride_group
     sc = tl.load(base, mask=mask2, other=0.0).to(tl.float32)
     mn = tl.load(base + 1, mask=mask2, other=0.0).to(tl.float32)
     return (mn + (c.to(tl.float32) - OFF) * (1.0 / step) * sc).to(tl.bfloat16)
@@ -262,7 +251,7 @@ def channel_dequant(c, step, chan, slot2, mask2, sc_ptr, hoff, s_grp, s_slot, G:
 
 @triton.jit
 def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-                G: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr):
+                G: tl.constexpr, HALF: tl.constexpr):
     """q'^T operand of (plane i, parity e): [KP, R] bf16 (float16 when HALF), element
     (p, r) = q'[r, i D/4 + 2p + e] * scale / STEP_i (no division when G < D/4: dequantised
     codes), zero for p >= D/8. ``q_vec``: [R] pointers to the q' rows; ``scale``: the
@@ -271,7 +260,7 @@ def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.con
     ch = i * (D // 4) + 2 * p + e
     qt = tl.load(q_vec[None, :] + ch[:, None], mask=(p < D // 8)[:, None] & rmask[None, :], other=0.0)
     if G >= D // 4:
-        qt = qt.to(tl.float32) * (scale / plane_step(i, MAGIC, HALF))
+        qt = qt.to(tl.float32) * (scale / plane_step(i, HALF))
     else:
         qt = qt.to(tl.float32) * scale
     if HALF:
@@ -282,20 +271,19 @@ def load_q_pair(q_vec, rmask, scale, i: tl.constexpr, e: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, MAGIC: tl.constexpr,
-               HALF: tl.constexpr):
+def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
     """(ops, sums): the 8 q' operands of load_q_pair (index 2 i + e), scaled by qk_scale
     (sm_scale log2 e: the dots give base-2 scores directly), and, per plane, the float32
     [R] column sums of its two operands (what the dots see). G: the keys' group size."""
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
-    q00 = load_q_pair(q_vec, rmask, qk_scale, 0, 0, D, KP, G, MAGIC, HALF)
-    q01 = load_q_pair(q_vec, rmask, qk_scale, 0, 1, D, KP, G, MAGIC, HALF)
-    q10 = load_q_pair(q_vec, rmask, qk_scale, 1, 0, D, KP, G, MAGIC, HALF)
-    q11 = load_q_pair(q_vec, rmask, qk_scale, 1, 1, D, KP, G, MAGIC, HALF)
-    q20 = load_q_pair(q_vec, rmask, qk_scale, 2, 0, D, KP, G, MAGIC, HALF)
-    q21 = load_q_pair(q_vec, rmask, qk_scale, 2, 1, D, KP, G, MAGIC, HALF)
-    q30 = load_q_pair(q_vec, rmask, qk_scale, 3, 0, D, KP, G, MAGIC, HALF)
-    q31 = load_q_pair(q_vec, rmask, qk_scale, 3, 1, D, KP, G, MAGIC, HALF)
+    q00 = load_q_pair(q_vec, rmask, qk_scale, 0, 0, D, KP, G, HALF)
+    q01 = load_q_pair(q_vec, rmask, qk_scale, 0, 1, D, KP, G, HALF)
+    q10 = load_q_pair(q_vec, rmask, qk_scale, 1, 0, D, KP, G, HALF)
+    q11 = load_q_pair(q_vec, rmask, qk_scale, 1, 1, D, KP, G, HALF)
+    q20 = load_q_pair(q_vec, rmask, qk_scale, 2, 0, D, KP, G, HALF)
+    q21 = load_q_pair(q_vec, rmask, qk_scale, 2, 1, D, KP, G, HALF)
+    q30 = load_q_pair(q_vec, rmask, qk_scale, 3, 0, D, KP, G, HALF)
+    q31 = load_q_pair(q_vec, rmask, qk_scale, 3, 1, D, KP, G, HALF)
     sums = (tl.sum(q00.to(tl.float32), 0) + tl.sum(q01.to(tl.float32), 0),
             tl.sum(q10.to(tl.float32), 0) + tl.sum(q11.to(tl.float32), 0),
             tl.sum(q20.to(tl.float32), 0) + tl.sum(q21.to(tl.float32), 0),
@@ -348,34 +336,33 @@ def online_softmax_t(s, m_i, l_t):
 
 
 @triton.jit
-def _v_pair(acc, vt, w, alpha, i: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr,
-            INTERP: tl.constexpr):
+def _v_pair(acc, vt, w, alpha, i: tl.constexpr, INTERP: tl.constexpr):
     """acc with plane i's even / odd tiles rescaled by alpha plus this block's codes^T @ w."""
-    ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
-    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
-    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
+    ce, co = unpack_pair(vt, i, INTERP, False)
+    acc = setk(acc, 2 * i, fresh_dot(ce, w, acc[2 * i], alpha[None, :], INTERP))
+    return setk(acc, 2 * i + 1, fresh_dot(co, w, acc[2 * i + 1], alpha[None, :], INTERP))
 
 
 @triton.jit
-def _block_slots(p0, hi, r2t_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr):
+def _block_slots(p0, hi, slots_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT64: tl.constexpr):
     """slot [BN] of the BN positions from p0 (0 at positions >= hi when MASKED), int64 when
     SLOT64 (a buffer with 2^31 or more elements)."""
     pos = p0 + tl.arange(0, BN)
     if MASKED:
-        slot = tl.load(r2t_row + pos, mask=pos < hi, other=0)
+        slot = tl.load(slots_row + pos, mask=pos < hi, other=0)
     else:
-        slot = tl.load(r2t_row + pos)
+        slot = tl.load(slots_row + pos)
     if SLOT64:
         slot = slot.to(tl.int64)
     return slot
 
 
 @triton.jit
-def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g, hoff_sc,
-                 kgs_ptr, sgs_s, hoff_gs, qk_scale, R: tl.constexpr,
+def _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair_head_off,
+                 k_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                 k_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
-                 PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                 SLOT64: tl.constexpr, HALF: tl.constexpr):
+                 PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
     """Scores s^T [BN, R] (base 2, scaled; -inf at masked positions) of the BN positions
     from p0: the key half of a block. GK: the keys' group size."""
     DQ: tl.constexpr = D // 4
@@ -384,7 +371,7 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
     GRP_K: tl.constexpr = GK >= DQ
     NG_K: tl.constexpr = group_count(D, GK)
     PG_K: tl.constexpr = 4 // NG_K  # planes per key group
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    OFF: tl.constexpr = 128.0
     kp = tl.arange(0, KP)
     if MASKED:
         mask = (p0 + tl.arange(0, BN)) < hi
@@ -392,7 +379,7 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
     else:
         mask = None
         kmask = (kp < DH)[None, :] if KP > DH else None
-    kt = load_or0(kpk_ptr + slot[:, None] * spk_s + hoff_pk + kp[None, :], kmask)  # [BN, KP] int16
+    kt = load_or0(k_pairs_ptr + slot[:, None] * stride_pair_slot + pair_head_off + kp[None, :], kmask)  # [BN, KP]
     if GRP_K:
         for g in tl.static_range(NG_K):
             if PG_K == 1:  # zero start; the offset leaves with the min (below)
@@ -400,12 +387,13 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
             else:
                 d = c0[g]
             for j in tl.static_range(PG_K):
-                ce, co = unpack_pair(kt, g * PG_K + j, MAGIC, INTERP, HALF)
-                d = mm(ce, qops[2 * (g * PG_K + j)], d, USE_DOT, INTERP)
-                d = mm(co, qops[2 * (g * PG_K + j) + 1], d, USE_DOT, INTERP)
-            sc, mn = group_scales(kgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
+                ce, co = unpack_pair(kt, g * PG_K + j, INTERP, HALF)
+                d = mma(ce, qops[2 * (g * PG_K + j)], d, INTERP)
+                d = mma(co, qops[2 * (g * PG_K + j) + 1], d, INTERP)
+            sc, mn = group_scales(k_scale_pairs_ptr, slot, scale_pair_head_off, stride_scale_pair_slot, g, mask,
+                                  PAIR, INTERP)
             if PG_K == 1:  # d = OFF sum(q'_g) / STEP_g + q'_g.c: OFF / STEP_g per unit of qg
-                mn = mn - (code_offset(MAGIC, HALF) / plane_step(g, MAGIC, HALF)) * sc
+                mn = mn - (code_offset(HALF) / plane_step(g, HALF)) * sc
             if g == 0:
                 s = d * sc[:, None] + mn[:, None] * qg[g][None, :]
             else:  # two FMAs per element and group (qk_scale is in q' and qg)
@@ -414,26 +402,26 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, s
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
-            ce, co = unpack_pair(kt, i, MAGIC, INTERP, False)
+            ce, co = unpack_pair(kt, i, INTERP, False)
             chan = i * DQ + 2 * kp[None, :]
             km = (kp < DH)[None, :] if kmask is None else kmask
-            ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[:, None], km, ksc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, GK, OFF)
-            co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[:, None], km, ksc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, GK, OFF)
-            s = mm(ce, qops[2 * i], s, USE_DOT, INTERP)
-            s = mm(co, qops[2 * i + 1], s, USE_DOT, INTERP)
+            ce = channel_dequant(ce, plane_step(i, False), chan, slot[:, None], km, k_scales_ptr, scale_head_off,
+                                 stride_scale_group, stride_scale_slot, GK, OFF)
+            co = channel_dequant(co, plane_step(i, False), chan + 1, slot[:, None], km, k_scales_ptr,
+                                 scale_head_off, stride_scale_group, stride_scale_slot, GK, OFF)
+            s = mma(ce, qops[2 * i], s, INTERP)
+            s = mma(co, qops[2 * i + 1], s, INTERP)
     if MASKED:
         s = tl.where(mask[:, None], s, float("-inf"))
     return s
 
 
 @triton.jit
-def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                     vgs_ptr, sgs_s, hoff_gs, qk_scale,
+def _int2_accumulate(st, s, slot, p0, hi, v_pairs_ptr, stride_pair_slot, pair_head_off,
+                     v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                     v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
                      MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GV: tl.constexpr,
-                     PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                     SLOT64: tl.constexpr):
+                     PAIR: tl.constexpr, INTERP: tl.constexpr):
     """The value half of a block: online softmax of its scores s^T [BN, R] over the token
     axis (0) and the P@V dots of the BN positions from p0, added to the state st
     (int2_state). GV: the values' group size."""
@@ -442,7 +430,7 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     GRP_V: tl.constexpr = GV >= DQ
     NG_V: tl.constexpr = group_count(D, GV)
     PG_V: tl.constexpr = 4 // NG_V  # planes per value group
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    OFF: tl.constexpr = 128.0
     m_i, l_t, pm, wsum, acc = st
     dh = tl.arange(0, DH)
     if MASKED:
@@ -451,72 +439,76 @@ def _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_
     else:
         mask = None
         vmask = None
-    vt = load_or0(vpk_ptr + slot[None, :] * spk_s + hoff_pk + dh[:, None], vmask)  # [DH, BN] int16
+    vt = load_or0(v_pairs_ptr + slot[None, :] * stride_pair_slot + pair_head_off + dh[:, None], vmask)  # [DH, BN]
     p, alpha, m_new, l_t = online_softmax_t(s, m_i, l_t)  # over the token axis (0)
     # ---- values: fresh dots per block, added to the running accumulators
     if GRP_V:
         ones = tl.full([16, BN], 1.0, tl.float32).to(tl.bfloat16)
         for g in tl.static_range(NG_V):
-            sc, mn = group_scales(vgs_ptr, slot, hoff_gs, sgs_s, g, mask, PAIR, INTERP)
+            sc, mn = group_scales(v_scale_pairs_ptr, slot, scale_pair_head_off, stride_scale_pair_slot, g, mask,
+                                  PAIR, INTERP)
             w = (p * sc[:, None]).to(tl.bfloat16)
             pm = setk(pm, g, pm[g] * alpha[None, :] + fold16(p * mn[:, None]))
-            wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], USE_DOT, INTERP))
+            wsum = setk(wsum, g, fresh_dot(ones, w, wsum[g], alpha[None, :], INTERP))
             for j in tl.static_range(PG_V):
-                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, MAGIC, USE_DOT, INTERP)
+                acc = _v_pair(acc, vt, w, alpha, g * PG_V + j, INTERP)
     else:
         pb = p.to(tl.bfloat16)
         vm = (dh < DH)[:, None] if vmask is None else vmask
         for i in tl.static_range(4):
-            ce, co = unpack_pair(vt, i, MAGIC, INTERP, False)
+            ce, co = unpack_pair(vt, i, INTERP, False)
             chan = i * DQ + 2 * dh[:, None]
-            ce = channel_dequant(ce, plane_step(i, MAGIC, False), chan, slot[None, :], vm, vsc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, GV, OFF)
-            co = channel_dequant(co, plane_step(i, MAGIC, False), chan + 1, slot[None, :], vm, vsc_ptr, hoff_sc,
-                                 ssc_g, ssc_s, GV, OFF)
-            acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], USE_DOT, INTERP))
-            acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], USE_DOT, INTERP))
+            ce = channel_dequant(ce, plane_step(i, False), chan, slot[None, :], vm, v_scales_ptr, scale_head_off,
+                                 stride_scale_group, stride_scale_slot, GV, OFF)
+            co = channel_dequant(co, plane_step(i, False), chan + 1, slot[None, :], vm, v_scales_ptr,
+                                 scale_head_off, stride_scale_group, stride_scale_slot, GV, OFF)
+            acc = setk(acc, 2 * i, fresh_dot(ce, pb, acc[2 * i], alpha[None, :], INTERP))
+            acc = setk(acc, 2 * i + 1, fresh_dot(co, pb, acc[2 * i + 1], alpha[None, :], INTERP))
     return m_new, l_t, pm, wsum, acc
 
 
 @triton.jit
-def _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
+def _int2_block(st, slot, p0, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
+                k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                PAIR: tl.constexpr, MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr,
-                SLOT64: tl.constexpr, HALF: tl.constexpr):
+                PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
-    when HALF (GK >= D/4 with MAGIC only). GK / GV: the keys' / values' group size."""
+    when HALF (GK >= D/4). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
-    s = _int2_scores(slot, p0, hi, qops, c0, qg, kpk_ptr, spk_s, hoff_pk, ksc_ptr, ssc_s, ssc_g,
-                     hoff_sc, kgs_ptr, sgs_s, hoff_gs, qk_scale, R, MASKED, BN, D, GK, PAIR, MAGIC, USE_DOT,
-                     INTERP, SLOT64, HALF)
-    return _int2_accumulate(st, s, slot, p0, hi, vpk_ptr, spk_s, hoff_pk, vsc_ptr, ssc_s, ssc_g, hoff_sc,
-                            vgs_ptr, sgs_s, hoff_gs, qk_scale, MASKED, BN, D, GV, PAIR, MAGIC, USE_DOT, INTERP,
-                            SLOT64)
+    s = _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair_head_off,
+                     k_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                     k_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, R, MASKED, BN, D, GK, PAIR,
+                     INTERP, HALF)
+    return _int2_accumulate(st, s, slot, p0, hi, v_pairs_ptr, stride_pair_slot, pair_head_off,
+                            v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                            v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, MASKED, BN, D, GV,
+                            PAIR, INTERP)
 
 
 @triton.jit
-def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-               ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs, qk_scale,
+def int2_range(qops, qsums, st, lo, hi, slots_row, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
+               k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+               k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
-               MAGIC: tl.constexpr, USE_DOT: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-               HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr = False):
-    """Attend R query rows to INT2 positions [lo, hi) (slots r2t_row[pos]): full blocks of
-    BN positions without masks, then a masked tail block.
+               INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr):
+    """Attend R query rows to INT2 positions [lo, hi) (slots slots_row[pos], a row of
+    req_to_token): full blocks of BN positions without masks, then a masked tail block.
 
     qops / qsums: int2_query. State st (int2_state): running max m [R]; l (sum of p) and
     per group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)) as [16, R] tiles
     summed over rows at the end; acc: 8 tiles [D/8, R], (plane i, parity e) at 2 i + e,
-    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). kpk/vpk: the packed
-    codes as int16 (strides spk_s, hoff_pk in int16 units); ksc/vsc (element strides
-    ssc_*) address the scales per channel group (G < D/4); kgs/vgs (strides sgs_s,
-    hoff_gs) per group as in group_scales. GK / GV: the keys' / values' group size (K and
-    V scales share strides: allocate_layer keeps them in one tensor).
+    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). k/v_pairs: the packed
+    codes as int16 (triton_common.pair_views, int16 units); k/v_scales (element strides)
+    address the scales per channel group (G < D/4); k/v_scale_pairs per group as in
+    group_scales. ``*_head_off``: the KV head's offset in each. GK / GV: the keys' / values'
+    group size (K and V scales share strides: allocate_layer keeps them in one tensor).
 
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
-    next step's copies early in the step instead of after a slot load at its end).
+    next step's copies early in the step instead of after a slot load at its end); decode
+    runs it, extend (whose programs walk the whole prefix) does not.
     """
     NG: tl.constexpr = group_count(D, GK)
     PG: tl.constexpr = 4 // NG  # planes per key group
@@ -528,44 +520,46 @@ def int2_range(qops, qsums, st, lo, hi, r2t_row, kpk_ptr, vpk_ptr, spk_s, hoff_p
     qg = ()
     for g in tl.static_range(NG):
         cs = qsums[g * PG]
-        qs = qsums[g * PG] * plane_step(g * PG, MAGIC, HALF)
+        qs = qsums[g * PG] * plane_step(g * PG, HALF)
         for j in tl.static_range(1, PG):
             cs += qsums[g * PG + j]
-            qs += qsums[g * PG + j] * plane_step(g * PG + j, MAGIC, HALF)
+            qs += qsums[g * PG + j] * plane_step(g * PG + j, HALF)
         if PG > 1:
-            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(MAGIC, HALF) * cs[None, :],)
+            c0 = c0 + (tl.zeros([BN, R], tl.float32) - code_offset(HALF) * cs[None, :],)
         qg = qg + (qs,)
     hi_full = lo + (hi - lo) // BN * BN
     if SLOT_AHEAD:  # each step loads the next block's slots (loop-carried)
-        slot_n = _block_slots(lo, hi, r2t_row, True, BN, SLOT64)
+        slot_n = _block_slots(lo, hi, slots_row, True, BN, SLOT64)
     for p0 in range(lo, hi_full, BN):
         if SLOT_AHEAD:
             slot = slot_n
-            slot_n = _block_slots(p0 + BN, hi, r2t_row, True, BN, SLOT64)
+            slot_n = _block_slots(p0 + BN, hi, slots_row, True, BN, SLOT64)
         else:
-            slot = _block_slots(p0, hi, r2t_row, False, BN, SLOT64)
-        st = _int2_block(st, slot, p0, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, False, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+            slot = _block_slots(p0, hi, slots_row, False, BN, SLOT64)
+        st = _int2_block(st, slot, p0, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
+                         k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
+                         k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
+                         False, BN, D, GK, GV, PAIR, INTERP, HALF)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
         else:
-            slot = _block_slots(hi_full, hi, r2t_row, True, BN, SLOT64)
-        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, kpk_ptr, vpk_ptr, spk_s, hoff_pk,
-                         ksc_ptr, vsc_ptr, ssc_s, ssc_g, hoff_sc, kgs_ptr, vgs_ptr, sgs_s, hoff_gs,
-                         qk_scale, True, BN, D, GK, GV, PAIR, MAGIC, USE_DOT, INTERP, SLOT64, HALF)
+            slot = _block_slots(hi_full, hi, slots_row, True, BN, SLOT64)
+        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot,
+                         pair_head_off, k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group,
+                         scale_head_off, k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot,
+                         scale_pair_head_off, True, BN, D, GK, GV, PAIR, INTERP, HALF)
     return st
 
 
 @triton.jit
-def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
+def int2_finish(st, D: tl.constexpr, GV: tl.constexpr):
     """(outs, m, l): the normalised o'^T tiles of int2_range's state (8 x [D/8, R], channels
     i D/4 + 2p + e at index 2 i + e), the running max m [R] and the softmax denominators l.
     GV: the values' group size."""
     NG: tl.constexpr = group_count(D, GV)
     PG: tl.constexpr = 4 // NG
-    OFF: tl.constexpr = 128.0 if MAGIC else 0.0
+    OFF: tl.constexpr = 128.0
     m_i, l_t, pm, wsum, acc = st
     l = tl.sum(l_t, 0)
     inv = 1.0 / tl.where(l > 0, l, 1.0)
@@ -574,7 +568,7 @@ def int2_finish(st, D: tl.constexpr, GV: tl.constexpr, MAGIC: tl.constexpr):
         for e in tl.static_range(2):
             a = acc[2 * i + e]
             if GV >= D // 4:
-                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, MAGIC, False))
+                a = ((a - OFF * (tl.sum(wsum[i // PG], 0) * (1.0 / 16))[None, :]) * (1.0 / plane_step(i, False))
                      + tl.sum(pm[i // PG], 0)[None, :])
             outs = outs + (a * inv[None, :],)
     return outs, m_i, l
@@ -592,35 +586,34 @@ def store_pairs(row_ptrs, rmask, outs, D: tl.constexpr):
 
 
 @triton.jit
-def bf16_range(q, m_i, l_i, acc, k_base, v_base, row_stride, lo, hi, MOD: tl.constexpr,
-               qk_scale, BN: tl.constexpr, D: tl.constexpr, USE_DOT: tl.constexpr,
-               INTERP: tl.constexpr):
+def bf16_range(q, m_i, l_i, acc, k_base, v_base, stride_pos, lo, hi, MOD: tl.constexpr,
+               qk_scale, BN: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr):
     """Attend rows q' [R, D] to BF16 positions [lo, hi) stored at k_base/v_base +
-    (pos % MOD if MOD else pos) * row_stride (ring cells or sink rows)."""
+    (pos % MOD if MOD else pos) * stride_pos (ring cells or sink rows)."""
     d = tl.arange(0, D)
     nb = tl.arange(0, BN)
     for p0 in range(lo, hi, BN):
         pos = p0 + nb
         mask = pos < hi
         if MOD > 0:
-            rowoff = (pos % MOD).to(tl.int64) * row_stride
+            rowoff = (pos % MOD).to(tl.int64) * stride_pos
         else:
-            rowoff = pos.to(tl.int64) * row_stride
+            rowoff = pos.to(tl.int64) * stride_pos
         k = tl.load(k_base + rowoff[None, :] + d[:, None], mask=mask[None, :], other=0.0)
-        s = mm(q, k, tl.zeros([q.shape[0], BN], tl.float32), USE_DOT, INTERP) * qk_scale
+        s = mma(q, k, tl.zeros([q.shape[0], BN], tl.float32), INTERP) * qk_scale
         p, alpha, m_i, l_i = online_softmax(s, mask[None, :], m_i, l_i)
         v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-        acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], USE_DOT, INTERP)
+        acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], INTERP)
     return m_i, l_i, acc
 
 
 @triton.jit
-def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_p, kring, vring, srg_c,
-                qk_scale, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                USE_DOT: tl.constexpr, INTERP: tl.constexpr):
+def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, k_sink, v_sink, stride_sink_pos, k_ring, v_ring,
+                stride_ring_cell, qk_scale, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                INTERP: tl.constexpr):
     """Transposed attention of R rows to the BF16 side cache of one request: sink positions
-    [0, s_b) (rows ksink/vsink + pos * ssk_p) then ring positions [ring_lo, n) (cells
-    kring/vring + (pos % W) * srg_c), as one index range u < s_b + n - ring_lo.
+    [0, s_b) (rows k_sink/v_sink + pos * stride_sink_pos) then ring positions [ring_lo, n)
+    (cells k_ring/v_ring + (pos % W) * stride_ring_cell), as one index range u < s_b + n - ring_lo.
 
     q_vec: [R] pointers to the q' rows. State: running max m_i [R], l_t [16, R] (sum of p,
     rows summed at the end), acc: 4 tiles [D/4, R] (sum of p v^T, channel quarters). Per
@@ -640,46 +633,47 @@ def bf16_side_t(q_vec, rmask, m_i, l_t, acc, s_b, ring_lo, n, ksink, vsink, ssk_
         mask = u < total
         if S > 0 and W > 0:
             sink = u < s_b
-            cell = ((ring_lo + u - s_b) % W) * srg_c
-            krow = tl.where(sink, ksink + u * ssk_p, kring + cell)
-            vrow = tl.where(sink, vsink + u * ssk_p, vring + cell)
+            cell = ((ring_lo + u - s_b) % W) * stride_ring_cell
+            krow = tl.where(sink, k_sink + u * stride_sink_pos, k_ring + cell)
+            vrow = tl.where(sink, v_sink + u * stride_sink_pos, v_ring + cell)
         elif S > 0:
-            krow = ksink + u * ssk_p
-            vrow = vsink + u * ssk_p
+            krow = k_sink + u * stride_sink_pos
+            vrow = v_sink + u * stride_sink_pos
         else:
-            cell = ((ring_lo + u) % W) * srg_c
-            krow = kring + cell
-            vrow = vring + cell
+            cell = ((ring_lo + u) % W) * stride_ring_cell
+            krow = k_ring + cell
+            vrow = v_ring + cell
         kp = krow[:, None] + dq[None, :]
-        s = mm(tl.load(kp, mask=mask[:, None], other=0.0), q0, tl.zeros([BN, R], tl.float32), USE_DOT, INTERP)
-        s = mm(tl.load(kp + DQ, mask=mask[:, None], other=0.0), q1, s, USE_DOT, INTERP)
-        s = mm(tl.load(kp + 2 * DQ, mask=mask[:, None], other=0.0), q2, s, USE_DOT, INTERP)
-        s = mm(tl.load(kp + 3 * DQ, mask=mask[:, None], other=0.0), q3, s, USE_DOT, INTERP)
+        s = mma(tl.load(kp, mask=mask[:, None], other=0.0), q0, tl.zeros([BN, R], tl.float32), INTERP)
+        s = mma(tl.load(kp + DQ, mask=mask[:, None], other=0.0), q1, s, INTERP)
+        s = mma(tl.load(kp + 2 * DQ, mask=mask[:, None], other=0.0), q2, s, INTERP)
+        s = mma(tl.load(kp + 3 * DQ, mask=mask[:, None], other=0.0), q3, s, INTERP)
         s = tl.where(mask[:, None], s * qk_scale, float("-inf"))
         p, alpha, m_i, l_t = online_softmax_t(s, m_i, l_t)
         pb = p.to(tl.bfloat16)
         vp = vrow[None, :] + dq[:, None]
         for c in tl.static_range(4):
             v = tl.load(vp + c * DQ, mask=mask[None, :], other=0.0)  # [D/4, BN]
-            acc = setk(acc, c, fresh_dot(v, pb, acc[c], alpha[None, :], USE_DOT, INTERP))
+            acc = setk(acc, c, fresh_dot(v, pb, acc[c], alpha[None, :], INTERP))
     return m_i, l_t, acc
 
 
 @triton.jit
-def request_layout(b, rows_ptr, lens_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
-                   vf_ptr, S: tl.constexpr, W: tl.constexpr):
+def request_layout(b, rows_ptr, lens_ptr, req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr,
+                   page_of_sink_slot_ptr, page_size, ring_valid_from_ptr, S: tl.constexpr, W: tl.constexpr):
     """(row, n, sink slot c, S_b, ring_lo) of request b for the read rule with n =
     lens[b]: sink [0, S_b), INT2 [S_b, ring_lo), ring [ring_lo, n)."""
     row = tl.load(rows_ptr + b).to(tl.int64)
     n = tl.load(lens_ptr + b).to(tl.int64)
     if S > 0:
-        c = sink_slot_of_row(row, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size)
+        c = sink_slot_of_row(row, req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr,
+                             page_of_sink_slot_ptr, page_size)
         s_b = tl.where(c >= 0, tl.minimum(n, S), 0)
     else:
         c = row * 0 - 1
         s_b = row * 0
     if W > 0:
-        vf = tl.load(vf_ptr + row).to(tl.int64)
+        vf = tl.load(ring_valid_from_ptr + row).to(tl.int64)
         ring_lo = tl.minimum(tl.maximum(tl.maximum(n - W, vf), s_b), n)
     else:
         ring_lo = n

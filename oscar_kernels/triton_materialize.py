@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache
-from .triton_common import check_cache_layout, head_index, needs_int64_slots
+from .triton_common import (bf16_side_args, check_cache_layout, code_args, head_index, needs_int64_slots, scale_args,
+                            sink_index_args)
 from .triton_hybrid_attn import request_layout
 
 
@@ -36,17 +37,18 @@ def _copy_rows(src_ptr, row_off, d, mask, dst_ptr, dst_off):
 
 
 @triton.jit
-def _dequant_rows(pk_ptr, sc_ptr, slot, hoff_pk, hoff_sc, s_pk, s_sc, s_grp, mask, dst_ptr, dst_off,
-                  D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr):
+def _dequant_rows(codes_ptr, scales_ptr, slot, code_head_off, scale_head_off, stride_code_slot, stride_scale_slot,
+                  stride_scale_group, mask, dst_ptr, dst_off, D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr):
     """dst[dst_off + c] = bf16(min_g + code_c * scale_g) for the INT2 rows in mask."""
     Q: tl.constexpr = D // 4
     j = tl.arange(0, Q)
-    byte = tl.load(pk_ptr + slot[:, None] * s_pk + hoff_pk + j[None, :], mask=mask[:, None], other=0)
+    byte = tl.load(codes_ptr + slot[:, None] * stride_code_slot + code_head_off + j[None, :], mask=mask[:, None],
+                   other=0)
     byte = byte.to(tl.int32)
     for i in tl.static_range(4):
         ch = i * Q + j
         code = ((byte >> (2 * i)) & 3).to(tl.float32)
-        base = sc_ptr + slot[:, None] * s_sc + hoff_sc + (ch // G)[None, :] * s_grp
+        base = scales_ptr + slot[:, None] * stride_scale_slot + scale_head_off + (ch // G)[None, :] * stride_scale_group
         sc = tl.load(base, mask=mask[:, None], other=0)
         mn = tl.load(base + 1, mask=mask[:, None], other=0)
         if FP8:  # float8_e4m3fn viewed as uint8 (the interpreter does not load float8)
@@ -57,49 +59,54 @@ def _dequant_rows(pk_ptr, sc_ptr, slot, hoff_pk, hoff_sc, s_pk, s_sc, s_grp, mas
 
 
 @triton.jit
-def _materialize_kernel(rows_ptr, pre_ptr, off_ptr, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size, vf_ptr,
-                        kpk_ptr, vpk_ptr, s_pk, s_pk_h, ksc_ptr, vsc_ptr, s_sc, s_sc_h, s_grp,
-                        ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
-                        kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
-                        kout_ptr, vout_ptr, so_t, so_h,
+def _materialize_kernel(rows_ptr, prefix_lens_ptr, offsets_ptr,
+                        req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr, page_of_sink_slot_ptr,
+                        page_size, ring_valid_from_ptr,
+                        k_codes_ptr, v_codes_ptr, stride_code_slot, stride_code_head,
+                        k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+                        k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+                        k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+                        k_out_ptr, v_out_ptr, stride_out_token, stride_out_head,
                         D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
                         W: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr, SLOT64: tl.constexpr):
     """Grid (cdiv(max prefix, BT), B, H): positions [BT * pid0, BT * (pid0 + 1)) of request
     b's prefix, KV head h (module doc)."""
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
-    row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, pre_ptr, r2t_ptr, r2t_stride, sop_ptr,
-                                             pos_of_ptr, page_size, vf_ptr, S, W)
+    row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, prefix_lens_ptr, req_to_token_ptr, stride_req_to_token_row,
+                                             sink_slot_of_page_ptr, page_of_sink_slot_ptr, page_size,
+                                             ring_valid_from_ptr, S, W)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     if tl.program_id(0) * BT < n:
         d = tl.arange(0, D)
         valid = t < n
-        dst = (tl.load(off_ptr + b) + t).to(tl.int64) * so_t + h * so_h
+        dst = (tl.load(offsets_ptr + b) + t).to(tl.int64) * stride_out_token + h * stride_out_head
         # INT2 history
         in_int2 = valid & (t >= s_b) & (t < ring_lo)
-        slot = tl.load(r2t_ptr + row * r2t_stride + t, mask=in_int2, other=0)
+        slot = tl.load(req_to_token_ptr + row * stride_req_to_token_row + t, mask=in_int2, other=0)
         if SLOT64:
             slot = slot.to(tl.int64)
         hh = head_index(h, SLOT64)
-        _dequant_rows(kpk_ptr, ksc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,
-                      kout_ptr, dst, D, GK, FP8)
-        _dequant_rows(vpk_ptr, vsc_ptr, slot, hh * s_pk_h, hh * s_sc_h, s_pk, s_sc, s_grp, in_int2,
-                      vout_ptr, dst, D, GV, FP8)
+        _dequant_rows(k_codes_ptr, k_scales_ptr, slot, hh * stride_code_head, hh * stride_scale_head,
+                      stride_code_slot, stride_scale_slot, stride_scale_group, in_int2, k_out_ptr, dst, D, GK, FP8)
+        _dequant_rows(v_codes_ptr, v_scales_ptr, slot, hh * stride_code_head, hh * stride_scale_head,
+                      stride_code_slot, stride_scale_slot, stride_scale_group, in_int2, v_out_ptr, dst, D, GV, FP8)
         if S > 0:  # BF16 sinks
             in_sink = valid & (t < s_b)
-            src = tl.maximum(c, 0) * ssk_c + t.to(tl.int64) * ssk_p + h * ssk_h
-            _copy_rows(ksink_ptr, src, d, in_sink, kout_ptr, dst)
-            _copy_rows(vsink_ptr, src, d, in_sink, vout_ptr, dst)
+            src = tl.maximum(c, 0) * stride_sink_slot + t.to(tl.int64) * stride_sink_pos + h * stride_sink_head
+            _copy_rows(k_sink_ptr, src, d, in_sink, k_out_ptr, dst)
+            _copy_rows(v_sink_ptr, src, d, in_sink, v_out_ptr, dst)
         if W > 0:  # BF16 ring cells
             in_ring = valid & (t >= ring_lo)
-            src = row * srg_r + (t % W).to(tl.int64) * srg_c + h * srg_h
-            _copy_rows(kring_ptr, src, d, in_ring, kout_ptr, dst)
-            _copy_rows(vring_ptr, src, d, in_ring, vout_ptr, dst)
+            src = row * stride_ring_row + (t % W).to(tl.int64) * stride_ring_cell + h * stride_ring_head
+            _copy_rows(k_ring_ptr, src, d, in_ring, k_out_ptr, dst)
+            _copy_rows(v_ring_ptr, src, d, in_ring, v_out_ptr, dst)
 
 
 # Largest sum of prefix lengths one call materialises (scratch 4 x H x D bytes per token:
 # 1 GiB for 8 KV heads of dim 128); callers read INT2 above it
 MAX_MATERIALIZED_TOKENS = 262144
+MATERIALIZE_BLOCK_TOKENS = 64  # prefix tokens per program
 
 
 def prefix_offsets(prefix_lens: torch.Tensor) -> torch.Tensor:
@@ -111,7 +118,7 @@ def prefix_offsets(prefix_lens: torch.Tensor) -> torch.Tensor:
 def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                               rows: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int],
                               k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
-                              block_tokens: int = 64, offsets: torch.Tensor | None = None):
+                              offsets: torch.Tensor | None = None):
     """(k, v) bf16 [sum L_b, H, D]: the prefixes of the requests, request after request
     (module doc). ``prefix_lens_host`` holds the same lengths as host ints (no sync);
     ``offsets``: prefix_offsets(prefix_lens) when the caller has it already."""
@@ -131,19 +138,16 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
     if longest == 0 or b == 0:
         return k_out[:total], v_out[:total]
     fp8 = layer.k_scales.dtype == torch.float8_e4m3fn
-    ks, vs = (layer.k_scales.view(torch.uint8), layer.v_scales.view(torch.uint8)) if fp8 else \
-        (layer.k_scales, layer.v_scales)
-    grid = (triton.cdiv(longest, block_tokens), b, h)
+    ks, vs, *scale_strides = scale_args(layer)
+    if fp8:  # float8 read as uint8 (the interpreter does not load float8); the strides stay
+        ks, vs = ks.view(torch.uint8), vs.view(torch.uint8)
+    grid = (triton.cdiv(longest, MATERIALIZE_BLOCK_TOKENS), b, h)
     _materialize_kernel[grid](
-        rows, prefix_lens, prefix_offsets(prefix_lens) if offsets is None else offsets, req_to_token,
-        req_to_token.stride(0),
-        index.sink_slot_of_page, index.page_of_sink_slot, index.page_size, index.ring_valid_from,
-        layer.k_packed, layer.v_packed, layer.k_packed.stride(0), layer.k_packed.stride(1),
-        ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
-        layer.k_sink, layer.v_sink, layer.k_sink.stride(0), layer.k_sink.stride(1), layer.k_sink.stride(2),
-        layer.k_ring, layer.v_ring, layer.k_ring.stride(0), layer.k_ring.stride(1), layer.k_ring.stride(2),
+        rows, prefix_lens, prefix_offsets(prefix_lens) if offsets is None else offsets,
+        *sink_index_args(index, req_to_token), index.ring_valid_from,
+        *code_args(layer), ks, vs, *scale_strides, *bf16_side_args(layer),
         k_out, v_out, k_out.stride(0), k_out.stride(1),
-        D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window, BT=block_tokens, FP8=fp8,
-        SLOT64=needs_int64_slots(layer), num_warps=4,
+        D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window,
+        BT=MATERIALIZE_BLOCK_TOKENS, FP8=fp8, SLOT64=needs_int64_slots(layer), num_warps=4,
     )
     return k_out[:total], v_out[:total]

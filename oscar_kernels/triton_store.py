@@ -22,37 +22,40 @@ import triton.language as tl
 
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .int2 import check_group_size
-from .triton_common import (SCALE_TL_DTYPES, check_cache_layout, check_last_dim_contiguous, head_index, mma_f32,
-                            sink_slot_of_row, to_scale_dtype)
+from .triton_common import (SCALE_TL_DTYPES, bf16_side_args, check_cache_layout, check_last_dim_contiguous, code_args,
+                            head_index, scale_args, sink_index_args, sink_slot_of_row, to_scale_dtype)
 
 
 @triton.jit
-def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
-               pk_ptr, spk_s, spk_h, sc_ptr, ssc_s, ssc_h, ssc_g,
-               sink_ptr, ssk_c, ssk_p, ssk_h, ring_ptr, srg_r, srg_c, srg_h,
-               out_ptr, so_t, so_h,
+def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, clip_min_ptr, clip_max_ptr,
+               codes_ptr, stride_code_slot, stride_code_head,
+               scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+               sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+               ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+               out_ptr, stride_out_token, stride_out_head,
                h, tok, tmask, slot, pos, row, end, sink_c,
                D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-               WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Write one of K / V for a block of tokens of KV head ``h`` (see module doc)."""
+               WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr):
+    """Write one of K / V for a block of tokens of KV head ``h`` (see module doc). The rotation's
+    float32 dots run as tf32x3 (three TF32 products: float32-level error, so the codes match
+    the reference's except on rounding ties)."""
     d = tl.arange(0, D)
     kb = tl.arange(0, KB)
-    xrow = x_ptr + tok.to(tl.int64)[:, None] * sx_t + h * sx_h
+    xrow = x_ptr + tok.to(tl.int64)[:, None] * stride_x_token + h * stride_x_head
     rot = rot_ptr + h.to(tl.int64) * D * D
     xr = tl.zeros([BLOCK_T, D], dtype=tl.float32)
     for c0 in tl.static_range(0, D, KB):
         xs = tl.load(xrow + c0 + kb[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         rs = tl.load(rot + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
-        xr = mma_f32(xs, rs, xr, PRECISION)
+        xr = tl.dot(xs, rs, xr, input_precision="tf32x3")
     xb = xr.to(tl.bfloat16)
     if WRITE_ROT:
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * so_t + h * so_h + d[None, :], xb,
+        tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out_token + h * stride_out_head + d[None, :], xb,
                  mask=tmask[:, None])
     if WRITE_INT2:
-        cmin = tl.load(cmin_ptr + h * D + d).to(tl.float32)
-        cmax = tl.load(cmax_ptr + h * D + d).to(tl.float32)
+        cmin = tl.load(clip_min_ptr + h * D + d).to(tl.float32)
+        cmax = tl.load(clip_max_ptr + h * D + d).to(tl.float32)
         xc = tl.minimum(tl.maximum(xr, cmin[None, :]), cmax[None, :])
         NG: tl.constexpr = D // G
         xg = tl.reshape(xc, [BLOCK_T, NG, G])
@@ -72,41 +75,42 @@ def _store_one(x_ptr, sx_t, sx_h, rot_ptr, cmin_ptr, cmax_ptr,
         slot64 = slot.to(tl.int64)
         q = tl.arange(0, D // 4)
         hh = head_index(h, True)  # head offsets span head-major buffers: int64
-        tl.store(pk_ptr + slot64[:, None] * spk_s + hh * spk_h + q[None, :], packed,
+        tl.store(codes_ptr + slot64[:, None] * stride_code_slot + hh * stride_code_head + q[None, :], packed,
                  mask=tmask[:, None])
         g = tl.arange(0, NG)
-        sc_row = sc_ptr + slot64[:, None] * ssc_s + hh * ssc_h + g[None, :] * ssc_g
+        sc_row = (scales_ptr + slot64[:, None] * stride_scale_slot + hh * stride_scale_head
+                  + g[None, :] * stride_scale_group)
         tl.store(sc_row, scale_q, mask=tmask[:, None])
         tl.store(sc_row + 1, lo_q, mask=tmask[:, None])
         if S > 0:
             m = tmask & (pos < S) & (sink_c >= 0)
-            dst = sink_ptr + tl.maximum(sink_c, 0)[:, None] * ssk_c + pos.to(tl.int64)[:, None] * ssk_p
-            tl.store(dst + h * ssk_h + d[None, :], xb, mask=m[:, None])
+            dst = (sink_ptr + tl.maximum(sink_c, 0)[:, None] * stride_sink_slot
+                   + pos.to(tl.int64)[:, None] * stride_sink_pos)
+            tl.store(dst + h * stride_sink_head + d[None, :], xb, mask=m[:, None])
     if WRITE_RING:
         if W > 0:
             m = tmask & (pos >= end - W)
             cell = (pos % W).to(tl.int64)
-            dst = ring_ptr + row.to(tl.int64)[:, None] * srg_r + cell[:, None] * srg_c
-            tl.store(dst + h * srg_h + d[None, :], xb, mask=m[:, None])
+            dst = ring_ptr + row.to(tl.int64)[:, None] * stride_ring_row + cell[:, None] * stride_ring_cell
+            tl.store(dst + h * stride_ring_head + d[None, :], xb, mask=m[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])  # one compilation for every token count
-def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
+def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, stride_v_head,
                   slots_ptr, pos_ptr, rows_ptr, ends_ptr, T,
-                  r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size,
-                  krot_ptr, vrot_ptr, kcmin_ptr, kcmax_ptr, vcmin_ptr, vcmax_ptr,
-                  kpk_ptr, vpk_ptr, spk_s, spk_h,
-                  ksc_ptr, vsc_ptr, ssc_s, ssc_h, ssc_g,
-                  ksink_ptr, vsink_ptr, ssk_c, ssk_p, ssk_h,
-                  kring_ptr, vring_ptr, srg_r, srg_c, srg_h,
-                  kout_ptr, vout_ptr, so_t, so_h,
+                  req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr, page_of_sink_slot_ptr, page_size,
+                  k_rot_ptr, v_rot_ptr, k_clip_min_ptr, k_clip_max_ptr, v_clip_min_ptr, v_clip_max_ptr,
+                  k_codes_ptr, v_codes_ptr, stride_code_slot, stride_code_head,
+                  k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+                  k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+                  k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+                  k_out_ptr, v_out_ptr, stride_out_token, stride_out_head,
                   D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-                  WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
-                  PRECISION: tl.constexpr, KV_PROGRAMS: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_T), H, KV_PROGRAMS): BLOCK_T new tokens of one KV head; K and V
-    in separate programs (KV_PROGRAMS = 2: half the dependent chain of loads and dots per
-    program, which is what a decode step's few tokens wait on), or K then V in one (1)."""
+                  WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T), H, 2): BLOCK_T new tokens of one KV head; K (program 0 of
+    axis 2) and V (program 1) in separate programs: half the dependent chain of loads and
+    dots per program, which is what a decode step's few tokens wait on."""
     h = tl.program_id(1)
     kv = tl.program_id(2)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -116,39 +120,41 @@ def _store_kernel(k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
     row = tl.load(rows_ptr + tok, mask=tmask, other=0).to(tl.int64)
     end = tl.load(ends_ptr + tok, mask=tmask, other=0).to(tl.int64)
     if S > 0 and WRITE_INT2:
-        sink_c = sink_slot_of_row(row, r2t_ptr, r2t_stride, sop_ptr, pos_of_ptr, page_size)
+        sink_c = sink_slot_of_row(row, req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr,
+                                  page_of_sink_slot_ptr, page_size)
     else:
         sink_c = tl.full([BLOCK_T], -1, tl.int64)
     if kv == 0:
-        _store_one(k_ptr, sk_t, sk_h, krot_ptr, kcmin_ptr, kcmax_ptr, kpk_ptr, spk_s, spk_h,
-                   ksc_ptr, ssc_s, ssc_h, ssc_g, ksink_ptr, ssk_c, ssk_p, ssk_h,
-                   kring_ptr, srg_r, srg_c, srg_h, kout_ptr, so_t, so_h,
+        _store_one(k_ptr, stride_k_token, stride_k_head, k_rot_ptr, k_clip_min_ptr, k_clip_max_ptr,
+                   k_codes_ptr, stride_code_slot, stride_code_head,
+                   k_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+                   k_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+                   k_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+                   k_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
-    if kv == KV_PROGRAMS - 1:
-        _store_one(v_ptr, sv_t, sv_h, vrot_ptr, vcmin_ptr, vcmax_ptr, vpk_ptr, spk_s, spk_h,
-                   vsc_ptr, ssc_s, ssc_h, ssc_g, vsink_ptr, ssk_c, ssk_p, ssk_h,
-                   vring_ptr, srg_r, srg_c, srg_h, vout_ptr, so_t, so_h,
+                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT)
+    if kv == 1:
+        _store_one(v_ptr, stride_v_token, stride_v_head, v_rot_ptr, v_clip_min_ptr, v_clip_max_ptr,
+                   v_codes_ptr, stride_code_slot, stride_code_head,
+                   v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
+                   v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
+                   v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
+                   v_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, PRECISION)
+                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT)
+
+
+STORE_BLOCK_T = 16  # new tokens per program
+STORE_K_BLOCK = 32  # rotation K chunk (larger chunks spill on sm_90)
+STORE_WARPS = 8
 
 
 def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
                  req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True,
-                 rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                 block_t: int = 16, k_block: int = 32, num_warps: int = 8,
-                 precision: str | None = None, kv_programs: int = 2) -> None:
-    """Launch the store kernel (shapes as in api.store_kv). ``precision`` is the float32
-    tl.dot input precision of the rotation (default "tf32x3", three TF32 products, float32-
-    level error: codes match the PyTorch reference except on rounding ties, as with "ieee").
-    ``kv_programs``: 2 = K and V in separate programs, 1 = one program writes both.
-    Defaults timed on the H200 (kernels_h200.json round 6, one decode step's store, one
-    layer): tf32x3 with 8 warps 7.7 us at batch 1 and 6.7 at batch 64, against 10.0 / 8.3
-    with ieee and 4 warps (8 warps alone: 8.6 / 7.4; tf32x3 alone: 9.9 / 8.1)."""
-    if kv_programs not in (1, 2):
-        raise ValueError(f"kv_programs must be 1 or 2, not {kv_programs}")
+                 rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Launch the store kernel (shapes as in api.store_kv)."""
     t, h, d = k.shape
     if v.shape != k.shape or h != layer.num_kv_heads or d != layer.head_dim:
         raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not match the cache "
@@ -176,22 +182,14 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         check_last_dim_contiguous("rotated_out", ko)
     else:
         ko = vo = k  # never written (WRITE_ROT=False)
-    lay = layer
-    check_cache_layout(lay)
-    grid = (triton.cdiv(t, block_t), h, kv_programs)
-    _store_kernel[grid](
+    check_cache_layout(layer)
+    _store_kernel[(triton.cdiv(t, STORE_BLOCK_T), h, 2)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
-        slots, positions, rows, seq_ends, t,
-        req_to_token, req_to_token.stride(0), index.sink_slot_of_page, index.page_of_sink_slot,
-        index.page_size,
-        *rot,
-        lay.k_packed, lay.v_packed, lay.k_packed.stride(0), lay.k_packed.stride(1),
-        lay.k_scales, lay.v_scales, lay.k_scales.stride(0), lay.k_scales.stride(1), lay.k_scales.stride(2),
-        lay.k_sink, lay.v_sink, lay.k_sink.stride(0), lay.k_sink.stride(1), lay.k_sink.stride(2),
-        lay.k_ring, lay.v_ring, lay.k_ring.stride(0), lay.k_ring.stride(1), lay.k_ring.stride(2),
+        slots, positions, rows, seq_ends, t, *sink_index_args(index, req_to_token),
+        *rot, *code_args(layer), *scale_args(layer), *bf16_side_args(layer),
         ko, vo, ko.stride(0), ko.stride(1),
-        D=d, GK=gk, GV=gv, S=lay.sink_tokens, W=lay.recent_window, BLOCK_T=block_t, KB=min(k_block, d),
-        SCALE_DTYPE=SCALE_TL_DTYPES[lay.k_scales.dtype],
+        D=d, GK=gk, GV=gv, S=layer.sink_tokens, W=layer.recent_window, BLOCK_T=STORE_BLOCK_T,
+        KB=min(STORE_K_BLOCK, d), SCALE_DTYPE=SCALE_TL_DTYPES[layer.k_scales.dtype],
         WRITE_INT2=bool(write_int2), WRITE_RING=bool(write_ring), WRITE_ROT=rotated_out is not None,
-        PRECISION=precision or "tf32x3", KV_PROGRAMS=kv_programs, num_warps=num_warps,
+        num_warps=STORE_WARPS,
     )

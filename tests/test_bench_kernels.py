@@ -45,25 +45,3 @@ def test_cases_option_names_table_cases():
     for bad in ("8x1000", "3x65536", "8-65536"):
         with pytest.raises(Exception, match="case"):
             bk.parse_cases(bad)
-
-
-def test_stage1_variants_parse_named_decode_configs():
-    import argparse
-    from benchmarks import bench_stage1_variants as bsv
-    assert bsv.parse_variant('slot_ahead=off={"slot_ahead": false}') == ("slot_ahead=off", {"slot_ahead": False})
-    assert bsv.parse_variant("default={}") == ("default", {})
-    assert bsv.parse_variant('max_registers=168={"max_registers": 168}') == ("max_registers=168",
-                                                                             {"max_registers": 168})
-    for bad in ("default", "x=[1]", "x={nope", "={}"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            bsv.parse_variant(bad)
-
-
-def test_stage1_variants_parse_storage_orders():
-    import argparse
-    from benchmarks import bench_stage1_variants as bsv
-    assert bsv.parse_storage("head_major,slot_major") == ["head_major", "slot_major"]
-    assert bsv.parse_storage("slot_major") == ["slot_major"]
-    for bad in ("", "row_major", "head_major,nhd"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            bsv.parse_storage(bad)

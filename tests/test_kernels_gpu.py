@@ -2,7 +2,7 @@
 
 Run on the GPU machine:  python -m pytest -m gpu tests/test_kernels_gpu.py --durations=10
 (Skipped without CUDA by tests/conftest.py; never under TRITON_INTERPRET.) Most of the time
-goes into compiling kernel variants, so parametrisations are kept to distinct code paths.
+goes into compiling kernels, so parametrisations are kept to distinct code paths.
 """
 import os
 
@@ -76,17 +76,14 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
     kc.check_decode(sc, 16, td.triton_decode)
 
 
-@pytest.mark.parametrize("variant", [
-    dict(use_dot=False), dict(magic_unpack=False), dict(num_warps=4, block_n=64, max_registers=None),
-    dict(block_n=64, max_registers=168), dict(small_batch_max=0), dict(block_n=64, max_registers=128),
-    dict(max_splits=1), dict(half_keys=False),
-    dict(min_chunk=64, target_programs=4096), dict(merge_grid="query_head", merge_partials_per_step=16),
-    dict(slot_ahead=False), dict(slot_ahead=True, num_stages=3, small_batch_max=0),
-])
-def test_decode_gpu_variants(kernels, variant):
+@pytest.mark.parametrize("split_policy", [dict(max_splits=1), dict(min_chunk=64, target_programs=4096),
+                                          dict(batch_invariant=True)])
+def test_decode_gpu_split_policies(kernels, split_policy):
+    """One split, many small splits, and the batch-invariant shape (large-batch tiles and the
+    query-head merge at batch 3)."""
     _, _, td, _ = kernels
     sc = kc.build([5, 900, 3000], H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda")
-    kc.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**variant))
+    kc.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**split_policy))
 
 
 @pytest.mark.parametrize("case", [
@@ -150,24 +147,28 @@ def test_split_group_sizes_gpu(kernels):
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
 
 
-# dict(): 3 stages / int64 at both batches tested (6 and 3); shallow_pipeline_max=8: what batch 1 runs
-@pytest.mark.parametrize("loop", [dict(), dict(slot_ahead=False), dict(float8_words=False),
-                                  dict(shallow_pipeline_max=8), dict(int64_slots=False),
-                                  dict(num_stages=2, int64_slots=True)])
-def test_loop_variants_split_groups_gpu(kernels, loop):
-    """The INT2 loop's variants at the default layout (keys 32 / values 128, float8):
-    short, medium and 128k requests against the reference."""
+@pytest.mark.parametrize("scale_reads", ["words", "int16_pairs"])
+def test_default_layout_pipelines_gpu(kernels, monkeypatch, scale_reads):
+    """The default layout (keys 32 / values 128, float8) at batch 6 and 3 (3 stages, int64
+    offsets) and batch 1 (2 stages, int32): short, medium and 128k requests against the
+    reference; float8 (scale, min) pairs read as int32 words, and as int16 pairs where no
+    word view exists."""
+    from oscar_kernels import triton_common
     _, _, td, _ = kernels
+    if scale_reads == "int16_pairs":
+        monkeypatch.setattr(triton_common, "float8_words_view", lambda scales: None)
     kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
-    cfg = td.DecodeConfig(**loop)
     sc = kc.build([5, 80, 81, 144, 900, 3000], seed=3, device="cuda", **kw)
-    kc.check_decode(sc, 32, td.triton_decode, cfg)
+    kc.check_decode(sc, 32, td.triton_decode)
     lens = [131072, 4096, 1]
     sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})
     q = kc.random_q(sc, 32, seed=4)
-    out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
-                           torch.tensor(lens, dtype=torch.int32, device="cuda"), sc.sm_scale, config=cfg)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, seq, sc.sm_scale)
     _check_subset(sc, 32, out, q, [0, 1, 2], [0, 5])
+    alone = td.triton_decode(q[:1], sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows[:1], seq[:1],
+                             sc.sm_scale)
+    torch.testing.assert_close(alone.float(), out[:1].float(), rtol=3e-2, atol=3e-2)
 
 
 def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
@@ -326,7 +327,8 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
     def variants(fn):
         return sum(len(caches[0]) for caches in fn.device_caches.values())
 
-    before = {fn: variants(fn) for fn in (td._decode_stage1, td._decode_merge, ts._store_kernel)}
+    watched = (td._decode_stage1, td._decode_merge_row, td._decode_merge_split, ts._store_kernel)
+    before = {fn: variants(fn) for fn in watched}
     h, hq, d = 2, 4, 128
     ws = api.make_decode_workspace(64, hq, h, d, "cuda")
     for b in (1, 3, 8, 17, 64):
@@ -342,15 +344,13 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
                      pos, rows, pos + 1)
     torch.cuda.synchronize()
     added = {fn.__name__: variants(fn) - n for fn, n in before.items()}
-    # stage 1 compiles once per launch shape and pipeline (DecodeConfig.stage1_shape_for /
-    # pipeline_for: G = D, one shape up to small_batch_max requests and one above; keys 32,
-    # one pipeline at batch 1 and one above), the others once
+    # stage 1 compiles once per entry of its layout class's table (DecodeConfig.stage1_tiles:
+    # G = D, one up to 4 requests and one above; keys 32, one at batch 1 and one above), the
+    # others once
     spans = layout["G"] == d
-    cfg = ws.config
-    shapes = len({(shape, cfg.pipeline_for(b, *shape)) for b in (1, 3, 8, 17, 64)
-                  for shape in [cfg.stage1_shape_for(b, spans)]})
+    shapes = len({ws.config.stage1_tiles(b, spans) for b in (1, 3, 8, 17, 64)})
     assert shapes == 2
-    allowed = {"_decode_stage1": shapes, "_decode_merge": 1, "_store_kernel": 1}
+    allowed = {"_decode_stage1": shapes, "_decode_merge_row": 1, "_decode_merge_split": 1, "_store_kernel": 1}
     assert all(v <= allowed[k] for k, v in added.items()), (added, allowed)
 
 
@@ -414,12 +414,11 @@ def test_kernels_are_batch_invariant(kernels):
 
 # ---------------------------------------------------------------- programmatic dependent launch
 @pytest.mark.parametrize("lens", [[20000], [3000, 3037, 3074], [5000 + 37 * i for i in range(8)]])
-def test_programmatic_launch_gives_the_same_output(kernels, lens):
-    """Stage 1, the merge and the un-rotation launched with PDL (the default on sm_90) give
-    bitwise the output of plain launches, eagerly and replayed from a CUDA graph, close to
-    the reference (batch 1 runs the split merge and its un-rotation launch, batch 8 the
-    query_head merge). The same checks ran as a device script before this test existed
-    (session 13, call 1)."""
+def test_programmatic_launch_gives_the_same_output(kernels, lens, monkeypatch):
+    """Stage 1, the merge and the un-rotation launched with PDL (sm_90+) give bitwise the
+    output of plain launches (what older GPUs run), eagerly and replayed from a CUDA graph,
+    close to the reference (batch 1 runs the split merge and its un-rotation launch, batch 8
+    the query_head merge)."""
     _, _, td, _ = kernels
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
@@ -431,13 +430,13 @@ def test_programmatic_launch_gives_the_same_output(kernels, lens):
     want = kc.decode_reference(sc, q)
     outs = {}
     for pdl in (True, False):
-        cfg = td.DecodeConfig(programmatic_launch=pdl)
-        ws = td.DecodeWorkspace(b, 32, 8, 128, "cuda", cfg)
+        monkeypatch.setattr(td, "pdl_supported", lambda device, pdl=pdl: pdl)
+        ws = td.DecodeWorkspace(b, 32, 8, 128, "cuda")
         out = torch.empty_like(q)
 
         def run():
             td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, seq, sc.sm_scale,
-                             out=out, workspace=ws, config=cfg)
+                             out=out, workspace=ws)
         run()
         torch.cuda.synchronize()
         eager = out.clone()

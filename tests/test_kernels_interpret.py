@@ -92,23 +92,9 @@ def test_store_matches_reference(cfg, flags):
         assert got.k_ring.abs().sum() > 0
 
 
-@pytest.mark.parametrize("launch", [dict(k_block=16), dict(precision="ieee", num_warps=4)])
-def test_store_launch_variants_match_reference(launch):
-    """The launch shapes bench_kernels times (STORE_VARIANTS) write the reference's cache."""
-    sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=9)
-    kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, **launch), True, True)
-
-
-def test_store_with_k_and_v_in_one_program_matches_reference():
-    """kv_programs=1 (one program writes K then V): same cache as the reference."""
-    sc = kc.build([21, 9, 5], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=3)
-    kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, kv_programs=1), True, True)
-    with pytest.raises(ValueError, match="kv_programs"):
-        kc.check_store(sc, [20, 3, 0], functools.partial(triton_store_mod.triton_store, kv_programs=3), True, True)
-
-
 # ---------------------------------------------------------------- decode
-_SMALL = dict(block_n=16, block_n_bf16=16, min_chunk=16, target_programs=64, max_splits=4)
+# several INT2 splits per request at these small lengths (the launch shapes are the tuned ones)
+_SMALL = dict(min_chunk=16, target_programs=64, max_splits=4)
 
 
 def _check_decode(sc, hq, config):
@@ -116,32 +102,29 @@ def _check_decode(sc, hq, config):
 
 
 @pytest.mark.parametrize("case", [
-    # (D, G, Hq, H, S, W, page, magic)
-    (64, 16, 4, 2, 4, 8, 8, True),
-    (64, 64, 2, 2, 4, 8, 8, False),
-    (128, 32, 8, 1, 2, 16, 4, True),
-    (128, 8, 8, 2, 4, 8, 8, True),
-    (64, 4, 4, 2, 0, 8, 8, False),
-    (64, 16, 16, 2, 4, 0, 8, True),
-    (64, 32, 4, 1, 0, 0, 8, True),
+    # (D, G, Hq, H, S, W, page)
+    (64, 16, 4, 2, 4, 8, 8),
+    (64, 64, 2, 2, 4, 8, 8),
+    (128, 32, 8, 1, 2, 16, 4),
+    (128, 8, 8, 2, 4, 8, 8),
+    (64, 4, 4, 2, 0, 8, 8),
+    (64, 16, 16, 2, 4, 0, 8),
+    (64, 32, 4, 1, 0, 0, 8),
 ])
 def test_decode_matches_reference(case):
-    d, grp, hq, h, s, w, page, magic = case
+    """Five requests: the large-batch tiles and the query-head merge."""
+    d, grp, hq, h, s, w, page = case
     lens = [1, 3, 13, 40, 77]  # shorter than S+W, page boundaries, several splits
     sc = kc.build(lens, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + grp + hq)
-    _check_decode(sc, hq, triton_decode_mod.DecodeConfig(magic_unpack=magic, **_SMALL))
+    _check_decode(sc, hq, triton_decode_mod.DecodeConfig(**_SMALL))
 
 
-@pytest.mark.parametrize("hq, h", [(8, 1), (2, 2), (16, 2)])
-def test_decode_query_head_merge_matches_reference(hq, h):
-    sc = kc.build([1, 13, 77], H=h, D=64, G=16, S=4, W=8, page=8, seed=hq + h)
-    _check_decode(sc, hq, triton_decode_mod.DecodeConfig(merge_grid="query_head", **_SMALL))
-
-
-def test_decode_unknown_merge_grid_is_refused():
-    sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
-    with pytest.raises(ValueError, match="merge_grid"):
-        _check_decode(sc, 4, triton_decode_mod.DecodeConfig(merge_grid="rows", **_SMALL))
+@pytest.mark.parametrize("hq, h, grp", [(8, 1, 16), (2, 2, 64), (16, 2, 16), (4, 2, 64)])
+def test_decode_small_batch_matches_reference(hq, h, grp):
+    """Three requests: the small-batch tiles (128-token steps where groups span the head) and
+    the split merge with its un-rotation launch."""
+    sc = kc.build([1, 13, 140], H=h, D=64, G=grp, S=4, W=8, page=8, seed=hq + h)
+    _check_decode(sc, hq, triton_decode_mod.DecodeConfig(**_SMALL))
 
 
 @pytest.mark.parametrize("grp", [16, 64])  # G >= D/4 (group pairs) and G = D
@@ -153,8 +136,7 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
     sc = kc.build([1, 13, 77], H=2, D=64, G=grp, S=4, W=8, page=8, seed=5, scale_dtype=f8)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], H=2, D=64, G=grp, S=4, W=8, page=8, seed=6, scale_dtype=f8)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend,
-                    triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
 
 
 def test_int2_buffers_are_head_major_and_decode_reads_either_order():
@@ -211,6 +193,17 @@ def test_float8_words_view_addresses_every_pair_or_declines():
     assert float8_words_view(torch.zeros(3, 2, dtype=torch.float8_e4m3fn)) is None  # 6 bytes: ends mid-word
 
 
+def test_float8_pairs_decode_without_a_word_view(monkeypatch):
+    """Where no int32 word view exists (float8_words_view declines) the kernels read each
+    float8 (scale, min) pair as one int16: the same output."""
+    common = importlib.import_module("oscar_kernels.triton_common")
+    sc = kc.build([1, 13, 77], H=2, D=64, G=16, S=4, W=8, page=8, seed=5, scale_dtype=torch.float8_e4m3fn)
+    assert common.group_scale_args(sc.layer)[0].dtype == torch.int32
+    monkeypatch.setattr(common, "float8_words_view", lambda scales: None)
+    assert common.group_scale_args(sc.layer)[0].dtype == torch.int16
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
+
+
 @pytest.mark.parametrize("gk,gv,dt", [
     (16, 64, torch.float8_e4m3fn),  # keys a group per plane, values one group (the split layout)
     (64, 16, torch.float16),  # the other way round
@@ -225,13 +218,12 @@ def test_split_group_sizes_store_decode_extend_materialize_match_reference(gk, g
     sc = kc.build([1, 13, 77], seed=5, **kw)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], seed=6, **kw)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend,
-                    triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
     lens = [0, 13, 40]
     pre = torch.tensor(lens, dtype=torch.int32)
     want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
     got = triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
-                                                           lens, block_tokens=16)
+                                                           lens)
     for g, w_ in zip(got, want):
         torch.testing.assert_close(g.float(), w_.float(), rtol=2 ** -7, atol=1e-6)
 
@@ -250,32 +242,26 @@ def test_decode_invalid_sink_and_late_ring_start():
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
 
 
-@pytest.mark.parametrize("variant", [dict(use_dot=False), dict(min_block_h=16), dict(max_splits=1),
-                                     dict(merge_partials_per_step=2), dict(merge_partials_per_step=1),
-                                     dict(merge_grid="query_head"),
-                                     dict(merge_grid="query_head", merge_partials_per_step=2),
-                                     dict(half_keys=False), dict(rotate_out_block=16),
-                                     dict(rotate_out_block=32, merge_grid="query_head"),
-                                     dict(merge_grid="split"), dict(merge_grid="split", max_splits=1),
-                                     "int64_slots"])
-def test_decode_variants(variant, monkeypatch):
+@pytest.mark.parametrize("variant", ["one_split", "int64_slots"])
+def test_decode_one_split_and_int64_offsets(variant, monkeypatch):
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
+    cfg = {**_SMALL, "max_splits": 1} if variant == "one_split" else _SMALL
     if variant == "int64_slots":  # the path of caches with 2^31 or more elements per buffer
         monkeypatch.setattr(triton_decode_mod, "needs_int64_slots", lambda layer: True)
-        variant = {}
-    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, **variant}))
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**cfg))
 
 
 @pytest.mark.parametrize("layout", [dict(D=64, G=16), dict(D=64, G=64), dict(D=64, G=8), dict(D=128, G=32, GV=128)])
 @pytest.mark.parametrize("max_splits", [1, 3])
-@pytest.mark.parametrize("loop", [dict(slot_ahead=True), dict(slot_ahead=False)])
-def test_decode_loop_variants_match_reference(layout, max_splits, loop):
-    """The INT2 loop with and without slot_ahead (next block's slots loaded a step ahead)
-    over INT2 ranges that are empty, one partial block, exactly one / two full blocks,
-    full blocks then a tail."""
-    lens = [12, 13, 28, 44, 52, 95]  # S + W = 12: INT2 lengths 0, 1, 16, 32, 40, 83
+@pytest.mark.parametrize("lens", [
+    [12, 13, 44, 76, 140, 160],  # S + W = 12: INT2 lengths 0, 1, 32, 64, 128, 148 (64-token steps)
+    [13, 140, 268, 290],  # 1, 128, 256, 278: 128-token steps where groups span the head
+], ids=["large_batch", "small_batch"])
+def test_decode_int2_loop_matches_reference(layout, max_splits, lens):
+    """The INT2 loop (each block's slots loaded a step ahead) over INT2 ranges that are
+    empty, one partial block, exactly one / two full blocks, full blocks then a tail."""
     sc = kc.build(lens, H=2, S=4, W=8, page=8, seed=23, **layout)
-    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits, **loop}))
+    _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**{**_SMALL, "max_splits": max_splits}))
 
 
 def test_rotate_queries_column_blocks_match_the_full_rotation():
@@ -319,37 +305,27 @@ def test_programmatic_launch_needs_a_cuda_device():
     assert not triton_common.pdl_supported("cpu")
 
 
-def test_stage1_shape_follows_the_batch():
-    """block_n 0 / max_registers 0 resolve per batch: 128 tokens per step, uncapped, up to
-    small_batch_max requests; 64 under the register cap above; explicit values win."""
+def test_stage1_tiles_follow_the_layout_class_and_the_batch():
+    """One tuned table per layout class: groups spanning the head run 128-token steps uncapped
+    up to 4 requests, then 64 under the 168-register cap (BF16 steps 64, then 16); smaller
+    groups run uncapped 64-token steps, 2 stages with int32 offsets at batch 1 and 3 stages
+    with int64 above. A batch-invariant config runs the large-batch tiles at every batch."""
     td = triton_decode_mod
     cfg = td.DecodeConfig()
-    assert [cfg.stage1_shape_for(b) for b in (1, 4, 5, 64)] == [(128, None), (128, None), (64, 168), (64, 168)]
+    shape = [(t.block_n, t.max_registers, t.block_n_bf16) for t in (cfg.stage1_tiles(b) for b in (1, 4, 5, 64))]
+    assert shape == [(128, None, 64), (128, None, 64), (64, 168, 16), (64, 168, 16)]
     assert [cfg.resident_per_sm(b) for b in (1, 64)] == [8, 12]  # 232 registers uncapped, 168 capped
-    assert td.DecodeConfig(block_n=32).stage1_shape_for(1) == (32, 168)
-    assert td.DecodeConfig(max_registers=None).stage1_shape_for(64) == (64, None)
-    assert td.DecodeConfig(small_batch_max=0).stage1_shape_for(1) == (64, 168)
-    # groups smaller than the head (e.g. keys at 32): no automatic cap, fewer programs per SM
-    assert cfg.stage1_shape_for(64, groups_span_head=False) == (64, None)
-    assert cfg.stage1_shape_for(1, groups_span_head=False) == (64, None)
+    split = [cfg.stage1_tiles(b, groups_span_head=False) for b in (1, 2, 64)]
+    assert [(t.block_n, t.max_registers, t.num_stages, t.int64_slots) for t in split] == [
+        (64, None, 2, False), (64, None, 3, True), (64, None, 3, True)]
     assert cfg.resident_per_sm(64, groups_span_head=False) == 8
-    assert td.DecodeConfig(max_registers=168).stage1_shape_for(64, groups_span_head=False) == (64, 168)
-    # BF16 sink/ring steps follow the cap: 64 tokens uncapped, 16 under it; explicit wins
-    assert [cfg.bf16_block_for(cfg.stage1_shape_for(b)[1]) for b in (1, 64)] == [64, 16]
-    assert cfg.bf16_block_for(cfg.stage1_shape_for(64, groups_span_head=False)[1]) == 64
-    assert td.DecodeConfig(block_n_bf16=32).bf16_block_for(168) == 32
-    # pipeline: 3 stages with int64 slot offsets above shallow_pipeline_max requests at
-    # uncapped 64-token steps, else 2 with int32 (where int32 holds them); explicit values win
-    assert [cfg.pipeline_for(b, 64, None) for b in (1, 2, 4, 64)] == [(2, False), (3, True), (3, True), (3, True)]
-    assert cfg.pipeline_for(64, 64, 168) == (2, False) and cfg.pipeline_for(2, 128, None) == (2, False)
-    assert td.DecodeConfig(num_stages=2).pipeline_for(64, 64, None) == (2, True)
-    assert td.DecodeConfig(int64_slots=False).pipeline_for(64, 64, None) == (3, False)
-    assert td.DecodeConfig(shallow_pipeline_max=0).pipeline_for(1, 64, None) == (3, True)
-    assert td.batch_invariant_config(4096, 8, 4, 128).pipeline_for(1, 64, None) == (3, True)
+    inv = td.batch_invariant_config(4096, 8, 4, 128)
+    for span in (True, False):
+        assert {inv.stage1_tiles(b, span) for b in (1, 2, 64)} == {cfg.stage1_tiles(64, span)}
     sc = kc.build([40, 300], H=2, D=64, G=64, S=4, W=8, page=8, seed=21)
-    small = dict(block_n_bf16=16, min_chunk=16, target_programs=8, max_splits=4)
-    for small_batch_max in (2, 1):  # batch 2: block_n 128, then 64
-        _check_decode(sc, 4, td.DecodeConfig(small_batch_max=small_batch_max, **small))
+    small = dict(min_chunk=16, target_programs=8, max_splits=4)
+    for c in (td.DecodeConfig(**small), replace(td.DecodeConfig(**small), batch_invariant=True)):
+        _check_decode(sc, 4, c)  # batch 2: 128-token steps, then the large-batch tiles
 
 
 def test_batch_invariant_decode_plans_a_request_the_same_alone_and_batched(monkeypatch):
@@ -359,16 +335,15 @@ def test_batch_invariant_decode_plans_a_request_the_same_alone_and_batched(monke
     td = triton_decode_mod
     assert td.DecodeConfig().splits_for(1, 2, "cpu") != td.DecodeConfig().splits_for(3, 2, "cpu")
     per_row = 3 * 4 * (64 + 1) * 4
-    cfg = td.batch_invariant_config(512, 3, 4, 64, workspace_bytes=per_row * 5,
-                                    base=td.DecodeConfig(min_chunk=16, block_n_bf16=16))
+    cfg = td.batch_invariant_config(512, 3, 4, 64, workspace_bytes=per_row * 5, base=td.DecodeConfig(min_chunk=16))
     assert [cfg.splits_for(b, 2, "cpu") for b in (1, 3)] == [4, 4] and cfg.min_chunk == 128
-    assert cfg.stage1_shape_for(1) == cfg.stage1_shape_for(3) and cfg.merge_grid_for(1) == cfg.merge_grid_for(3)
+    assert cfg.stage1_tiles(1) == cfg.stage1_tiles(3) and cfg.merge_grid_for(1) == cfg.merge_grid_for(3)
     sc = kc.build([5, 300, 77], H=2, D=64, G=64, S=4, W=8, page=8, seed=31)
     kc.check_decode(sc, 4, td.triton_decode, cfg)
     q = kc.random_q(sc, 4)
     lens = torch.tensor(sc.lens, dtype=torch.int32)
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
-    kernels = ("_decode_stage1", "_decode_merge", "_decode_merge_row", "_decode_merge_split")
+    kernels = ("_decode_stage1", "_decode_merge_row", "_decode_merge_split")
     axes = dict.fromkeys(kernels, 0)  # grid axis 0: the requests
 
     def decode(i, j, config):
@@ -384,36 +359,38 @@ def test_batch_invariant_decode_plans_a_request_the_same_alone_and_batched(monke
         torch.testing.assert_close(alone[0], batched[i], rtol=_INTERP_RTOL, atol=_INTERP_ATOL,
                                    msg=lambda m, i=i: f"request {i} changed with the batch: {m}")
     # the check has teeth: with the default splits (8 alone, 2 in this batch) the plan moves
-    default = td.DecodeConfig(min_chunk=16, block_n_bf16=16)
+    default = td.DecodeConfig(min_chunk=16)
     with pytest.raises(AssertionError):
         _same_plan(decode(1, 2, default)[1], decode(0, 3, default)[1], axes)
 
 
-def test_auto_merge_grid_splits_small_batches_only():
-    cfg = triton_decode_mod.DecodeConfig(split_merge_max_batch=2, **_SMALL)
-    assert [cfg.merge_grid_for(b) for b in (1, 2, 3, 64)] == ["split", "split", "query_head", "query_head"]
-    assert [cfg.merge_partials_for(g) for g in ("query_head", "kv_head")] == [64, 4]
-    assert triton_decode_mod.DecodeConfig(merge_partials_per_step=8).merge_partials_for("query_head") == 8
-    ws = triton_decode_mod.DecodeWorkspace(5, 4, 2, 64, "cpu", cfg)
-    assert ws.o_rot.numel() == 2 * 4 * 64  # the o' buffer only for the batches that split
-    for lens in ([9, 50], [3, 17, 40]):  # one batch through each merge, one workspace
+def test_merge_splits_small_batches_only():
+    """The split merge up to 4 requests, the query-head merge above (and at every batch when
+    batch-invariant); one workspace serves both, its o' buffer sized for the split batches."""
+    td = triton_decode_mod
+    cfg = td.DecodeConfig(**_SMALL)
+    assert [cfg.merge_grid_for(b) for b in (1, 4, 5, 64)] == ["split", "split", "query_head", "query_head"]
+    assert {replace(cfg, batch_invariant=True).merge_grid_for(b) for b in (1, 4, 64)} == {"query_head"}
+    ws = td.DecodeWorkspace(6, 4, 2, 64, "cpu", cfg)
+    assert ws.o_rot.numel() == 4 * 4 * 64  # the o' buffer only for the batches that split
+    for lens in ([9, 50], [3, 17, 40, 5, 9]):  # one batch through each merge, one workspace
         sc = kc.build(lens, H=2, D=64, G=16, S=4, W=8, page=8, seed=len(lens))
         q = kc.random_q(sc, 4)
-        got = triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
-                                              torch.tensor(lens, dtype=torch.int32), sc.sm_scale, workspace=ws)
+        got = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                               torch.tensor(lens, dtype=torch.int32), sc.sm_scale, workspace=ws)
         torch.testing.assert_close(got.float(), kc.decode_reference(sc, q).float(), rtol=3e-2, atol=3e-2)
 
 
 def test_split_merge_needs_a_workspace_made_for_it():
+    """A batch-invariant workspace has no o' buffer: a default config's small batch is refused."""
+    td = triton_decode_mod
     sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
     q = kc.random_q(sc, 4)
     lens = torch.tensor(sc.lens, dtype=torch.int32)
-    ws = triton_decode_mod.DecodeWorkspace(2, 4, 2, 64, "cpu",
-                                           triton_decode_mod.DecodeConfig(merge_grid="kv_head", **_SMALL))
-    with pytest.raises(ValueError, match="split"):
-        triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
-                                        sc.sm_scale, workspace=ws,
-                                        config=triton_decode_mod.DecodeConfig(merge_grid="split", **_SMALL))
+    ws = td.DecodeWorkspace(2, 4, 2, 64, "cpu", replace(td.DecodeConfig(**_SMALL), batch_invariant=True))
+    with pytest.raises(ValueError, match="split merge"):
+        td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale,
+                         workspace=ws, config=td.DecodeConfig(**_SMALL))
 
 
 def test_decode_workspace_reuse_and_out():
@@ -434,23 +411,19 @@ def test_decode_workspace_reuse_and_out():
 
 
 # ---------------------------------------------------------------- extend
-_SMALL_EXT = dict(block_rows=16, block_n=16, block_n_bf16=16)
-
-
 @pytest.mark.parametrize("case", [
-    # (D, G, Hq, H, S, W, page, magic)
-    (64, 16, 4, 2, 4, 8, 8, True),
-    (64, 4, 2, 2, 0, 8, 8, False),
-    (128, 32, 8, 2, 2, 0, 4, True),
-    (64, 64, 16, 2, 4, 16, 8, True),
+    # (D, G, Hq, H, S, W, page)
+    (64, 16, 4, 2, 4, 8, 8),
+    (64, 4, 2, 2, 0, 8, 8),
+    (128, 32, 8, 2, 2, 0, 4),
+    (64, 64, 16, 2, 4, 16, 8),
 ])
 def test_extend_matches_reference(case):
-    d, grp, hq, h, s, w, page, magic = case
-    prefix = [0, 5, 13, 40]  # empty prefix, shorter than S+W, several pages
-    new = [7, 1, 20, 9]  # one request longer than a block of rows
+    d, grp, hq, h, s, w, page = case
+    prefix = [0, 5, 13, 90]  # empty prefix, shorter than S+W, several pages and INT2 blocks
+    new = [7, 1, 70, 9]  # one request longer than a block of rows
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
-    cfg = triton_extend_mod.ExtendConfig(magic_unpack=magic, **_SMALL_EXT)
-    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)
+    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
 
 
 # ---------------------------------------------------------------- BF16-materialised prefix
@@ -468,8 +441,7 @@ def test_materialize_prefix_matches_reference(case):
                   valid_from=vf, evict_sink_of=evict, no_sink=no_sink)
     pre = torch.tensor(lens, dtype=torch.int32)
     want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
-    got = triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
-                                                           lens, block_tokens=16)
+    got = triton_materialize_mod.triton_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre, lens)
     assert got[0].shape == (sum(lens), 2, d) and got[0].dtype == torch.bfloat16
     for g, w_ in zip(got, want):  # one bf16 ulp: the interpreter's float32 -> bf16 cast truncates
         torch.testing.assert_close(g.float(), w_.float(), rtol=2 ** -7, atol=1e-6)
@@ -494,7 +466,7 @@ def test_extend_with_bf16_prefix_matches_reference(case):
     prefix, new, d, grp, hq, h, s, w, dt, vf, evict = case
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=8, seed=3 + d, scale_dtype=dt,
                   valid_from=vf, evict_sink_of=evict)
-    cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16", materialize_block=16, **_SMALL_EXT)
+    cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16")
     fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=prefix)
     kc.check_extend(sc, hq, new, fn, cfg)
     kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
@@ -508,34 +480,40 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
     sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
     for cap, materialized in ((30, [[21, 9]]), (29, [])):
         calls.clear()
-        cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16", max_materialized_tokens=cap, **_SMALL_EXT)
+        monkeypatch.setattr(triton_extend_mod, "MAX_MATERIALIZED_TOKENS", cap)
+        cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16")
         kc.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
                         cfg)
         assert calls == materialized
 
 
-def test_extend_config_gives_each_read_its_tiles_and_the_fallback_the_int2_tiles(monkeypatch):
+def test_extend_runs_each_reads_tiles_and_the_fallback_the_int2_tiles(monkeypatch):
     ext = triton_extend_mod
-    assert ext.extend_config("bf16").block_rows == ext.BF16_READ_TILES["block_rows"]
-    assert ext.extend_config("int2").block_rows == ext.INT2_READ_TILES["block_rows"]
+    assert ext.extend_config("bf16") == ext.ExtendConfig(prefix_read="bf16")
     with pytest.raises(ValueError, match="prefix_read"):
         ext.extend_config("fp8")
-    grids = []
+    launches = []
     real = ext._extend_kernel
 
     class Recording:
         def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
 
     monkeypatch.setattr(ext, "_extend_kernel", Recording())
     sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
     for cap in (30, 0):  # materialised (BF16 tiles), then over the cap (INT2 read and tiles)
-        cfg = replace(ext.extend_config("bf16"), max_materialized_tokens=cap, block_n=16)
-        kc.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]), cfg)
+        monkeypatch.setattr(ext, "MAX_MATERIALIZED_TOKENS", cap)
+        kc.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]),
+                        ext.extend_config("bf16"))
     gqp = 2  # 4 query heads over 2 KV heads; 40 = the longest chunk
-    assert [g[0] for g in grids] == [-(-40 // (ext.BF16_READ_TILES["block_rows"] // gqp)),
-                                     -(-40 // (ext.INT2_READ_TILES["block_rows"] // gqp))]
+    for (grid, kwargs), read in zip(launches, ("bf16", "int2")):
+        tiles = ext.EXTEND_TILES[read]
+        assert grid[0] == -(-40 // (tiles.block_rows // gqp)) and kwargs["BF16_PREFIX"] == (read == "bf16")
+        assert (kwargs["BN"], kwargs["BN_BF16"], kwargs["num_stages"]) == (tiles.block_n, tiles.block_n_bf16,
+                                                                          tiles.num_stages)
 
 
 def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch):
@@ -551,7 +529,7 @@ def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch
     k_rot, v_rot = torch.randn(2, t, 2, d, generator=g).bfloat16()
     starts = [0, *itertools.accumulate(new_lens)]
     pre = torch.tensor(sc.lens, dtype=torch.int32)
-    cfg = ext.ExtendConfig(**_SMALL_EXT)
+    cfg = ext.ExtendConfig()
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
 
     def extend(i, j):  # requests i..j-1
@@ -577,13 +555,7 @@ def test_extend_unknown_prefix_read_is_refused():
     sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
     with pytest.raises(ValueError, match="prefix_read"):
         kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
-                        triton_extend_mod.ExtendConfig(prefix_read="fp8", **_SMALL_EXT))
-
-
-def test_extend_bf16_keys():
-    sc = kc.build([0, 21], H=2, D=64, G=32, S=4, W=8, page=8, seed=17)
-    kc.check_extend(sc, 4, [3, 18], triton_extend_mod.triton_extend,
-                    triton_extend_mod.ExtendConfig(half_keys=False, **_SMALL_EXT))
+                        triton_extend_mod.ExtendConfig(prefix_read="fp8"))
 
 
 def test_extend_chunked_prefill_after_prefix_hit():
@@ -592,8 +564,7 @@ def test_extend_chunked_prefill_after_prefix_hit():
     prefix = [24, 30, 19]
     sc = kc.build(prefix, H=2, D=64, G=16, S=4, W=8, page=8, valid_from=[24, 10, 0],
                   evict_sink_of=(2,), seed=9)
-    kc.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend,
-                    triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+    kc.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
 
 
 # ---------------------------------------------------------------- long histories, truncating tensor cores
@@ -603,17 +574,17 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
     carried across a long INT2 history drifts; with the +128 code offset the drift swamps
     the signal (the 128k-prefix extend failure on the H200: 21% of outputs off by up to
     0.11). Emulated here with dot results truncated to 16 mantissa bits: one program
-    attends to 1024 INT2 positions in 64 blocks and must still match the reference."""
+    attends to the INT2 history in 64 blocks (32-token steps in extend, 128 in decode at
+    batch 1) and must still match the reference."""
     common = importlib.import_module("oscar_kernels.triton_common")
-    sc = kc.build([1024], H=1, D=64, G=64, S=4, W=8, page=64, seed=6)
+    sc = kc.build([2048 if kind == "extend" else 8192], H=1, D=64, G=64, S=4, W=8, page=64, seed=6)
     common.set_interp_tc_bits(16)
     try:
         if kind == "extend":
-            kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
-                            triton_extend_mod.ExtendConfig(**_SMALL_EXT))
+            kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
         else:
             kc.check_decode(sc, 4, triton_decode_mod.triton_decode,
-                            triton_decode_mod.DecodeConfig(block_n=16, max_splits=1, target_programs=1))
+                            triton_decode_mod.DecodeConfig(max_splits=1, target_programs=1))
     finally:
         common.set_interp_tc_bits(0)
 

@@ -423,7 +423,7 @@ def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypa
     cfg = sim.backend._decode_workspace.config
     assert sim.backend.prefix_read == "int2"
     assert len({cfg.splits_for(b, H, "cpu") for b in (1, 2, ROWS)}) == 1
-    assert len({(cfg.stage1_shape_for(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
+    assert len({(cfg.stage1_tiles(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
     assert cfg.min_chunk * cfg.max_splits >= CTX
     default = Sim().backend._decode_workspace.config
     assert default == api.make_decode_workspace(1, HQ, H, D, "cpu").config
