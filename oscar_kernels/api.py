@@ -64,6 +64,15 @@ def batch_invariant_decode_config(max_context: int, max_batch: int, num_q_heads:
     return batch_invariant_config(max_context, max_batch, num_q_heads, head_dim)
 
 
+def flashinfer_import_error() -> ImportError | None:
+    """Why flashinfer (FlashInfer's extend, a GPU dependency of sglang) does not import, or None."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        return e
+    return None
+
+
 def make_flashinfer_extend(device):
     """A FlashInferExtend (flashinfer_extend) for extend_attention(flashinfer=...): plan it
     per batch with host lengths, then pass it to every layer's call."""
@@ -94,13 +103,14 @@ def store_kv(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRo
 def decode_attention(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
                      rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
-                     out: torch.Tensor | None = None, *, workspace=None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, workspace=None, launch=None) -> torch.Tensor:
     """One query token per request over its hybrid cache; returns o [B, Hq, D].
-    ``workspace`` (make_decode_workspace) makes the Triton path allocation-free."""
+    ``workspace`` (make_decode_workspace) makes the Triton path allocation-free; ``launch``
+    (its ``launch(batch)``) is the batch's resolved launch, shared by every layer."""
     if use_triton(q):
         from .triton_decode import triton_decode
         return triton_decode(q, layer, index, rotation, req_to_token, rows, seq_lens, sm_scale,
-                             out=out, workspace=workspace)
+                             out=out, workspace=workspace, launch=launch)
     o_rot = ref.reference_decode(_rotate_queries(q, rotation.k_rot), layer, index, req_to_token,
                                  rows, seq_lens, sm_scale)
     o = ref.rotate(o_rot, ref.expand_gqa(rotation.v_rot, q.shape[1]).transpose(-1, -2))
@@ -115,7 +125,7 @@ def extend_attention(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      qo_indptr: torch.Tensor, max_extend_len: int, sm_scale: float,
                      out: torch.Tensor | None = None, *, prefix_read: str = "int2",
-                     prefix_lens_host=None, flashinfer=None) -> torch.Tensor:
+                     prefix_lens_host=None, flashinfer=None, launch=None) -> torch.Tensor:
     """New tokens attend to their hybrid prefix and causally to themselves (k_rot, v_rot
     from store_kv's rotated_out). Returns o [T, Hq, D]. ``prefix_read`` (Triton path):
     "int2" unpacks the prefix inside the attention, "bf16" materialises it first
@@ -123,14 +133,16 @@ def extend_attention(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
     device sync); ``flashinfer``: a FlashInferExtend planned for this batch
     (make_flashinfer_extend), which then does the attention over the materialised prefix
     (CUDA; batches whose prefixes exceed its scratch cap take the Triton path). All compute
-    the reference's result."""
+    the reference's result. ``launch`` (triton_extend.plan_extend_launch) is the batch's
+    resolved Triton launch, shared by every layer (it carries its prefix read)."""
     if flashinfer is not None and flashinfer.fits and q.is_cuda:
         return flashinfer.run(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows, prefix_lens, out=out)
     if use_triton(q):
         from .triton_extend import extend_config, triton_extend
         return triton_extend(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows,
                              prefix_lens, qo_indptr, max_extend_len, sm_scale, out=out,
-                             config=extend_config(prefix_read), prefix_lens_host=prefix_lens_host)
+                             config=extend_config(prefix_read), prefix_lens_host=prefix_lens_host,
+                             launch=launch)
     o_rot = ref.reference_extend(_rotate_queries(q, rotation.k_rot), k_rot, v_rot, layer, index,
                                  req_to_token, rows, prefix_lens, qo_indptr, sm_scale)
     o = ref.rotate(o_rot, ref.expand_gqa(rotation.v_rot, q.shape[1]).transpose(-1, -2))

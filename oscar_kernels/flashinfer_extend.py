@@ -42,6 +42,7 @@ class FlashInferExtend:
         self.new = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.prefix_lens_host: list[int] = []
         self.fits = False  # the planned batch's prefixes fit the scratch cap (else: not used)
+        self.k_prefix = self.v_prefix = None  # bf16 [sum L_b, H, D] materialised prefixes of the batch
 
     @property
     def has_prefix(self) -> bool:
@@ -49,12 +50,14 @@ class FlashInferExtend:
 
     def plan(self, prefix_lens_host: Sequence[int], extend_lens_host: Sequence[int], num_q_heads: int,
              num_kv_heads: int, head_dim: int, sm_scale: float) -> None:
-        """Plan a batch from host lengths (FlashInfer plans on the host: no device sync)."""
+        """Plan a batch from host lengths (FlashInfer plans on the host: no device sync) and
+        allocate its prefix scratch, shared by every layer's run."""
         def indptr(lens):
             return torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
 
         self.prefix_lens_host = [int(n) for n in prefix_lens_host]
         self.fits = sum(self.prefix_lens_host) <= MAX_MATERIALIZED_TOKENS
+        self.k_prefix = self.v_prefix = None
         if not self.fits:
             return
         qo = indptr(extend_lens_host)
@@ -63,6 +66,9 @@ class FlashInferExtend:
         self.new.plan(qo, qo, causal=True, **common)
         if self.has_prefix:
             self.prefix.plan(qo, indptr(self.prefix_lens_host), causal=False, **common)
+            self.k_prefix = torch.empty(sum(self.prefix_lens_host), num_kv_heads, head_dim, dtype=torch.bfloat16,
+                                        device=self.workspace.device)
+            self.v_prefix = torch.empty_like(self.k_prefix)
 
     def run(self, q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
             index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
@@ -78,7 +84,7 @@ class FlashInferExtend:
         o_rot, lse = self.new.run(q_rot, k_rot, v_rot, return_lse=True)
         if self.has_prefix:
             k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens,
-                                                     self.prefix_lens_host)
+                                                     self.prefix_lens_host, self.k_prefix, self.v_prefix)
             o_pre, lse_pre = self.prefix.run(q_rot, k_pre, v_pre, return_lse=True)
             o_rot, lse = self._merge_state(o_pre, lse_pre, o_rot, lse)
         return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

@@ -15,6 +15,10 @@ caches:
   page means identical tokens < S).
 - **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``,
   valid for positions ``p >= ring_valid_from[row]`` (where the request began computing).
+  ``ring_owner[row]`` (the caller's id of the request that wrote the ring) and
+  ``ring_end[row]`` (the length its last batch reached) tell a continuation, which keeps
+  ``ring_valid_from``, from a new or re-admitted request, which restarts it
+  (:func:`update_ring_validity`).
 
 Read rule for position j of a sequence of cached length n (row r, first page f):
     j < S and sink valid for f      -> sink[c, j]
@@ -95,6 +99,8 @@ class HybridCacheIndex:
     sink_slot_of_page: torch.Tensor  # int32 [num_pages], -1 = none
     page_of_sink_slot: torch.Tensor  # int32 [num_sink_slots], -1 = free
     ring_valid_from: torch.Tensor  # int32 [num_rows]
+    ring_owner: torch.Tensor  # int64 [num_rows], caller's id of the request that wrote the ring
+    ring_end: torch.Tensor  # int64 [num_rows], sequence length the row's last batch reached
     sink_cursor: int = 0  # next sink slot handed out (host-side counter, no sync)
 
 
@@ -150,7 +156,34 @@ def allocate_index(num_slots: int, page_size: int, num_sink_slots: int, num_rows
         sink_slot_of_page=torch.full((num_pages,), -1, dtype=torch.int32, device=device),
         page_of_sink_slot=torch.full((max(num_sink_slots, 1),), -1, dtype=torch.int32, device=device),
         ring_valid_from=torch.zeros(num_rows, dtype=torch.int32, device=device),
+        ring_owner=torch.zeros(num_rows, dtype=torch.int64, device=device),
+        ring_end=torch.zeros(num_rows, dtype=torch.int64, device=device),
     )
+
+
+@dataclass
+class HybridCache:
+    """All layers of one hybrid cache: what :class:`oscar_kernels.hybrid_attention.HybridAttention`
+    attends over (layer i = layers[i] with rotations[i])."""
+
+    layers: list[HybridLayerCache]
+    rotations: list[LayerRotation]  # float32, on the cache's device
+    index: HybridCacheIndex
+    req_to_token: torch.Tensor  # int32 [num_rows, max_context]: slot of position j of row r
+
+
+def update_ring_validity(index: HybridCacheIndex, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                         seq_ends: torch.Tensor, owners: torch.Tensor) -> None:
+    """Ring bookkeeping of one extend batch (device ops, no sync): a row whose ring another
+    request wrote (``ring_owner`` != ``owners``) or that does not end where this batch starts
+    (``ring_end`` != ``prefix_lens``: re-admission, a radix hit in a reused row) restarts its
+    ring at its prefix (the prefix is then read as INT2 and sinks); a chunked-prefill
+    continuation keeps it. rows, prefix_lens, seq_ends, owners: int [B]."""
+    vf = index.ring_valid_from
+    reset = (index.ring_owner[rows] != owners) | (index.ring_end[rows] != prefix_lens)
+    vf[rows] = torch.where(reset, prefix_lens.to(vf.dtype), vf[rows])
+    index.ring_owner[rows] = owners.to(index.ring_owner.dtype)
+    index.ring_end[rows] = seq_ends.to(index.ring_end.dtype)
 
 
 def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_sink_slots: int,

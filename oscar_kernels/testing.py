@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from oscar_kernels import reference as ref
-from oscar_kernels.hybrid_cache import (HybridCacheIndex, HybridLayerCache, LayerRotation,  # noqa: F401
+from oscar_kernels.hybrid_cache import (HybridCache, HybridCacheIndex, HybridLayerCache, LayerRotation,  # noqa: F401
                                         allocate_index, allocate_layer, assign_sink_slots, head_major)
 from oscar_kernels.int2 import unpack
 
@@ -128,9 +128,7 @@ def layer_to(layer: HybridLayerCache, device) -> HybridLayerCache:
 
 def to_device(sc: Scenario, device) -> Scenario:
     lay = layer_to(sc.layer, device)
-    idx = HybridCacheIndex(sc.index.page_size, sc.index.sink_slot_of_page.to(device),
-                           sc.index.page_of_sink_slot.to(device), sc.index.ring_valid_from.to(device),
-                           sc.index.sink_cursor)
+    idx = index_to(sc.index, device)
     return Scenario(lay, idx, sc.rotation.to(device), sc.req_to_token.to(device), sc.rows.to(device),
                     sc.lens, sc.sm_scale)
 
@@ -315,39 +313,41 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, config=None, seed=4
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def api_session(api, sc: Scenario, steps, hq, seed=21):
-    """Prefill chunks then decode steps through oscar_kernels.api in the server's call
-    order (store without ring, extend, ring store; or store + decode) on a copy of the
-    scenario's cache; returns (outputs of every step, final layer)."""
+def index_to(index: HybridCacheIndex, device) -> HybridCacheIndex:
+    """A copy of the index on ``device`` (tensors copied even on the same device)."""
+    return HybridCacheIndex(**{f: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v)
+                               for f, v in vars(index).items()})
+
+
+def attention_session(sc: Scenario, steps, hq, seed=21, prefix_read="int2"):
+    """Prefill chunks then decode steps through HybridAttention (one plan per step, the
+    store -> attend -> ring protocol per call) on a copy of the scenario's cache; a step of
+    one token after the first is a decode. Returns (outputs of every step, final layer)."""
+    from .hybrid_attention import HybridAttention
+
     g = torch.Generator().manual_seed(seed)
     dev = sc.device
     lay = clone_layer(sc.layer)
-    idx = HybridCacheIndex(sc.index.page_size, sc.index.sink_slot_of_page.clone(),
-                           sc.index.page_of_sink_slot.clone(), sc.index.ring_valid_from.clone(),
-                           sc.index.sink_cursor)
+    cache = HybridCache([lay], [sc.rotation], index_to(sc.index, dev), sc.req_to_token)
+    attn = HybridAttention(cache, hq, sc.sm_scale, prefix_read=prefix_read)
     h, d = lay.num_kv_heads, lay.head_dim
     b = len(sc.rows)
     rows = sc.rows.long()
-    n = torch.zeros(b, dtype=torch.long, device=dev)
+    n = 0
     outs = []
     for t in steps:
-        tok_rows = rows.repeat_interleave(t)
-        pos = (n[:, None] + torch.arange(t, device=dev)[None, :]).flatten()
-        slots = sc.req_to_token[tok_rows, pos]
-        ends = (n + t).repeat_interleave(t)
+        pos = (n + torch.arange(t, device=dev)).repeat(b)
+        slots = sc.req_to_token[rows.repeat_interleave(t), pos]
         q = torch.randn(b * t, hq, d, generator=g).bfloat16().to(dev)
         k = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
         v = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
-        common = (lay, idx, sc.rotation, sc.req_to_token)
-        if t == 1 and int(n[0]) > 0:
-            api.store_kv(*common, k, v, slots, pos, tok_rows, ends)
-            outs.append(api.decode_attention(q, *common, rows, n + 1, sc.sm_scale))
+        if t == 1 and n > 0:
+            attn.plan_decode(rows, torch.full((b,), n + 1, device=dev), pos, slots)
+            outs.append(attn.decode(0, q, k, v))
         else:
-            k_rot, v_rot = torch.empty_like(k), torch.empty_like(v)
-            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_ring=False,
-                         rotated_out=(k_rot, v_rot))
-            qo = torch.arange(b + 1, device=dev) * t
-            outs.append(api.extend_attention(q, k_rot, v_rot, *common, rows, n, qo, t, sc.sm_scale))
-            api.store_kv(*common, k, v, slots, pos, tok_rows, ends, write_int2=False, write_ring=True)
+            full = torch.full((b,), n, device=dev)
+            attn.plan_extend(rows, full, torch.full((b,), t, device=dev), pos, slots, prefix_lens_host=[n] * b,
+                             extend_lens_host=[t] * b, owners=torch.zeros(b, dtype=torch.int64, device=dev))
+            outs.append(attn.extend(0, q, k, v))
         n += t
     return outs, lay

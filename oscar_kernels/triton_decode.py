@@ -399,20 +399,46 @@ class DecodeWorkspace:
         split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
         self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
-    def views(self, batch: int, config: DecodeConfig | None = None, groups_span_head: bool = True):
-        """(NS, q_rot [B, Hq, D], mid_o [B, Hq, 1+NS, D], mid_lse [B, Hq, 1+NS]) for a batch;
-        another ``config`` may only lower NS below what the workspace was sized for (as may
-        groups smaller than the head: fewer resident programs, DecodeConfig.stage1_tiles)."""
+    def launch(self, batch: int, groups_span_head: bool = True, config: DecodeConfig | None = None) -> "DecodeLaunch":
+        """The resolved launch of a batch of ``batch`` requests (once per batch, shared by
+        every layer): its split count, stage-1 tiles, merge and views of this scratch.
+        ``groups_span_head``: both K and V have one INT2 group per head (DecodeConfig.stage1_tiles);
+        another ``config`` may only lower the split count below what the workspace was sized for."""
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
+        cfg = config or self.config
         ns = self.config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
         if config is not None:
             ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head))
+        split_merge = cfg.merge_grid_for(batch) == "split"
         hq, d = self.num_q_heads, self.head_dim
-        q_rot = self.q_rot[:batch * hq * d].view(batch, hq, d)
-        mid_o = self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d)
-        mid_lse = self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1)
-        return ns, q_rot, mid_o, mid_lse
+        if split_merge and self.o_rot.numel() < batch * hq * d:
+            raise ValueError(f"a batch of {batch} runs the split merge: its workspace must be made with a config "
+                             "that runs it too (the o' buffer)")
+        return DecodeLaunch(
+            batch=batch, splits=ns, min_chunk=cfg.min_chunk, tiles=cfg.stage1_tiles(batch, groups_span_head),
+            split_merge=split_merge, merge_width=self.merge_width, pdl=pdl_supported(self.device),
+            q_rot=self.q_rot[:batch * hq * d].view(batch, hq, d),
+            mid_o=self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d),
+            mid_lse=self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1),
+            o_rot=self.o_rot[:batch * hq * d].view(batch, hq, d) if split_merge else None)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How one decode batch runs (DecodeWorkspace.launch): resolved once per batch."""
+
+    batch: int  # B
+    splits: int  # NS: INT2 splits per (request, KV head); stage 1 runs NS + 1 programs (+1: sink/ring)
+    min_chunk: int
+    tiles: Stage1Tiles
+    split_merge: bool  # the split merge + separate un-rotation (small batches), else the query-head merge
+    merge_width: int  # power of two >= max_splits + 1 (the merge's lse vector)
+    pdl: bool  # programmatic dependent launch between the kernels
+    q_rot: torch.Tensor  # bf16 [B, Hq, D] rotated queries
+    mid_o: torch.Tensor  # float32 [B, Hq, 1 + NS, D] partial outputs
+    mid_lse: torch.Tensor  # float32 [B, Hq, 1 + NS] their log2-sum-exp
+    o_rot: torch.Tensor | None  # float32 [B, Hq, D] merged o' (split merge only)
 
 
 def _block_h(gq: int) -> int:
@@ -481,55 +507,53 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
                   seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
                   workspace: DecodeWorkspace | None = None,
-                  config: DecodeConfig | None = None) -> torch.Tensor:
+                  config: DecodeConfig | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """Decode attention (api.decode_attention semantics): returns o [B, Hq, D] (q.dtype or
-    ``out``'s dtype), un-rotated. Allocates only when ``workspace``/``out`` are None."""
+    ``out``'s dtype), un-rotated. ``launch``: the batch's resolved launch
+    (DecodeWorkspace.launch; else resolved here from ``workspace``/``config``). Allocates
+    only when ``launch``/``workspace`` and ``out`` are None."""
     check_decode_inputs(q, layer, rotation, rows, seq_lens)
     b, hq, d = q.shape
     h = layer.num_kv_heads
     gq = hq // h
-    if workspace is None:
-        workspace = DecodeWorkspace(b, hq, h, d, q.device, config)
-    elif (workspace.num_q_heads, workspace.num_kv_heads, workspace.head_dim) != (hq, h, d):
-        raise ValueError("workspace was allocated for other head counts / head_dim")
-    cfg = config or workspace.config
     if out is None:
         out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    if launch is None:
+        if workspace is None:
+            workspace = DecodeWorkspace(b, hq, h, d, q.device, config)
+        elif (workspace.num_q_heads, workspace.num_kv_heads, workspace.head_dim) != (hq, h, d):
+            raise ValueError("workspace was allocated for other head counts / head_dim")
+        launch = workspace.launch(b, min(layer.key_group_size, layer.value_group_size) >= d, config)
+    elif launch.q_rot.shape != (b, hq, d):
+        raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
-    spans = min(layer.key_group_size, layer.value_group_size) >= d
-    ns, q_rot, mid_o, mid_lse = workspace.views(b, config, spans)
-    split_merge = cfg.merge_grid_for(b) == "split"
-    if split_merge and workspace.o_rot.numel() < b * hq * d:
-        raise ValueError(f"a batch of {b} runs the split merge: its workspace must be made with a config "
-                         "that runs it too (the o' buffer)")
-    pdl = pdl_supported(q.device)
+    ns, tiles, pdl = launch.splits, launch.tiles, launch.pdl
+    q_rot, mid_o, mid_lse = launch.q_rot, launch.mid_o, launch.mid_lse
     rotate_queries(q, rotation.k_rot.contiguous(), q_rot, out_block=ROTATE_OUT_BLOCK, pdl_release=pdl)
-    tiles = cfg.stage1_tiles(b, spans)
     scale_pairs = group_scale_args(layer)
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, *sink_index_args(index, req_to_token),
         index.ring_valid_from, *pair_views(layer), *scale_args(layer), *scale_pairs[:4], *bf16_side_args(layer),
         mid_o, mid_lse, sm_scale * LOG2E,
-        NS=ns, MIN_CHUNK=cfg.min_chunk, GQ=gq, BH=_block_h(gq), D=d, GK=layer.key_group_size,
+        NS=ns, MIN_CHUNK=launch.min_chunk, GQ=gq, BH=_block_h(gq), D=d, GK=layer.key_group_size,
         GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window, BN=tiles.block_n,
         BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
         SLOT64=tiles.int64_slots or needs_int64_slots(layer), PDL=pdl, num_warps=STAGE1_WARPS,
         num_stages=tiles.num_stages, maxnreg=tiles.max_registers, launch_pdl=pdl,
     )
-    if split_merge:
-        o_rot = workspace.o_rot[:b * hq * d].view(b, hq, d)
+    if launch.split_merge:
         db = min(32, d)
-        _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, o_rot, NSP=ns + 1, NSP2=workspace.merge_width, D=d,
-                                               DB=db, PDL=pdl, num_warps=4, launch_pdl=pdl)
-        rotate_queries(o_rot, rotation.v_rot.contiguous(), out, transpose=True, out_block=ROTATE_OUT_BLOCK,
+        _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, launch.o_rot, NSP=ns + 1, NSP2=launch.merge_width,
+                                               D=d, DB=db, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        rotate_queries(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, out_block=ROTATE_OUT_BLOCK,
                        pdl_wait=pdl)
     else:
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
-            NSP=ns + 1, NSP2=workspace.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=MERGE_PARTIALS_PER_STEP,
+            NSP=ns + 1, NSP2=launch.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=MERGE_PARTIALS_PER_STEP,
             PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out

@@ -176,19 +176,59 @@ def extend_config(prefix_read: str = "int2") -> ExtendConfig:
     return ExtendConfig(prefix_read=prefix_read)
 
 
+@dataclass(frozen=True)
+class ExtendLaunch:
+    """How one extend batch runs (plan_extend_launch): resolved once per batch, shared by
+    every layer's call (T new tokens, B requests)."""
+
+    bf16_prefix: bool  # prefixes materialised as BF16 rows first ("bf16" read and they fit the cap)
+    tiles: ExtendTiles
+    max_extend_len: int  # host int >= every request's new tokens
+    prefix_lens_host: tuple[int, ...]  # [B] host ints
+    prefix_offsets: torch.Tensor | None  # int64 [B]: request b's first materialised row (bf16_prefix)
+    q_rot: torch.Tensor  # bf16 [T, Hq, D] rotated queries
+    o_rot: torch.Tensor  # float32 [T, Hq, D] attention output before the un-rotation
+    k_prefix: torch.Tensor | None  # bf16 [sum L_b, H, D] materialised prefixes (bf16_prefix)
+    v_prefix: torch.Tensor | None
+
+
+def plan_extend_launch(prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int] | None, max_extend_len: int,
+                       num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       config: ExtendConfig | None = None) -> ExtendLaunch:
+    """Resolve an extend batch: the prefix read (a "bf16" read whose prefixes sum to more
+    than MAX_MATERIALIZED_TOKENS reads INT2), its tiles and scratch. ``prefix_lens_host``:
+    prefix_lens as host ints (None: read back from the device, one sync, "bf16" only)."""
+    cfg = config or ExtendConfig()
+    check_prefix_read(cfg.prefix_read)
+    host = None
+    if cfg.prefix_read == "bf16":
+        host = prefix_lens.tolist() if prefix_lens_host is None else list(prefix_lens_host)
+    bf16_prefix = host is not None and sum(host) <= MAX_MATERIALIZED_TOKENS
+    dev, t, hq, d = prefix_lens.device, num_tokens, num_q_heads, head_dim
+    k_pre = v_pre = offsets = None
+    if bf16_prefix:
+        k_pre = torch.empty(sum(host), num_kv_heads, d, dtype=torch.bfloat16, device=dev)
+        v_pre = torch.empty_like(k_pre)
+        offsets = prefix_offsets(prefix_lens)
+    return ExtendLaunch(
+        bf16_prefix=bf16_prefix, tiles=EXTEND_TILES["bf16" if bf16_prefix else "int2"],
+        max_extend_len=int(max_extend_len), prefix_lens_host=tuple(int(n) for n in host or ()),
+        prefix_offsets=offsets, q_rot=torch.empty(t, hq, d, dtype=torch.bfloat16, device=dev),
+        o_rot=torch.empty(t, hq, d, dtype=torch.float32, device=dev), k_prefix=k_pre, v_prefix=v_pre)
+
+
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
                   index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor,
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
-                  q_rot_buffer: torch.Tensor | None = None, o_rot_buffer: torch.Tensor | None = None,
-                  config: ExtendConfig | None = None, prefix_lens_host: Sequence[int] | None = None) -> torch.Tensor:
+                  config: ExtendConfig | None = None, prefix_lens_host: Sequence[int] | None = None,
+                  launch: ExtendLaunch | None = None) -> torch.Tensor:
     """Extend attention (api.extend_attention semantics): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
     ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
-    ``prefix_lens_host``: prefix_lens as host ints, for ``prefix_read="bf16"`` (without
-    it the lengths are read back from the device: one sync)."""
-    cfg = config or ExtendConfig()
-    check_prefix_read(cfg.prefix_read)
+    ``launch``: the batch's resolved launch (plan_extend_launch); else resolved here from
+    ``config`` and ``prefix_lens_host`` (prefix_lens as host ints, for the "bf16" read;
+    without it the lengths are read back from the device: one sync)."""
     t, hq, d = q.shape
     h = layer.num_kv_heads
     if d != layer.head_dim or hq % h or k_rot.shape != (t, h, d) or v_rot.shape != (t, h, d):
@@ -209,28 +249,25 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     check_last_dim_contiguous("out", out)
     if t == 0 or b == 0 or max_extend_len <= 0:
         return out
-    if q_rot_buffer is None:
-        q_rot_buffer = torch.empty(t, hq, d, dtype=torch.bfloat16, device=q.device)
-    if o_rot_buffer is None:
-        o_rot_buffer = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
-    q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), q_rot_buffer[:t])
-    o_rot = o_rot_buffer[:t]
+    if launch is None:
+        launch = plan_extend_launch(prefix_lens, prefix_lens_host, max_extend_len, t, hq, h, d, config)
+    elif launch.q_rot.shape != (t, hq, d):
+        raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
+    q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), launch.q_rot)
+    o_rot = launch.o_rot
     gq = hq // h
     gqp = triton.next_power_of_2(gq)
-    host = None
-    if cfg.prefix_read == "bf16":
-        host = prefix_lens.tolist() if prefix_lens_host is None else prefix_lens_host
-    bf16_prefix = host is not None and sum(host) <= MAX_MATERIALIZED_TOKENS  # else the INT2 read
-    tiles = EXTEND_TILES["bf16" if bf16_prefix else "int2"]
-    if bf16_prefix:
-        pre_off = prefix_offsets(prefix_lens)
-        k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens, host, offsets=pre_off)
+    tiles = launch.tiles
+    if launch.bf16_prefix:
+        pre_off = launch.prefix_offsets
+        k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens, launch.prefix_lens_host,
+                                                 k_out=launch.k_prefix, v_out=launch.v_prefix, offsets=pre_off)
     else:  # unused pointers (never read)
         k_pre = v_pre = k_rot
         pre_off = prefix_lens
     bm = max(1, tiles.block_rows // gqp)
     scale_pairs = group_scale_args(layer)
-    _extend_kernel[(triton.cdiv(max_extend_len, bm), b, h)](
+    _extend_kernel[(triton.cdiv(launch.max_extend_len, bm), b, h)](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
         rows, prefix_lens, qo_indptr, *sink_index_args(index, req_to_token), index.ring_valid_from,
         *pair_views(layer), *scale_args(layer), *scale_pairs[:4], *bf16_side_args(layer),
@@ -238,7 +275,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E,
         GQ=gq, GQP=gqp, BM=bm, D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens,
         W=layer.recent_window, BN=tiles.block_n, BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(layer), BF16_PREFIX=bf16_prefix, num_warps=tiles.num_warps,
+        SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

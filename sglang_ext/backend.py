@@ -1,52 +1,41 @@
 """OscarAttnBackend: SGLang attention over OscarKVPool's hybrid INT2/BF16 cache.
 
-Per layer, all kernels go through :mod:`oscar_kernels.api`:
+A thin caller of :class:`oscar_kernels.hybrid_attention.HybridAttention`, built once per
+model runner over the pool's cache: ``init_forward_metadata`` plans each forward batch
+(``plan_extend`` / ``plan_decode``), ``forward_extend`` / ``forward_decode`` run one layer
+(store -> attend -> ring, the protocol lives there). What this module adds is SGLang's side:
 
-- extend (prefill, chunked prefill, mixed batches): store the new tokens (INT2 + sinks,
-  keeping their rotated BF16 k', v') -> ``extend_attention`` (new tokens attend to the
-  hybrid prefix and causally to themselves) -> write the ring cells **after** attention
-  (earlier would clobber the prefix window the kernel reads) -> output.
-- decode: store (INT2 + sinks + ring) -> ``decode_attention``.
-
-Per forward batch (never per layer), in ``init_forward_metadata``:
-
-- sequences that start at position 0 get a sink slot for their first page
-  (:func:`oscar_kernels.hybrid_cache.assign_sink_slots`, host counter, no sync), never one
-  that a live request reads (the rows SGLang's req_to_token pool has handed out: its free
-  list, a host list), so a long request keeps its BF16 sinks however many start after it;
-- each request row's ring validity: ``valid_from`` is reset to the request's prefix
-  length when the row's ring belongs to someone else (``ring_owner`` differs from the
-  hash of the request id) or does not end where this batch starts (``ring_end`` differs
-  from the prefix length: re-admission after a retraction, a radix hit in a reused row).
-  A chunked-prefill continuation matches both and keeps its ``valid_from``; a radix hit
-  starts its ring at its prefix length, so the shared slots are read as INT2 (and its
-  sinks from the shared first page).
+- the live requests' rows (SGLang's req_to_token pool hands out rows from a host free
+  list), whose sink slots new sequences must not take, so a long request keeps its BF16
+  sinks however many start after it; page 0, SGLang's padding page, never gets sinks;
+- each request's id (a hash of its rid) as the ring owner: a chunked-prefill continuation
+  keeps its ring, a new request in a reused row, a re-admitted or a radix-hit request
+  restarts it at its prefix length (the shared slots are then read as INT2 and sinks);
+- the one attention scale of the model's RadixAttention layers, read at construction.
 
 Decode uses only the batch's static tensors (``req_pool_indices``, ``seq_lens``,
-``positions``, ``out_cache_loc``) and the pool's persistent ones; its only per-batch
-state update (``ring_end``) runs in ``init_forward_metadata_in_graph``, so a CUDA-graph
-decode needs no host synchronisation and allocates nothing outside the graph.
-
-The oscar settings (the prefix read) come from the server arguments, resolved once when
-SGLang builds the backend (:meth:`OscarAttnBackend.from_model_runner`).
+``positions``, ``out_cache_loc``); its plan runs in ``init_forward_metadata_in_graph`` and
+only records device ops, so a CUDA-graph decode needs no host synchronisation and
+allocates nothing outside the graph.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from oscar_kernels import api
-from oscar_kernels.hybrid_cache import assign_sink_slots, sink_slots_in_use
+from oscar_kernels.hybrid_attention import HybridAttention
 
-from .pool import OscarKVPool, OscarWriteMeta
+from .pool import OscarKVPool
 from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
-from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode
+from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode, RadixAttention
 
 logger = logging.getLogger(__name__)
+
+PADDING_PAGE = 0  # SGLang's padding page (padded batches write slot 0): never a sink page
 
 
 def rid_hash(rid: Optional[str]) -> int:
@@ -55,33 +44,6 @@ def rid_hash(rid: Optional[str]) -> int:
         return 0
     return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little",
                           signed=True)
-
-
-@dataclass
-class ExtendPlan:
-    """Per-batch tensors of an extend batch ([B] per request, [T] per new token)."""
-
-    rows: torch.Tensor  # [B] req_to_token rows
-    prefix_lens: torch.Tensor  # [B] cached prefix length L
-    qo_indptr: torch.Tensor  # [B+1] new tokens of request b: qo_indptr[b]:qo_indptr[b+1]
-    prefix_lens_host: list[int]  # prefix_lens as host ints
-    extend_lens_host: list[int]  # new tokens per request, host ints
-    slots: torch.Tensor  # [T] pool slot of each new token
-    write: OscarWriteMeta  # [T] positions, rows, sequence ends
-
-    @property
-    def max_extend_len(self) -> int:
-        return max(self.extend_lens_host, default=0)
-
-
-def update_ring_validity(pool: OscarKVPool, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                         seq_ends: torch.Tensor, owners: torch.Tensor) -> None:
-    """Device-side row bookkeeping of one extend batch (see module doc)."""
-    vf = pool.index.ring_valid_from
-    reset = (pool.ring_owner[rows] != owners) | (pool.ring_end[rows] != prefix_lens)
-    vf[rows] = torch.where(reset, prefix_lens.to(vf.dtype), vf[rows])
-    pool.ring_owner[rows] = owners
-    pool.ring_end[rows] = seq_ends
 
 
 def rows_in_use(req_to_token_pool) -> Optional[list[int]]:
@@ -94,75 +56,27 @@ def rows_in_use(req_to_token_pool) -> Optional[list[int]]:
     return [r for r in range(1, req_to_token_pool.req_to_token.shape[0]) if r not in free]
 
 
-def plan_extend(pool: OscarKVPool, fb, live_rows: Optional[Callable[[], Optional[list[int]]]] = None) -> ExtendPlan:
-    """Build an extend batch's plan and apply its per-batch state updates (sinks, ring
-    validity). Reads ``batch_size, req_pool_indices, extend_prefix_lens,
-    extend_seq_lens, extend_*_lens_cpu, out_cache_loc, positions, rids`` of ``fb``;
-    ``live_rows()``: the rows of live requests, whose sink slots new sequences must not take
-    (None: plain round-robin)."""
-    bs = fb.batch_size
-    prefix_cpu = fb.extend_prefix_lens_cpu
-    ext_cpu = fb.extend_seq_lens_cpu
-    if prefix_cpu is None or ext_cpu is None:  # gpu-only batches carry no host lists
-        prefix_cpu = fb.extend_prefix_lens[:bs].tolist()
-        ext_cpu = fb.extend_seq_lens[:bs].tolist()
-    prefix_cpu, ext_cpu = list(prefix_cpu)[:bs], list(ext_cpu)[:bs]
-    device = fb.out_cache_loc.device
-    num_tokens = sum(ext_cpu)
-    rows = fb.req_pool_indices[:bs].long()
-    prefix = fb.extend_prefix_lens[:bs].long()
-    ext = fb.extend_seq_lens[:bs].long()
-    seq_ends = prefix + ext
-    qo_indptr = torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0))
-    slots = fb.out_cache_loc[:num_tokens]
-    positions = fb.positions[:num_tokens]
-    if positions.dim() != 1:
-        raise NotImplementedError("oscar backend: multi-axis (M-RoPE) positions are not supported")
-    write = OscarWriteMeta(
-        positions=positions,
-        rows=torch.repeat_interleave(rows, ext, output_size=num_tokens),
-        seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=num_tokens))
-
-    # Sinks: every sequence that starts at position 0 here owns a fresh first page.
-    starts, first_tokens = 0, []
-    for p, e in zip(prefix_cpu, ext_cpu):
-        if p == 0 and e > 0:
-            first_tokens.append(starts)
-        starts += e
-    if first_tokens:
-        first = torch.tensor(first_tokens, dtype=torch.int64).to(device, non_blocking=True)
-        rows_live = live_rows() if live_rows is not None else None
-        in_use = None if rows_live is None else sink_slots_in_use(
-            pool.index, pool.req_to_token, torch.tensor(rows_live, dtype=torch.int64).to(device, non_blocking=True))
-        assign_sink_slots(pool.index, slots[first], pool.plan.num_sink_slots, in_use)
-        pool.index.sink_slot_of_page[0] = -1  # page 0 is SGLang's padding page: never a sink
-
-    rids: Sequence[Optional[str]] = fb.rids if fb.rids is not None else [None] * bs
-    owners = torch.tensor([rid_hash(r) for r in list(rids)[:bs]], dtype=torch.int64)
-    update_ring_validity(pool, rows, prefix, seq_ends, owners.to(device, non_blocking=True))
-    return ExtendPlan(rows=rows, prefix_lens=prefix, qo_indptr=qo_indptr,
-                      prefix_lens_host=[int(p) for p in prefix_cpu], extend_lens_host=[int(e) for e in ext_cpu],
-                      slots=slots, write=write)
-
-
-def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False):
-    """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device`` and build
-    FlashInfer's extend where it is the read: ("int2" | "bf16" | "flashinfer", the FlashInfer
-    extend or None)."""
+def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False) -> str:
+    """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device``:
+    "int2" | "bf16" | "flashinfer" (the last only where flashinfer imports, on CUDA)."""
     cuda = torch.device(device).type == "cuda"
-    fi_extend, fi_error = None, None
-    # build FlashInfer's extend where the read would be FlashInfer if it imports
-    if resolve_extend_prefix(choice, cuda, True, deterministic) == "flashinfer" and cuda:
-        try:
-            fi_extend = api.make_flashinfer_extend(device)
-        except ImportError as e:
-            fi_error = e
-    read = resolve_extend_prefix(choice, cuda, fi_extend is not None, deterministic)
-    if read == "flashinfer" and cuda and fi_extend is None:
-        raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({fi_error})")
-    if fi_error is not None:
-        logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", fi_error)
-    return read, fi_extend
+    error = api.flashinfer_import_error() if cuda else None
+    read = resolve_extend_prefix(choice, cuda, error is None, deterministic)
+    if read == "flashinfer" and error is not None:
+        raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({error})")
+    if error is not None and choice == "auto":
+        logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", error)
+    return read
+
+
+def model_attention_scale(model) -> float:
+    """The attention scale of every RadixAttention layer of ``model`` (one value)."""
+    scales = {float(m.scaling) for m in model.modules() if isinstance(m, RadixAttention)}
+    if len(scales) != 1:
+        raise NotImplementedError("oscar backend: the model's attention layers use "
+                                  f"{'no' if not scales else 'several'} attention scales "
+                                  f"({sorted(scales)}); one scale for every layer is supported")
+    return scales.pop()
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -177,21 +91,21 @@ class OscarAttnBackend(AttentionBackend):
 
     @classmethod
     def from_model_runner(cls, model_runner) -> "OscarAttnBackend":
-        """The backend SGLang's registry builds for a model runner, with the oscar settings
-        of its server arguments."""
+        """The backend SGLang's registry builds for a model runner (model loaded, pools
+        built), with the oscar settings of its server arguments."""
         sa, mc = model_runner.server_args, model_runner.model_config
-        deterministic = bool(sa.enable_deterministic_inference)
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
-                   extend_prefix=oscar_settings(sa).extend_prefix, deterministic=deterministic,
-                   context_len=mc.context_len)
+                   sm_scale=model_attention_scale(model_runner.model),
+                   extend_prefix=oscar_settings(sa).extend_prefix,
+                   deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len)
 
-    def __init__(self, pool, req_to_token_pool, *, num_q_heads: int,
+    def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
                  context_len: int = 0):
         """``pool``: the OscarKVPool; ``req_to_token_pool``: SGLang's request pool (its host
-        free list gives the rows of live requests, whose sink slots new sequences must not
-        take; see plan_extend); ``num_q_heads``: query heads on this rank; ``extend_prefix``:
+        free list gives the rows of live requests); ``num_q_heads``: query heads on this
+        rank; ``sm_scale``: the layers' attention scale; ``extend_prefix``:
         --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference): a
         request's outputs do not depend on the batch around it: batch-invariant decode splits
         for ``context_len`` tokens (triton_decode.batch_invariant_config) and the INT2
@@ -202,25 +116,22 @@ class OscarAttnBackend(AttentionBackend):
         # SGLang's forward context reads the pools from the backend (get_token_to_kv_pool)
         self.token_to_kv_pool = self.pool = pool
         self.req_to_token_pool = req_to_token_pool
-        self._extend_plan: Optional[ExtendPlan] = None
         self._checked_layers: set[int] = set()
-        self.prefix_read, self._fi_extend = choose_prefix_read(
-            extend_prefix, pool.req_to_token.device, deterministic)
-        # FlashInfer's prefill over the materialised prefix is planned once per extend batch,
-        # on its first layer
-        self._fi_planned = None
-        # Decode scratch for the largest possible batch (one per request row), allocated
-        # once here, before CUDA-graph capture: decode then allocates nothing.
-        self._decode_workspace = None
-        if api.use_triton(pool.req_to_token):
-            rows = pool.req_to_token.shape[0]
-            config = api.batch_invariant_decode_config(context_len, rows, num_q_heads, pool.head_dim) \
-                if deterministic else None
-            self._decode_workspace = api.make_decode_workspace(
-                rows, num_q_heads, pool.plan.num_kv_heads, pool.head_dim, pool.req_to_token.device, config)
+        device = pool.req_to_token.device
+        self.prefix_read = choose_prefix_read(extend_prefix, device, deterministic)
+        rows = pool.req_to_token.shape[0]  # decode batches: at most one request per row
+        config = None
+        if deterministic and api.use_triton(pool.req_to_token):
+            config = api.batch_invariant_decode_config(context_len, rows, num_q_heads, pool.head_dim)
+        self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
+                                         prefix_read=self.prefix_read, decode_config=config,
+                                         padding_page=PADDING_PAGE)
 
-    def _live_rows(self) -> Optional[list[int]]:
-        return rows_in_use(self.req_to_token_pool) if self.req_to_token_pool is not None else None
+    def _live_rows(self) -> Optional[torch.Tensor]:
+        rows = rows_in_use(self.req_to_token_pool) if self.req_to_token_pool is not None else None
+        if rows is None:
+            return None
+        return torch.tensor(rows, dtype=torch.int64).to(self.pool.req_to_token.device, non_blocking=True)
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -232,10 +143,31 @@ class OscarAttnBackend(AttentionBackend):
             self.init_forward_metadata_in_graph(forward_batch)
             return
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-            self._extend_plan = plan_extend(self.pool, forward_batch, self._live_rows)
+            self._plan_extend(forward_batch)
             return
         raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
                                   "(speculative decoding is not supported with oscar_int2)")
+
+    def _plan_extend(self, fb) -> None:
+        """Reads ``batch_size, req_pool_indices, extend_prefix_lens, extend_seq_lens,
+        extend_*_lens_cpu, out_cache_loc, positions, rids`` of the forward batch."""
+        bs = fb.batch_size
+        prefix_cpu, ext_cpu = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+        if prefix_cpu is None or ext_cpu is None:  # gpu-only batches carry no host lists
+            prefix_cpu, ext_cpu = fb.extend_prefix_lens[:bs].tolist(), fb.extend_seq_lens[:bs].tolist()
+        prefix_cpu, ext_cpu = list(prefix_cpu)[:bs], list(ext_cpu)[:bs]
+        num_tokens = sum(ext_cpu)
+        positions = fb.positions[:num_tokens]
+        if positions.dim() != 1:
+            raise NotImplementedError("oscar backend: multi-axis (M-RoPE) positions are not supported")
+        rids: Sequence[Optional[str]] = fb.rids if fb.rids is not None else [None] * bs
+        owners = torch.tensor([rid_hash(r) for r in list(rids)[:bs]], dtype=torch.int64)
+        device = fb.out_cache_loc.device
+        self.attention.plan_extend(
+            fb.req_pool_indices[:bs].long(), fb.extend_prefix_lens[:bs], fb.extend_seq_lens[:bs], positions,
+            fb.out_cache_loc[:num_tokens], prefix_lens_host=prefix_cpu, extend_lens_host=ext_cpu,
+            owners=owners.to(device, non_blocking=True),
+            live_rows=self._live_rows() if 0 in prefix_cpu else None)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         if not forward_batch.forward_mode.is_decode_or_idle():
@@ -244,8 +176,9 @@ class OscarAttnBackend(AttentionBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch):
         if forward_batch.forward_mode.is_decode():
-            # Static graph buffers in, persistent tensor out: recordable, no sync.
-            self.pool.ring_end[forward_batch.req_pool_indices] = forward_batch.seq_lens
+            # static graph buffers in, persistent tensors out: recordable, no sync
+            self.attention.plan_decode(forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                       forward_batch.positions, forward_batch.out_cache_loc)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         """Nothing to pre-allocate: decode reads the runner's static batch buffers."""
@@ -256,10 +189,13 @@ class OscarAttnBackend(AttentionBackend):
 
     # -- forward ----------------------------------------------------------------------
 
-    def _check_layer(self, layer, kwargs) -> None:
+    def _check_layer(self, layer, kwargs, save_kv_cache: bool, k) -> None:
         for name in ("sinks", "score_mod", "aux_tensors", "q_rope", "k_rope"):
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"oscar backend: attention with {name} is not supported")
+        if k is None or not save_kv_cache:
+            raise NotImplementedError("oscar backend: the model must hand k and v to the "
+                                      "backend to store (save_kv_cache=False is not supported)")
         if layer.layer_id in self._checked_layers:
             return
         problem = None
@@ -273,61 +209,26 @@ class OscarAttnBackend(AttentionBackend):
             problem = "per-layer k/v scales"
         elif layer.qk_head_dim != self.pool.head_dim or layer.v_head_dim != self.pool.head_dim:
             problem = f"head dims {layer.qk_head_dim}/{layer.v_head_dim} != {self.pool.head_dim}"
+        elif float(layer.scaling) != self.attention.sm_scale:
+            problem = f"attention scale {layer.scaling} (the others use {self.attention.sm_scale})"
         if problem:
             raise NotImplementedError(f"oscar backend: layer {layer.layer_id} uses {problem}, "
                                       "which the OSCAR kernels do not support")
         self._checked_layers.add(layer.layer_id)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        self._check_layer(layer, kwargs)
-        if k is None or v is None or not save_kv_cache:
-            raise NotImplementedError("oscar backend: the model must hand k and v to the "
-                                      "backend to store (save_kv_cache=False is not supported)")
-        plan = self._extend_plan
-        t, hq, d = q.shape[0], layer.tp_q_head_num, layer.qk_head_dim
-        if plan is None or t != plan.slots.shape[0]:
-            raise RuntimeError(f"oscar backend: extend with {t} tokens but the batch plan has "
-                               f"{None if plan is None else plan.slots.shape[0]}")
-        out = getattr(forward_batch, "_attn_output", None)
+    def _run(self, run, q, k, v, layer, out, kwargs, save_kv_cache):
+        self._check_layer(layer, kwargs, save_kv_cache, k)
+        hq, h, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        t = q.numel() // (hq * d)
         o = out if out is not None else q.new_empty((t, hq * d))
-        pool = self.pool
-        k = k.view(t, layer.tp_k_head_num, d)
-        v = v.view(t, layer.tp_v_head_num, d)
-        k_rot = torch.empty(k.shape, dtype=torch.bfloat16, device=k.device)
-        v_rot = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-        pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_ring=False,
-                           rotated_out=(k_rot, v_rot))
-        if self._fi_extend is not None and (self._fi_planned is None or self._fi_planned[0] is not plan
-                                            or self._fi_planned[1] != layer.scaling):
-            self._fi_extend.plan(plan.prefix_lens_host, plan.extend_lens_host, hq, layer.tp_k_head_num, d,
-                                 layer.scaling)
-            self._fi_planned = (plan, layer.scaling)
-        api.extend_attention(q.view(t, hq, d), k_rot, v_rot, pool.layer_cache(layer.layer_id),
-                             pool.index, pool.layer_rotation(layer.layer_id), pool.req_to_token,
-                             plan.rows, plan.prefix_lens, plan.qo_indptr, plan.max_extend_len,
-                             layer.scaling, out=o.view(t, hq, d),
-                             prefix_read="int2" if self.prefix_read == "int2" else "bf16",
-                             prefix_lens_host=plan.prefix_lens_host, flashinfer=self._fi_extend)
-        pool.set_kv_buffer(layer, plan.slots, k, v, oscar_meta=plan.write, write_int2=False,
-                           write_ring=True)
+        run(layer.layer_id - self.pool.start_layer, q.reshape(t, hq, d), k.view(t, h, d), v.view(t, h, d),
+            out=o.view(t, hq, d))
         return o
 
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        # the output buffer SGLang's RadixAttention pre-allocates for this call, if any
+        out = getattr(forward_batch, "_attn_output", None)
+        return self._run(self.attention.extend, q, k, v, layer, out, kwargs, save_kv_cache)
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        self._check_layer(layer, kwargs)
-        if k is None or v is None or not save_kv_cache:
-            raise NotImplementedError("oscar backend: the model must hand k and v to the "
-                                      "backend to store (save_kv_cache=False is not supported)")
-        hq, d = layer.tp_q_head_num, layer.qk_head_dim
-        q = q.reshape(-1, hq * d)
-        bs = q.shape[0]
-        o = torch.empty_like(q)
-        rows, seq_lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-        pool = self.pool
-        pool.set_kv_buffer(layer, forward_batch.out_cache_loc,
-                           k.view(bs, layer.tp_k_head_num, d), v.view(bs, layer.tp_v_head_num, d),
-                           oscar_meta=OscarWriteMeta(forward_batch.positions, rows, seq_lens))
-        api.decode_attention(q.view(bs, hq, d), pool.layer_cache(layer.layer_id), pool.index,
-                             pool.layer_rotation(layer.layer_id), pool.req_to_token, rows,
-                             seq_lens, layer.scaling, out=o.view(bs, hq, d),
-                             workspace=self._decode_workspace)
-        return o
+        return self._run(self.attention.decode, q, k, v, layer, None, kwargs, save_kv_cache)

@@ -4,9 +4,10 @@ SGLang's allocator, req_to_token table, radix cache and eviction stay untouched:
 token = one slot, and every slot holds the token's INT2 K/V (rotated, clipped, packed,
 with per-group (scale, min)). Per layer an :class:`oscar_kernels.hybrid_cache.HybridLayerCache`
 adds the BF16 side caches (sinks keyed by a sequence's first page, a per-request ring of
-the last W positions); one :class:`HybridCacheIndex` and the per-row ring bookkeeping
-(``ring_owner``: hash of the request that owns the row's ring, ``ring_end``: the
-sequence length its last batch reached) are shared by all layers.
+the last W positions); one :class:`HybridCacheIndex` (sink slots, per-row ring bookkeeping)
+is shared by all layers. ``cache`` (:class:`oscar_kernels.hybrid_cache.HybridCache`) holds
+them all for the oscar attention backend, the only writer (through
+:class:`oscar_kernels.hybrid_attention.HybridAttention`).
 
 ``k_buffer``/``v_buffer`` are the packed uint8 codes and ``k_scale_buffer``/
 ``v_scale_buffer`` the scales, so SGLang code that inspects those names sees real
@@ -21,25 +22,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from oscar_kernels import api
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, torch_scale_dtype
 from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import Rotations, RotationsMeta, load_rotations
-from oscar_kernels.hybrid_cache import (HybridLayerCache, LayerRotation, allocate_index,
+from oscar_kernels.hybrid_cache import (HybridCache, HybridLayerCache, LayerRotation, allocate_index,
                                         allocate_layer)
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 from .settings import oscar_settings
-from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, MHATokenToKVPool, unwrap_write_loc
-
-
-@dataclass(frozen=True)
-class OscarWriteMeta:
-    """What a hybrid store needs per new token besides its slot id ([T] int tensors)."""
-
-    positions: torch.Tensor  # position of the token in its sequence
-    rows: torch.Tensor  # req_to_token row of its request
-    seq_ends: torch.Tensor  # its request's sequence length after this batch
+from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, MHATokenToKVPool
 
 
 @dataclass(frozen=True)
@@ -141,11 +132,10 @@ class OscarKVPool(MHATokenToKVPool):
                 for _ in range(self.layer_num)]
             self.index = allocate_index(num_slots, self.page_size, p.num_sink_slots, p.num_rows,
                                         self.device)
-            self.ring_owner = torch.zeros(p.num_rows, dtype=torch.int64, device=self.device)
-            self.ring_end = torch.zeros(p.num_rows, dtype=torch.int64, device=self.device)
         # The rotations are weights, not cache: outside the memory-saver region.
         self.rotations = [r.to(self.device) for r in self._rotations_host]
         del self._rotations_host
+        self.cache = HybridCache(self.layers, self.rotations, self.index, self.req_to_token)
         self.store_dtype = torch.uint8
         self.k_buffer = [lc.k_packed for lc in self.layers]
         self.v_buffer = [lc.v_packed for lc in self.layers]
@@ -155,7 +145,7 @@ class OscarKVPool(MHATokenToKVPool):
 
     def _clear_buffers(self):
         for name in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer", "layers",
-                     "index", "ring_owner", "ring_end"):
+                     "index", "cache"):
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -186,29 +176,12 @@ class OscarKVPool(MHATokenToKVPool):
                         rot.v_clip_min, rot.v_clip_max)
         idx = self.index
         k += nbytes(idx.sink_slot_of_page, idx.page_of_sink_slot, idx.ring_valid_from,
-                    self.ring_owner, self.ring_end)
+                    idx.ring_owner, idx.ring_end)
         return k, v
 
-    # -- writes ----------------------------------------------------------------------
-
-    def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                      k_scale=None, v_scale=None, layer_id_override: Optional[int] = None,
-                      dcp_kv_mask=None, *, oscar_meta: Optional[OscarWriteMeta] = None,
-                      write_int2: bool = True, write_ring: bool = True,
-                      rotated_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
-        """Store new tokens (unrotated k, v [T, H, D]) through oscar_kernels.api.store_kv:
-        INT2 + sinks (write_int2) and ring cells (write_ring) at ``loc``."""
-        if oscar_meta is None:
-            raise RuntimeError("OscarKVPool.set_kv_buffer needs oscar_meta (positions, rows, "
-                               "seq_ends): only the 'oscar' attention backend writes this pool")
-        if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
-            raise NotImplementedError("k/v scales and DCP masks are not supported with oscar_int2")
-        loc, _, _ = unwrap_write_loc(loc_info)
-        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        api.store_kv(self.layer_cache(layer_id), self.index, self.layer_rotation(layer_id),
-                     self.req_to_token, cache_k, cache_v, loc, oscar_meta.positions,
-                     oscar_meta.rows, oscar_meta.seq_ends, write_int2=write_int2,
-                     write_ring=write_ring, rotated_out=rotated_out)
+    def set_kv_buffer(self, *args, **kwargs):
+        raise RuntimeError("the OSCAR KV cache is written inside attention by the 'oscar' attention "
+                           "backend only (--attention-backend oscar), not through set_kv_buffer")
 
     # -- paths that would move part of the state: refuse --------------------------------
 

@@ -39,12 +39,12 @@ def _needs(what: str) -> SglangBridgeError:
 try:
     # KV pool (pool.py)
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     # attention backend (backend.py, plugin.py)
     from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
                                                                 register_attention_backend)
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
     # scheduling (chunk_alignment.py)
@@ -73,8 +73,8 @@ __all__ = [
     "HookType", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
-    "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args",
-    "register_attention_backend", "run_server", "unwrap_write_loc",
+    "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
+    "register_attention_backend", "run_server",
 ]
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"

@@ -158,6 +158,12 @@ def test_eval_with_a_bad_rotations_file_is_one_line(tmp_path, tiny_dir):
     assert not (tmp_path / "e.json").exists()
 
 
+def test_eval_of_a_folder_that_is_not_a_model_is_one_line(tmp_path):
+    r = _run("calibration.fidelity.cli", "--model", tmp_path / "nope", "--device", "cpu")
+    assert one_line_error(r, "oscar-eval: error: ") == (
+        f"oscar-eval: error: {tmp_path / 'nope'}: not a model folder (no config.json)")
+
+
 def test_eval_with_a_rotations_file_of_another_model_is_one_line(tmp_path, tiny_dir):
     other = save_tiny_model_dir(tmp_path / "other", "qwen3", kv_heads=2, head_dim=16)
     rot = str(tmp_path / "other.safetensors")

@@ -213,7 +213,7 @@ def test_oscar_eval_values_take_the_files_value_group_size(tinylm_dir, tmp_path,
     assert (built[-1].value_group_size, built[-1].value_scale_dtype) == (64, torch.float16)
     with pytest.raises(Stop):
         cli.main(common)
-    lay = built[-1].layers[0]
+    lay = built[-1].cache.layers[0]
     assert built[-1].value_group_size == 128 and (lay.key_group_size, lay.value_group_size) == (32, 128)
 
 
@@ -329,7 +329,7 @@ def test_hybrid_sim_with_value_groups_of_their_own_tracks_fake_quantisation(tiny
 
     bf = run(Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L))
     split = HybridKVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128)
-    assert (split.layers[0].key_group_size, split.layers[0].value_group_size) == (32, 128)
+    assert (split.cache.layers[0].key_group_size, split.cache.layers[0].value_group_size) == (32, 128)
     hyb = run(split)
     fake = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128))
     same = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn"))

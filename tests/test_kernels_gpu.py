@@ -202,14 +202,12 @@ def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
     kc.check_extend(sc, 32, new, via_flashinfer)
 
 
-def test_api_end_to_end_gpu_vs_cpu_reference(kernels):
-    api, _, _, _ = kernels
-    from oscar_kernels.hybrid_cache import assign_sink_slots
+@pytest.mark.parametrize("prefix_read", ["int2", "bf16", "flashinfer"])
+def test_hybrid_attention_end_to_end_gpu_vs_cpu_reference(kernels, prefix_read):
     sc = kc.build([400, 400, 400], H=4, D=128, G=128, S=16, W=64, page=64, fill=False, seed=13)
-    assign_sink_slots(sc.index, sc.req_to_token[sc.rows.long(), 0], sc.layer.k_sink.shape[0])
     steps = [130, 200, 1, 1, 1]
-    want, lay_ref = kc.api_session(api, sc, steps, 16)  # CPU tensors: the reference path
-    got, lay_gpu = kc.api_session(api, _gpu(sc), steps, 16)  # CUDA tensors: Triton
+    want, lay_ref = kc.attention_session(sc, steps, 16)  # CPU tensors: the reference path
+    got, lay_gpu = kc.attention_session(_gpu(sc), steps, 16, prefix_read=prefix_read)  # CUDA: Triton / FlashInfer
     kc.assert_layers_close(kc.layer_to(lay_gpu, "cpu"), lay_ref)
     for a, w in zip(got, want):
         torch.testing.assert_close(a.float().cpu(), w.float(), rtol=3e-2, atol=3e-2)

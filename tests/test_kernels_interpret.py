@@ -476,7 +476,7 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
     calls = []
     real = triton_extend_mod.triton_materialize_prefix
     monkeypatch.setattr(triton_extend_mod, "triton_materialize_prefix",
-                        lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+                        lambda *a, **k: calls.append(list(a[5])) or real(*a, **k))
     sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
     for cap, materialized in ((30, [[21, 9]]), (29, [])):
         calls.clear()
@@ -590,18 +590,16 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
 
 
 # ---------------------------------------------------------------- api dispatch, end to end
-def test_api_triton_matches_reference_end_to_end(monkeypatch):
+def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch):
     from oscar_kernels import api
-    from oscar_kernels.hybrid_cache import assign_sink_slots
     sc = kc.build([48, 48], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=13)
-    assign_sink_slots(sc.index, sc.req_to_token[sc.rows.long(), 0], sc.layer.k_sink.shape[0])
     steps = [13, 20, 1, 1, 1]  # two prefill chunks, three decode steps
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "0")
     assert not api.use_triton(torch.zeros(1))
-    want, lay_ref = kc.api_session(api, sc, steps, 4)
+    want, lay_ref = kc.attention_session(sc, steps, 4)
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
     assert api.use_triton(torch.zeros(1))
-    got, lay_tri = kc.api_session(api, sc, steps, 4)
+    got, lay_tri = kc.attention_session(sc, steps, 4)
     kc.assert_layers_close(lay_tri, lay_ref)
     for a, w in zip(got, want):
         torch.testing.assert_close(a.float(), w.float(), rtol=3e-2, atol=3e-2)

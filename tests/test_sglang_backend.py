@@ -57,7 +57,7 @@ class Sim:
                                 sink_tokens=S, recent_window=W, group_size=G, num_sink_slots=sink_slots)
         r2t = self.pool.req_to_token
         self.req_pool = SimpleNamespace(req_to_token=r2t) if live_rows is None else ReqPool(r2t, live_rows)
-        self.backend = OscarAttnBackend(self.pool, self.req_pool, num_q_heads=HQ, **backend)
+        self.backend = OscarAttnBackend(self.pool, self.req_pool, num_q_heads=HQ, sm_scale=D ** -0.5, **backend)
         self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in range(LAYERS)]
         self.free_pages = list(range(1, SIZE // P + 1))  # page 0 is the padding page
         self.source = {}  # (row, position) -> content id that computed the token's K/V
@@ -205,8 +205,8 @@ def run_a(sim, row=3, prompt=40, chunk=16, decodes=3):
         outs = sim.decode([dict(rid="A", row=row, content="A", n=n)])
         for l, o in enumerate(outs):
             close(o, sim.expected_decode(row, "A", l, n, "A", 0))
-    assert int(sim.pool.ring_end[row]) == prompt + decodes
-    assert int(sim.pool.ring_owner[row]) == rid_hash("A")
+    assert int(sim.pool.index.ring_end[row]) == prompt + decodes
+    assert int(sim.pool.index.ring_owner[row]) == rid_hash("A")
 
 
 def test_chunked_prefill_continuation_keeps_the_ring():
@@ -229,7 +229,7 @@ def test_new_request_in_a_reused_row_resets_the_ring():
     # B must start its ring at 48 and read C's slots as INT2.
     sim.share(3, 2, 48)
     outs = sim.extend([dict(rid="B", row=3, content="B", prefix=48, new=5)])
-    assert vf(sim, 3) == 48 and int(sim.pool.ring_end[3]) == 53
+    assert vf(sim, 3) == 48 and int(sim.pool.index.ring_end[3]) == 53
     for l, o in enumerate(outs):
         close(o, sim.expected(3, "B", l, 48, list(range(48, 53)), "B", valid_from=48))
     outs = sim.decode([dict(rid="B", row=3, content="B", n=54)])
@@ -319,7 +319,7 @@ def test_padded_graph_decode_batch():
     for l, o in enumerate(outs):
         close(o[:1], sim.expected_decode(3, "A", l, 41, "A", 0))
         close(o[1:], sim.expected_decode(1, "F", l, 7, "F", 0))
-    assert (int(sim.pool.ring_end[3]), int(sim.pool.ring_end[1])) == (41, 7)
+    assert (int(sim.pool.index.ring_end[3]), int(sim.pool.index.ring_end[1])) == (41, 7)
     assert int(sim.pool.index.sink_slot_of_page[0]) == -1  # no sink for the padding page
 
 
@@ -353,7 +353,7 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
     with pytest.raises(NotImplementedError, match="save_kv_cache"):
         sim.backend.forward_decode(x, kv, kv, sim.layers[0], fb, save_kv_cache=False)
     with pytest.raises(ValueError, match="oscar_int2"):
-        OscarAttnBackend(object(), sim.req_pool, num_q_heads=HQ)
+        OscarAttnBackend(object(), sim.req_pool, num_q_heads=HQ, sm_scale=1.0)
 
 
 @pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer", "auto"])
@@ -371,7 +371,7 @@ def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
     real = api.extend_attention
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("prefix_read"), kwargs.get("prefix_lens_host"), kwargs.get("flashinfer")))
+        seen.append((kwargs.get("prefix_read"), list(kwargs.get("prefix_lens_host")), kwargs.get("flashinfer")))
         return real(*args, **kwargs)
 
     with mock.patch.object(api, "extend_attention", spy):
@@ -388,29 +388,40 @@ def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
     ("auto", True, "int2", True)])
 def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_when_auto(choice, imports, want,
                                                                                        deterministic, caplog):
-    """On a CUDA pool "auto" builds FlashInfer's extend; where flashinfer does not import it
+    """On a CUDA pool "auto" reads through FlashInfer; where flashinfer does not import it
     reads INT2 with one warning, while an explicit "flashinfer" refuses to start. Under
-    --enable-deterministic-inference "auto" reads INT2 and builds no FlashInfer extend."""
+    --enable-deterministic-inference "auto" reads INT2."""
     from unittest import mock
 
     from oscar_kernels import api
     from sglang_ext.backend import choose_prefix_read
 
-    fi = object()
-
-    def make(device):
-        if not imports:
-            raise ImportError("No module named 'flashinfer'")
-        return fi
-
-    with mock.patch.object(api, "make_flashinfer_extend", make):
+    error = None if imports else ImportError("No module named 'flashinfer'")
+    with mock.patch.object(api, "flashinfer_import_error", lambda: error):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
                 choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
             return
-        read, fi_extend = choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
-    assert read == want and (fi_extend is fi) == (want == "flashinfer")
+        read = choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
+    assert read == want
     assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
+
+
+def test_one_attention_scale_for_every_layer():
+    """The backend plans with the model's one attention scale; a model whose layers differ
+    is refused in one line, as is a layer that differs from the planned scale."""
+    from sglang_ext.backend import model_attention_scale
+
+    layers = [RadixAttention(HQ, D, 0.125, H, l) for l in range(2)]
+    assert model_attention_scale(torch.nn.ModuleList(layers)) == 0.125
+    layers.append(RadixAttention(HQ, D, 0.1, H, 2))
+    with pytest.raises(NotImplementedError, match="several attention scales"):
+        model_attention_scale(torch.nn.ModuleList(layers))
+    sim = Sim()
+    x = torch.zeros(1, HQ * D, dtype=torch.bfloat16)
+    kv = torch.zeros(1, H, D, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="attention scale 0.1 "):
+        sim.backend.forward_decode(x, kv, kv, RadixAttention(HQ, D, 0.1, H, 1), SimpleNamespace())
 
 
 def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypatch):
@@ -420,12 +431,12 @@ def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypa
 
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the workspace is built for the Triton path only
     sim = Sim(extend_prefix="auto", deterministic=True, context_len=CTX)
-    cfg = sim.backend._decode_workspace.config
+    cfg = sim.backend.attention.workspace.config
     assert sim.backend.prefix_read == "int2"
     assert len({cfg.splits_for(b, H, "cpu") for b in (1, 2, ROWS)}) == 1
     assert len({(cfg.stage1_tiles(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
     assert cfg.min_chunk * cfg.max_splits >= CTX
-    default = Sim().backend._decode_workspace.config
+    default = Sim().backend.attention.workspace.config
     assert default == api.make_decode_workspace(1, HQ, H, D, "cpu").config
 
 
@@ -448,7 +459,8 @@ def test_backend_reads_the_oscar_settings_from_the_server_arguments(tmp_path, mo
         server_args=SimpleNamespace(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=str(rotations),
                                     oscar_extend_prefix="bf16", enable_deterministic_inference=False),
         model_config=SimpleNamespace(get_max_num_attention_heads=lambda: 2 * HQ, context_len=CTX),
-        ps=SimpleNamespace(attn_tp_size=2), token_to_kv_pool=sim.pool, req_to_token_pool=sim.req_pool)
+        ps=SimpleNamespace(attn_tp_size=2), token_to_kv_pool=sim.pool, req_to_token_pool=sim.req_pool,
+        model=torch.nn.ModuleList(sim.layers))
     from unittest import mock
 
     from oscar_kernels import api
@@ -456,8 +468,9 @@ def test_backend_reads_the_oscar_settings_from_the_server_arguments(tmp_path, mo
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the decode workspace is built for Triton only
     with mock.patch.object(api, "make_decode_workspace", lambda *a: a):
         backend = OscarAttnBackend.from_model_runner(runner)
-    assert backend._decode_workspace[:4] == (ROWS, HQ, H, D)  # rows, query and KV heads of this rank
+    assert backend.attention.workspace[:4] == (ROWS, HQ, H, D)  # rows, query and KV heads of this rank
     assert backend.prefix_read == "bf16" and not hasattr(sim.pool, "extend_prefix")
+    assert backend.attention.sm_scale == D ** -0.5  # the model's RadixAttention layers' scale
     assert isinstance(backend, AttentionBackend) and not isinstance(backend, TritonAttnBackend)
     assert backend.get_cuda_graph_seq_len_fill_value() == 1 and backend.needs_cpu_seq_lens is False
     with forward_context(ForwardContext(attn_backend=backend)):

@@ -18,7 +18,7 @@ from sglang_ext.settings import DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, OSCA
 pytest.importorskip("sglang")
 from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
 
-from sglang_ext.pool import (OscarKVPool, OscarWriteMeta, RankLayout,  # noqa: E402
+from sglang_ext.pool import (OscarKVPool, RankLayout,  # noqa: E402
                              build_pool_for_configurator, load_rank_rotations, memory_plan,
                              plan_for_configurator)
 
@@ -127,7 +127,8 @@ def test_pool_buffers_shapes_and_true_bytes():
         assert lc.v_ring.shape == (5, 8, 2, 64) and lc.v_ring.dtype == torch.bfloat16
         assert pool.layer_rotation(l).k_rot.dtype == torch.float32
     assert pool.index.sink_slot_of_page.shape == (slots // 16,)
-    assert pool.ring_owner.shape == pool.ring_end.shape == (5,)
+    assert pool.index.ring_owner.shape == pool.index.ring_end.shape == (5,)
+    assert pool.cache.layers is pool.layers and pool.cache.index is pool.index
     assert sum(pool.get_kv_size_bytes()) == pool.plan.pool_bytes(256)
 
 
@@ -155,31 +156,36 @@ def test_pool_refuses_sinks_beyond_page_and_partial_copies():
             call()
         assert "\n" not in str(e.value)
     k = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="oscar_meta"):
+    with pytest.raises(RuntimeError, match="--attention-backend oscar"):
         pool.set_kv_buffer(SimpleNamespace(layer_id=0), idx, k, k)
 
 
-def test_set_kv_buffer_stores_like_the_reference():
-    """The pool's writer is oscar_kernels.api.store_kv with the pool's own state."""
+def test_attention_over_the_pool_stores_like_the_reference():
+    """The pool's cache is what HybridAttention writes: an extend of 20 tokens stores into
+    the pool's layer exactly what the reference store writes into a fresh cache."""
+    from oscar_kernels.hybrid_attention import HybridAttention
+
     pool = small_pool()
     page, row = 16, 2
     pool.req_to_token[row, :32] = torch.arange(32, 64, dtype=torch.int32)  # pages 2, 3
-    assign_sink_slots(pool.index, pool.req_to_token[row:row + 1, 0], pool.plan.num_sink_slots)
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(20, 2, 64, generator=g).bfloat16() for _ in range(2))
-    slots, pos = pool.req_to_token[row, :20], torch.arange(20)
-    meta = OscarWriteMeta(pos, torch.full((20,), row), torch.full((20,), 20))
-    pool.set_kv_buffer(SimpleNamespace(layer_id=1), slots, k, v, oscar_meta=meta)
+    slots, pos, rows = pool.req_to_token[row, :20], torch.arange(20), torch.tensor([row])
+    attn = HybridAttention(pool.cache, 4, 0.125)
+    attn.plan_extend(rows, torch.tensor([0]), torch.tensor([20]), pos, slots, prefix_lens_host=[0],
+                     extend_lens_host=[20], owners=torch.tensor([7]))
+    attn.extend(1, torch.zeros(20, 4, 64, dtype=torch.bfloat16), k, v)
 
     want = allocate_layer(256 + page, 2, 64, 32, 4, 8, pool.plan.num_sink_slots, 5)
     index = allocate_index(256 + page, page, pool.plan.num_sink_slots, 5)
     assign_sink_slots(index, pool.req_to_token[row:row + 1, 0], pool.plan.num_sink_slots)
     ref.reference_store(want, index, pool.layer_rotation(1), pool.req_to_token, k, v, slots, pos,
-                        meta.rows, meta.seq_ends)
+                        torch.full((20,), row), torch.full((20,), 20))
     got = pool.layer_cache(1)
     for name in ("k_packed", "v_packed", "k_scales", "k_sink", "v_sink", "k_ring", "v_ring"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert not pool.layer_cache(0).k_packed.any()  # other layers untouched
+    assert int(pool.index.ring_owner[row]) == 7 and int(pool.index.ring_end[row]) == 20
 
 
 # ---------------------------------------------------------------- rotations vs the model

@@ -6,7 +6,7 @@
 
 Every method runs the same model with its attention routed through a KV simulator
 (calibration.fidelity.sim_cache): ``bf16`` keeps K/V in BF16; each ``--method name=FILE``
-stores them through oscar_kernels.api with that rotations file (BF16 sink of S tokens,
+stores them through the server's HybridAttention with that rotations file (BF16 sink of S tokens,
 BF16 ring of the last W, INT2 history in between), prefilling in chunks of ``--chunk``
 tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--ppl-len`` tokens and tinylm's passkey retrieval (see calibration.fidelity.tasks).
@@ -123,9 +123,10 @@ def _check_disjoint(name: str, calib_data: str) -> None:
 
 def _load_model(path: str, device: str, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 local_files_only=True).to(device).eval()
     use_simulated_attention(model)
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -155,6 +156,9 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
                          "rotations file's groups and one scale dtype)")
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        print(f"oscar-eval: error: {a.model}: not a model folder (no config.json)", file=sys.stderr)
+        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()

@@ -4,14 +4,11 @@ Both classes serve ``B`` sequences that advance together (same length), one requ
 per sequence, and are driven by :mod:`calibration.fidelity.attention` (the attention
 function registered in transformers' AttentionInterface):
 
-- :class:`HybridKVSim` stores and reads K/V exactly as the server does, through the
-  server's kernel API over an :mod:`oscar_kernels.hybrid_cache` pool:
-    extend (prefill chunk of T tokens after a prefix of n):
-        store_kv(int2 + sinks) -> extend_attention(prefix via the read rule, chunk in BF16,
-        causal) -> store_kv(ring cells of the last W positions)
-    decode (one token):  store_kv(int2 + sinks + ring) -> decode_attention(n + 1 positions)
-  so every query of a later chunk and every decoded token reads the INT2 history
-  (positions S .. n - W), the BF16 sink (< S) and the BF16 ring (last W).
+- :class:`HybridKVSim` stores and reads K/V exactly as the server does: through the
+  server's :class:`oscar_kernels.hybrid_attention.HybridAttention` over a hybrid cache,
+  one plan per step (a prefill chunk: extend; one token after a prefix: decode), one call
+  per layer; so every query of a later chunk and every decoded token reads the INT2
+  history (positions S .. n - W), the BF16 sink (< S) and the BF16 ring (last W).
 - :class:`Bf16KVSim` is the BF16 reference with the same numerics otherwise: K/V kept in
   BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
 - :class:`FakeInt2KVSim` (ablation): Bf16KVSim whose history positions read fake-quantised
@@ -23,9 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oscar_kernels import api
-from oscar_kernels.hybrid_cache import (LayerRotation, allocate_index, allocate_layer,
-                                        assign_sink_slots)
+from oscar_kernels.hybrid_attention import HybridAttention
+from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
 from oscar_kernels.int2 import fake_quantise
 
@@ -160,7 +156,7 @@ class FakeInt2KVSim(Bf16KVSim):
 
 
 class HybridKVSim(_KVSim):
-    """The server's hybrid INT2 + BF16 sink/ring cache, through oscar_kernels.api.
+    """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
     ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
 
     name = "hybrid"
@@ -180,73 +176,67 @@ class HybridKVSim(_KVSim):
                              "(sinks live on a sequence's first page)")
         self.row_len = -(-max_len // self.page_size) * self.page_size  # rows start on a page
         num_slots = max_batch * self.row_len
-        self.rotations = [r.to(self.device) for r in rotations]
         sdt = torch_scale_dtype(scale_dtype)
-        self.layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
-                                      num_sink_slots=max_batch, num_rows=max_batch,
-                                      scale_dtype=sdt, device=self.device,
-                                      value_group_size=value_group_size)
-                       for _ in range(num_layers)]
-        self.index = allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device)
-        self.req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device) \
-            .view(max_batch, self.row_len)
+        layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
+                                 num_sink_slots=max_batch, num_rows=max_batch,
+                                 scale_dtype=sdt, device=self.device,
+                                 value_group_size=value_group_size)
+                  for _ in range(num_layers)]
+        req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device).view(max_batch, self.row_len)
+        self.cache = HybridCache(layers, [r.to(self.device) for r in rotations],
+                                 allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device),
+                                 req_to_token)
         self.sink_tokens, self.recent_window = sink_tokens, recent_window
-        self._meta = None
+        self.attention: HybridAttention | None = None  # built on the first step (the model's head count, scale)
+        self._planned = None  # (batch, length, tokens) of the planned step
+        self._generation = 0  # the ring owner of the sequences begun last
 
     @property
     def group_size(self) -> int:
         """The keys' INT2 group size (the pool's)."""
-        return self.layers[0].key_group_size
+        return self.cache.layers[0].key_group_size
 
     @property
     def value_group_size(self) -> int:
-        return self.layers[0].value_group_size
+        return self.cache.layers[0].value_group_size
 
     def begin(self, batch: int) -> None:
+        """Start ``batch`` new sequences: sink slots handed out afresh, every ring restarts."""
         super().begin(batch)
-        ix = self.index
+        ix = self.cache.index
         ix.sink_slot_of_page.fill_(-1)
         ix.page_of_sink_slot.fill_(-1)
         ix.sink_cursor = 0
-        ix.ring_valid_from.zero_()  # every request computes from position 0
-        assign_sink_slots(ix, self.req_to_token[:batch, 0], self.max_batch)
-        self._meta = None
+        self._generation += 1
+        self._planned = None
 
-    def _step_meta(self, t: int):
-        """Per-token and per-request metadata of this step (computed once, shared by layers)."""
-        key = (self.batch, self.length, t)
-        if self._meta is None or self._meta[0] != key:
-            b, n0, dev = self.batch, self.length, self.device
+    def _plan(self, num_q_heads: int, t: int, scaling: float) -> bool:
+        """Plan this step once (its first layer); True for a decode step."""
+        if self.attention is None:
+            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch)
+        elif scaling != self.attention.sm_scale:
+            raise ValueError(f"attention scale {scaling} differs from the {self.attention.sm_scale} of the "
+                             "first layer (one scale for every layer, as the server)")
+        b, n0, dev = self.batch, self.length, self.device
+        decode = t == 1 and n0 > 0
+        if self._planned != (b, n0, t):
             rows = torch.arange(b, device=dev)
-            tok_rows = rows.repeat_interleave(t)
             positions = (n0 + torch.arange(t, device=dev)).repeat(b)
-            slots = self.req_to_token[tok_rows, positions]
-            seq_ends = torch.full((b * t,), n0 + t, device=dev)
-            self._meta = (key, dict(rows=rows, tok_rows=tok_rows, positions=positions, slots=slots,
-                                    seq_ends=seq_ends,
-                                    prefix_lens=torch.full((b,), n0, device=dev),
-                                    seq_lens=torch.full((b,), n0 + t, device=dev),
-                                    qo_indptr=torch.arange(b + 1, device=dev) * t))
-        return self._meta[1]
+            slots = self.cache.req_to_token[rows.repeat_interleave(t), positions]
+            if decode:
+                self.attention.plan_decode(rows, torch.full((b,), n0 + 1, device=dev), positions, slots)
+            else:
+                self.attention.plan_extend(rows, torch.full((b,), n0, device=dev), torch.full((b,), t, device=dev),
+                                           positions, slots, prefix_lens_host=[n0] * b, extend_lens_host=[t] * b,
+                                           owners=torch.full((b,), self._generation, device=dev))
+            self._planned = (b, n0, t)
+        return decode
 
     def attend(self, layer_idx, q, k, v, scaling):
         """q [B, Hq, T, D], k/v [B, H, T, D] (post-RoPE, unrotated) -> o [B, T, Hq, D]."""
         b, hq, t, d = q.shape
-        m = self._step_meta(t)
-        layer, rot = self.layers[layer_idx], self.rotations[layer_idx]
+        run = self.attention.decode if self._plan(hq, t, scaling) else self.attention.extend
         qf = q.transpose(1, 2).reshape(b * t, hq, d).to(CACHE_DTYPE)
         kf = k.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
         vf = v.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
-        common = (layer, self.index, rot, self.req_to_token)
-        if t == 1 and self.length > 0:  # decode
-            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"])
-            o = api.decode_attention(qf, *common, m["rows"], m["seq_lens"], scaling)
-        else:  # extend: the ring is written after attention (it still holds the prefix window)
-            k_rot, v_rot = torch.empty_like(kf), torch.empty_like(vf)
-            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"],
-                         write_ring=False, rotated_out=(k_rot, v_rot))
-            o = api.extend_attention(qf, k_rot, v_rot, *common, m["rows"], m["prefix_lens"],
-                                     m["qo_indptr"], t, scaling)
-            api.store_kv(*common, kf, vf, m["slots"], m["positions"], m["tok_rows"], m["seq_ends"],
-                         write_int2=False, write_ring=True)
-        return o.view(b, t, hq, d).to(q.dtype)
+        return run(layer_idx, qf, kf, vf).view(b, t, hq, d).to(q.dtype)

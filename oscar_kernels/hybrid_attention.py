@@ -1,0 +1,201 @@
+"""HybridAttention: attention over a hybrid INT2/BF16 cache, planned per batch, run per layer.
+
+In the style of FlashInfer's wrappers::
+
+    attn = HybridAttention(cache, num_q_heads, sm_scale, prefix_read="flashinfer")  # once
+    attn.plan_decode(rows, seq_lens, positions, slots)        # once per decode batch
+    o = attn.decode(layer, q, k, v)                           # per layer
+    attn.plan_extend(rows, prefix_lens, extend_lens, positions, slots,
+                     prefix_lens_host=..., extend_lens_host=..., owners=...)  # per extend batch
+    o = attn.extend(layer, q, k, v)                           # per layer
+
+Built once: the decode workspace (for ``max_batch`` requests), FlashInfer's prefill wrappers
+(``prefix_read="flashinfer"`` on CUDA). A plan resolves everything a batch's layers share:
+decode splits, stage-1 tiles and merge (triton_decode.DecodeLaunch); the extend prefix read,
+its tiles and scratch (triton_extend.ExtendLaunch, or FlashInfer's plan); per-token store
+metadata; and it applies the batch's bookkeeping to the cache index: sink slots for the
+sequences that start at position 0 (never one a live request reads, never on
+``padding_page``) and ring validity (hybrid_cache.update_ring_validity). A layer call then
+runs the whole protocol:
+
+    decode: store (INT2 + sinks + ring) -> attention over n = seq_len positions
+    extend: store (INT2 + sinks, keeping the rotated BF16 k', v') -> attention over the
+            hybrid prefix and causally over the new tokens -> store the ring cells
+            (after attention: earlier would overwrite the prefix window it reads)
+
+Tensors (T new tokens of the batch, B requests, H KV heads, Hq query heads, D head_dim;
+integer tensors any int dtype on the cache's device):
+  rows [B] req_to_token rows; seq_lens [B] (decode) cached length incl. the new token;
+  prefix_lens [B] / extend_lens [B] (extend) cached prefix and new tokens per request;
+  positions [T], slots [T] position and pool slot of each new token (request order);
+  owners [B] int64, the caller's id of each request (the ring of a row that another id
+  wrote restarts); q [T, Hq, D], k/v [T, H, D] bf16, unrotated (last dim contiguous);
+  outputs o [T, Hq, D] in q's dtype (or ``out``'s), unrotated.
+Without CUDA tensors (and OSCAR_FORCE_TRITON unset) every call takes the PyTorch reference
+(oscar_kernels.reference): the same protocol and bookkeeping, the oracle of the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import api
+from .hybrid_cache import HybridCache, assign_sink_slots, sink_slots_in_use, update_ring_validity
+
+PREFIX_READS = ("int2", "bf16", "flashinfer")
+
+
+@dataclass(frozen=True)
+class _DecodeBatch:
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    launch: object  # triton_decode.DecodeLaunch, None on the reference path
+
+
+@dataclass(frozen=True)
+class _ExtendBatch:
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    qo_indptr: torch.Tensor  # [B+1]
+    max_extend_len: int
+    prefix_lens_host: tuple[int, ...]
+    slots: torch.Tensor
+    positions: torch.Tensor
+    token_rows: torch.Tensor  # [T] request row of each new token
+    token_seq_ends: torch.Tensor  # [T] its request's length after this batch
+    k_rot: torch.Tensor  # bf16 [T, H, D]: the store's rotated k', v' for the attention
+    v_rot: torch.Tensor
+    launch: object  # triton_extend.ExtendLaunch (Triton path without FlashInfer), else None
+    flashinfer: bool  # FlashInfer's prefill, planned for this batch, does the attention
+
+
+class HybridAttention:
+    """See the module doc. ``cache``: the hybrid cache of every layer; ``num_q_heads``: query
+    heads (Hq, a multiple of the cache's H); ``sm_scale``: the attention scale of every layer;
+    ``max_batch``: most requests of a decode batch (default: the cache's request rows);
+    ``prefix_read``: how extend reads cached prefixes ("int2": unpacked inside the attention;
+    "bf16": materialised, then our BF16 attention; "flashinfer": materialised, then
+    FlashInfer's prefill, on CUDA; the others take "bf16"); ``decode_config``: a
+    triton_decode.DecodeConfig (e.g. batch_invariant_config); ``padding_page``: a page that
+    never gets BF16 sinks (SGLang's padding page 0, which padded batches write)."""
+
+    def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
+                 prefix_read: str = "int2", decode_config=None, padding_page: int | None = None):
+        if prefix_read not in PREFIX_READS:
+            raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
+        layer = cache.layers[0]
+        if num_q_heads % layer.num_kv_heads:
+            raise ValueError(f"{num_q_heads} query heads are not a multiple of {layer.num_kv_heads} KV heads")
+        self.cache, self.num_q_heads, self.sm_scale = cache, num_q_heads, float(sm_scale)
+        self.padding_page = padding_page
+        device = cache.req_to_token.device
+        self.triton = api.use_triton(cache.req_to_token)
+        self.flashinfer = api.make_flashinfer_extend(device) \
+            if prefix_read == "flashinfer" and device.type == "cuda" else None
+        self.prefix_read = "int2" if prefix_read == "int2" else "bf16"  # the Triton / reference read
+        self.workspace = None
+        if self.triton:  # decode scratch for the largest batch, before any CUDA-graph capture
+            self.workspace = api.make_decode_workspace(max_batch or cache.req_to_token.shape[0], num_q_heads,
+                                                       layer.num_kv_heads, layer.head_dim, device, decode_config)
+        self._groups_span_head = min(layer.key_group_size, layer.value_group_size) >= layer.head_dim
+        self._decode: _DecodeBatch | None = None
+        self._extend: _ExtendBatch | None = None
+
+    # -- plans (once per batch) -------------------------------------------------------
+
+    def plan_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """Plan a decode batch (one new token per request). Device ops only (the ring end
+        of each row), no host sync: recordable in a CUDA graph with static inputs."""
+        b = rows.shape[0]
+        launch = self.workspace.launch(b, self._groups_span_head) if self.workspace is not None and b else None
+        self._decode = _DecodeBatch(rows, seq_lens, positions, slots, launch)
+        self.cache.index.ring_end[rows] = seq_lens.to(self.cache.index.ring_end.dtype)
+
+    def plan_extend(self, rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                    positions: torch.Tensor, slots: torch.Tensor, *, prefix_lens_host: Sequence[int],
+                    extend_lens_host: Sequence[int], owners: torch.Tensor,
+                    live_rows: torch.Tensor | None = None) -> None:
+        """Plan an extend batch and apply its bookkeeping (sinks, ring validity).
+        ``*_host``: the same lengths as host ints (no device sync); ``live_rows``: rows of
+        the live requests, whose sink slots new sequences must not take (None: round-robin)."""
+        cache, index = self.cache, self.cache.index
+        layer = cache.layers[0]
+        prefix_host, ext_host = [int(n) for n in prefix_lens_host], [int(n) for n in extend_lens_host]
+        t = sum(ext_host)
+        if slots.shape != (t,) or positions.shape != (t,):
+            raise ValueError(f"slots/positions must have shape ({t},) (the extend lengths' sum), got "
+                             f"{tuple(slots.shape)}/{tuple(positions.shape)}")
+        prefix, ext = prefix_lens.long(), extend_lens.long()
+        seq_ends = prefix + ext
+        # sinks: every sequence that starts at position 0 here owns a fresh first page
+        firsts, start = [], 0
+        for p, e in zip(prefix_host, ext_host):
+            if p == 0 and e > 0:
+                firsts.append(start)
+            start += e
+        if firsts:
+            first = torch.tensor(firsts, dtype=torch.int64).to(slots.device, non_blocking=True)
+            in_use = None if live_rows is None else sink_slots_in_use(index, cache.req_to_token, live_rows)
+            assign_sink_slots(index, slots[first], layer.k_sink.shape[0], in_use)
+            if self.padding_page is not None:
+                index.sink_slot_of_page[self.padding_page] = -1
+        update_ring_validity(index, rows.long(), prefix, seq_ends, owners)
+        max_ext = max(ext_host, default=0)
+        fi = self.flashinfer is not None
+        if fi:
+            self.flashinfer.plan(prefix_host, ext_host, self.num_q_heads, layer.num_kv_heads, layer.head_dim,
+                                 self.sm_scale)
+            fi = self.flashinfer.fits
+        launch = None
+        if self.triton and not fi and t and max_ext:
+            from .triton_extend import extend_config, plan_extend_launch
+            launch = plan_extend_launch(prefix, prefix_host, max_ext, t, self.num_q_heads, layer.num_kv_heads,
+                                        layer.head_dim, extend_config(self.prefix_read))
+        k_rot = torch.empty(t, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=slots.device)
+        self._extend = _ExtendBatch(
+            rows=rows, prefix_lens=prefix, qo_indptr=torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0)),
+            max_extend_len=max_ext, prefix_lens_host=tuple(prefix_host), slots=slots, positions=positions,
+            token_rows=torch.repeat_interleave(rows, ext, output_size=t),
+            token_seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=t),
+            k_rot=k_rot, v_rot=torch.empty_like(k_rot), launch=launch, flashinfer=fi)
+
+    # -- runs (once per layer) --------------------------------------------------------
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the batch's new tokens in layer ``layer`` and attend: o [B, Hq, D]."""
+        plan = self._decode
+        if plan is None or q.shape[0] != plan.rows.shape[0]:
+            raise RuntimeError(f"decode of {q.shape[0]} requests, but the planned decode batch has "
+                               f"{None if plan is None else plan.rows.shape[0]}")
+        lc, rot, index, r2t = self._layer(layer)
+        api.store_kv(lc, index, rot, r2t, k, v, plan.slots, plan.positions, plan.rows, plan.seq_lens)
+        return api.decode_attention(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
+                                    workspace=self.workspace, launch=plan.launch)
+
+    def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the batch's new tokens in layer ``layer``, attend, write their ring cells:
+        o [T, Hq, D]."""
+        plan = self._extend
+        if plan is None or q.shape[0] != plan.slots.shape[0]:
+            raise RuntimeError(f"extend of {q.shape[0]} tokens, but the planned extend batch has "
+                               f"{None if plan is None else plan.slots.shape[0]}")
+        lc, rot, index, r2t = self._layer(layer)
+        meta = (plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends)
+        api.store_kv(lc, index, rot, r2t, k, v, *meta, write_ring=False, rotated_out=(plan.k_rot, plan.v_rot))
+        o = api.extend_attention(q, plan.k_rot, plan.v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens,
+                                 plan.qo_indptr, plan.max_extend_len, self.sm_scale, out,
+                                 prefix_read=self.prefix_read, prefix_lens_host=plan.prefix_lens_host,
+                                 flashinfer=self.flashinfer if plan.flashinfer else None, launch=plan.launch)
+        api.store_kv(lc, index, rot, r2t, k, v, *meta, write_int2=False, write_ring=True)
+        return o
+
+    def _layer(self, layer: int):
+        c = self.cache
+        return c.layers[layer], c.rotations[layer], c.index, c.req_to_token
