@@ -36,15 +36,18 @@ Without CUDA tensors (and OSCAR_FORCE_TRITON unset) every call takes the PyTorch
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from . import api
-from .hybrid_cache import HybridCache, assign_sink_slots, sink_slots_in_use, update_ring_validity
+from .hybrid_cache import (HybridCache, allocate_index, allocate_layer, assign_sink_slots, sink_slots_in_use,
+                           update_ring_validity)
 
 PREFIX_READS = ("int2", "bf16", "flashinfer")
+WARM_UP_ROWS = 5  # requests of the warm-up's decode: above triton_decode.SPLIT_MERGE_MAX_BATCH (both merges)
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,56 @@ class HybridAttention:
                                  flashinfer=self.flashinfer if plan.flashinfer else None, launch=plan.launch)
         api.store_kv(lc, index, rot, r2t, k, v, *meta, write_int2=False, write_ring=True)
         return o
+
+    # -- warm-up ----------------------------------------------------------------------
+
+    def warm_up(self) -> float:
+        """Run every default kernel path once on a private cache of this cache's layout (one
+        layer, the first layer's rotation, WARM_UP_ROWS requests), so that the just-in-time
+        compiles (Triton's, FlashInfer's) happen now and not in a user's first request: a
+        prefill, a second chunk that reads its cached prefix (sinks, INT2 history, ring), a
+        decode step of every request (the large-batch merge) and of one (the small-batch
+        merge). The real cache and index are not touched. Returns the seconds it took."""
+        start = time.perf_counter()
+        lc, index = self.cache.layers[0], self.cache.index
+        page, s, w = index.page_size, lc.sink_tokens, lc.recent_window
+        n = min(WARM_UP_ROWS, self.workspace.max_batch) if self.workspace is not None else WARM_UP_ROWS
+        prefix = -(-(s + w + 64) // page) * page  # past the sinks and the ring: an INT2 history to read
+        row_len = prefix + max(page, 64)
+        dev = self.cache.req_to_token.device
+        private = HybridCache(
+            [allocate_layer(n * row_len, lc.num_kv_heads, lc.head_dim, lc.key_group_size, s, w, n, n,
+                            lc.k_scales.dtype, dev, value_group_size=lc.value_group_size)],
+            self.cache.rotations[:1], allocate_index(n * row_len, page, n, n, dev),
+            torch.arange(n * row_len, dtype=torch.int32, device=dev).view(n, row_len))
+        real = self.cache
+        self.cache = private
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+
+            def step(b: int, n0: int, t: int):
+                rows = torch.arange(b, device=dev)
+                pos = (n0 + torch.arange(t, device=dev)).repeat(b)
+                slots = private.req_to_token[rows.repeat_interleave(t), pos]
+                q, k, v = (torch.randn(b * t, heads, lc.head_dim, generator=g).to(dev, torch.bfloat16)
+                           for heads in (self.num_q_heads, lc.num_kv_heads, lc.num_kv_heads))
+                if t == 1:
+                    self.plan_decode(rows, torch.full((b,), n0 + 1, device=dev), pos, slots)
+                    return self.decode(0, q, k, v)
+                self.plan_extend(rows, torch.full((b,), n0, device=dev), torch.full((b,), t, device=dev), pos,
+                                 slots, prefix_lens_host=[n0] * b, extend_lens_host=[t] * b,
+                                 owners=torch.ones(b, dtype=torch.int64, device=dev))
+                return self.extend(0, q, k, v)
+
+            step(n, 0, prefix)
+            step(n, prefix, 32)
+            step(n, prefix + 32, 1)
+            step(1, prefix + 33, 1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        finally:
+            self.cache, self._decode, self._extend = real, None, None
+        return time.perf_counter() - start
 
     def _layer(self, layer: int):
         c = self.cache

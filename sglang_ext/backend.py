@@ -126,6 +126,9 @@ class OscarAttnBackend(AttentionBackend):
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
                                          padding_page=PADDING_PAGE)
+        if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
+            logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",
+                        self.prefix_read, self.attention.warm_up())
 
     def _live_rows(self) -> Optional[torch.Tensor]:
         rows = rows_in_use(self.req_to_token_pool) if self.req_to_token_pool is not None else None
