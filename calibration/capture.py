@@ -12,8 +12,11 @@ tensors to a callback::
 
 Query head h belongs to KV head ``h // (Hq // Hkv)`` (transformers' ``repeat_kv``).
 Logits are bit-identical to ``attn_implementation="sdpa"`` (the same function runs).
-Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``
-(Qwen2/Qwen3/Llama/Mistral and most decoder-only models in transformers 5).
+Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``; the
+modules are found by what the callback needs (``layer_idx``, ``o_proj``,
+``num_key_value_groups``), not by projection names, so fused ``qkv_proj`` (Phi-3), partial
+rotary (GLM-4), q/k/v biases, qk-norm and MoE blocks need nothing special (the rows of
+:mod:`calibration.architectures` are tested in tests/test_calibration_architectures.py).
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ def attention_modules(model) -> list[torch.nn.Module]:
             and hasattr(m, "num_key_value_groups")]
     if not mods:
         raise ValueError(f"{type(model).__name__}: no attention modules with layer_idx/o_proj found "
-                         "(supported: Qwen2, Qwen3, Llama, Mistral families)")
+                         "(supported: decoder-only models whose attention goes through transformers' "
+                         "AttentionInterface, e.g. Llama, Mistral, Qwen2/3, Qwen3-MoE, Phi-3, GLM-4, Gemma)")
     return sorted(mods, key=lambda m: m.layer_idx)
 
 

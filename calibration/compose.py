@@ -9,6 +9,14 @@ Conventions (as in :mod:`calibration.transforms`): vectors are rows and a rotati
 - ``H``: the normalised Sylvester Hadamard over the whole head_dim;
   ``Hblock``: ``kron(I_{D/G}, H_G)``, a Hadamard inside each quantisation group of G channels.
 - ``P``: the bit-reversal permutation matrix, ``(x @ P)[i] = x[bitrev(i)]``.
+- A head_dim (or group) that is not a power of two (Phi-3: 96) takes the Sylvester-Paley
+  Hadamard ``H_8 (x) Paley_12`` of :func:`calibration.transforms.hadamard_any` and, for P,
+  :func:`calibration.transforms.dealing_permutation` (the bit reversal generalised); the
+  identities below that name the Sylvester matrix hold for powers of two only. Chosen by the
+  proxy (benchmarks/results/calibration_architectures.json, head_dim_96): on tinylm-A's real
+  statistics cut to 96 channels, U-H-P with it gives logit_rel 0.169 / out_rel 0.432 against
+  0.226-0.236 / 0.58-0.63 for Sylvester blocks (2 x 48, 3 x 32), 0.268 / 0.731 for the
+  eigenbasis alone and 0.206 / 0.500 for R = I.
 
 A variant name lists the factors in the order they act on a row vector, so
 ``"U-P-Hblock"`` means ``R = U @ P @ Hblock``: ``x' = ((x @ U) @ P) @ Hblock``.
@@ -41,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from .transforms import bit_reversal_permutation, block_hadamard_matrix, hadamard_matrix, permutation_matrix
+from .transforms import block_hadamard_matrix, dealing_permutation, hadamard_any, permutation_matrix
 
 VARIANTS = {
     "U-H-P": "R = U @ H @ P (the paper's R = U H P acting on row vectors; H over the head)",
@@ -60,7 +68,12 @@ def sorted_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [..., D] and eigenvectors as columns [..., D, D], each column's largest-|.| entry > 0."""
     c = c.double()
     c = (c + c.transpose(-1, -2)) / 2
-    vals, vecs = torch.linalg.eigh(c)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # head_dim-sized eigh: on 2 busy cores MKL's threads spin (1 s vs 15 ms per 128 x 128)
+    try:
+        vals, vecs = torch.linalg.eigh(c)
+    finally:
+        torch.set_num_threads(threads)
     vals, vecs = vals.flip(-1), vecs.flip(-1)
     pivot = vecs.abs().argmax(dim=-2, keepdim=True)
     sign = torch.sign(torch.gather(vecs, -2, pivot))
@@ -70,11 +83,11 @@ def sorted_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def factor(name: str, d: int, group_size: int) -> torch.Tensor:
     if name == "H":
-        return hadamard_matrix(d)
+        return hadamard_any(d)
     if name == "Hblock":
         return block_hadamard_matrix(d, group_size)
     if name == "P":
-        return permutation_matrix(bit_reversal_permutation(d))
+        return permutation_matrix(dealing_permutation(d))
     raise ValueError(f"unknown factor {name!r}")
 
 
@@ -97,7 +110,7 @@ def compose(u: torch.Tensor, variant: str, group_size: int) -> torch.Tensor:
 
 def hadamard_rotation(num_heads: int, d: int) -> torch.Tensor:
     """[H, D, D]: R = H for every head (recipe ``hadamard``)."""
-    return hadamard_matrix(d).expand(num_heads, d, d).clone()
+    return hadamard_any(d).expand(num_heads, d, d).clone()
 
 
 def identity_rotation(num_heads: int, d: int) -> torch.Tensor:

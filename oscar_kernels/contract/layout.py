@@ -31,9 +31,29 @@ def packed_dim(head_dim: int) -> int:
     return head_dim // CODES_PER_BYTE
 
 
+def _whole_planes(head_dim: int) -> tuple[int, ...]:
+    """D/4, D/2, D for a head_dim that is a multiple of 4 but not a power of two (96), else ():
+    groups of whole D/4-wide planes of int2's plane-major packing."""
+    d = head_dim
+    return (d // 4, d // 2, d) if d > 0 and d & (d - 1) and d % CODES_PER_BYTE == 0 else ()
+
+
+def group_size_problem(head_dim: int, group_size) -> str | None:
+    """Why ``group_size`` cannot store ``head_dim`` (a phrase "must be ..."), or None: allowed
+    are the powers of two dividing head_dim and, when head_dim is not a power of two, whole planes."""
+    g, planes = group_size, _whole_planes(head_dim)
+    if isinstance(g, int) and g >= 1 and head_dim % g == 0 and (not g & (g - 1) or g in planes):
+        return None
+    if planes:
+        return (f"must be a power of two dividing head_dim {head_dim}, "
+                f"or {planes[0]}, {planes[1]} or {planes[2]} (whole D/4 planes)")
+    return f"must be a power of two dividing head_dim {head_dim}"
+
+
 def check_group_size(head_dim: int, group_size: int) -> None:
-    if group_size < 1 or group_size & (group_size - 1) or head_dim % group_size:
-        raise ValueError(f"group size {group_size} must be a power of two dividing head_dim {head_dim}")
+    why = group_size_problem(head_dim, group_size)
+    if why:
+        raise ValueError(f"group size {group_size} {why}")
 
 
 def check_group_sizes(head_dim: int, key_group_size: int,

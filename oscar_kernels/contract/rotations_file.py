@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..hybrid_cache import LayerRotation
-from .layout import SCALE_DTYPES, KVLayout
+from .layout import SCALE_DTYPES, KVLayout, group_size_problem
 from .model_shape import ModelShape, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
@@ -201,8 +201,9 @@ def _validate(rot: Rotations, path: str) -> None:
         raise _fail(path, "num_layers/num_kv_heads/num_q_heads must be >= 1 and head_dim a multiple of 4")
     for name in ("group_size", "value_group_size"):
         g = getattr(m, name)
-        if not isinstance(g, int) or g < 1 or g & (g - 1) or m.head_dim % g:
-            raise _fail(path, f"{name} {g} must be a power of two dividing head_dim {m.head_dim}")
+        why = group_size_problem(m.head_dim, g)
+        if why:
+            raise _fail(path, f"{name} {g} {why}")
     if len(rot.layers) != m.num_layers:
         raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {m.num_layers}")
     h, d = m.num_kv_heads, m.head_dim
