@@ -156,9 +156,6 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
                          "rotations file's groups and one scale dtype)")
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        print(f"oscar-eval: error: {a.model}: not a model folder (no config.json)", file=sys.stderr)
-        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -167,6 +164,9 @@ def main(argv=None) -> int:
         for name, path in a.method:  # before the model loads: a bad file fails at once
             rotations[name] = (path, load_rotations(path))
             _check_disjoint(name, rotations[name][1].meta.calib_data)
+        if not os.path.isfile(os.path.join(a.model, "config.json")):
+            print(f"oscar-eval: error: {a.model}: not a model folder (no config.json)", file=sys.stderr)
+            return 2
         model, tok = _load_model(a.model, a.device, a.dtype)
         shape = ModelShape.from_hf_config(model.config)
         for path, rot in rotations.values():
