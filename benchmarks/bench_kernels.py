@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.testing
 
-from oscar_kernels import api
+from oscar_kernels.triton_store import triton_store
 from oscar_kernels import testing as kc
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, KVLayout, torch_scale_dtype
 from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode
@@ -167,7 +167,7 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None, workspace: DecodeWor
 
 
 def oscar_store(sc):
-    """One decode step's store: B tokens at position n-1 of every request (api.store_kv)."""
+    """One decode step's store: B tokens at position n-1 of every request (triton_store)."""
     b, n = len(sc.lens), sc.lens[0]
     rows = sc.rows.long()
     k = torch.randn(b, H, D, device="cuda", dtype=torch.bfloat16)
@@ -175,7 +175,7 @@ def oscar_store(sc):
     pos = torch.full((b,), n - 1, device="cuda", dtype=torch.int64)
     slots = sc.req_to_token[rows, n - 1].long()
     ends = pos + 1
-    return lambda: api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends)
+    return lambda: triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends)
 
 
 def try_time(name: str, make, rep: int = 40, calls: int = 1):

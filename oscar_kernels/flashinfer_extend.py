@@ -73,7 +73,7 @@ class FlashInferExtend:
     def run(self, q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
             index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
             prefix_lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """o [T, Hq, D] (api.extend_attention semantics) for the planned batch."""
+        """o [T, Hq, D] (HybridAttention.extend's attention) for the planned batch."""
         t, hq, d = q.shape
         if out is None:
             out = torch.empty_like(q)

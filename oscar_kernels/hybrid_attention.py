@@ -31,22 +31,42 @@ integer tensors any int dtype on the cache's device):
   owners [B] int64, the caller's id of each request (the ring of a row that another id
   wrote restarts); q [T, Hq, D], k/v [T, H, D] bf16, unrotated (last dim contiguous);
   outputs o [T, Hq, D] in q's dtype (or ``out``'s), unrotated.
-Without CUDA tensors (and OSCAR_FORCE_TRITON unset) every call takes the PyTorch reference
-(oscar_kernels.reference): the same protocol and bookkeeping, the oracle of the tests.
+Cache tensors: hybrid_cache.HybridLayerCache / HybridCacheIndex / LayerRotation.
+
+Dispatch: the Triton kernels (triton_store, triton_decode, triton_extend, flashinfer_extend)
+run when the cache is on CUDA, or everywhere when OSCAR_FORCE_TRITON=1 (CPU tests under
+TRITON_INTERPRET=1); otherwise every call takes the PyTorch reference (oscar_kernels.reference):
+the same protocol and bookkeeping, the oracle of the tests. The Triton modules are imported
+only on the Triton path, so the reference path never needs a working Triton.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from . import api
+from . import reference as ref
 from .hybrid_cache import (HybridCache, allocate_index, allocate_layer, assign_sink_slots, sink_slots_in_use,
                            update_ring_validity)
 
 PREFIX_READS = ("int2", "bf16", "flashinfer")
+def use_triton(t: torch.Tensor) -> bool:
+    """True when a cache on ``t``'s device runs the Triton kernels."""
+    return t.is_cuda or os.environ.get("OSCAR_FORCE_TRITON", "0") == "1"
+
+
+def flashinfer_import_error() -> ImportError | None:
+    """Why flashinfer (FlashInfer's prefill, a GPU dependency of sglang) does not import, or None."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        return e
+    return None
+
+
 WARM_UP_ROWS = 5  # requests of the warm-up's decode: above triton_decode.SPLIT_MERGE_MAX_BATCH (both merges)
 
 
@@ -96,14 +116,17 @@ class HybridAttention:
         self.cache, self.num_q_heads, self.sm_scale = cache, num_q_heads, float(sm_scale)
         self.padding_page = padding_page
         device = cache.req_to_token.device
-        self.triton = api.use_triton(cache.req_to_token)
-        self.flashinfer = api.make_flashinfer_extend(device) \
-            if prefix_read == "flashinfer" and device.type == "cuda" else None
+        self.triton = use_triton(cache.req_to_token)
+        self.flashinfer = None
+        if prefix_read == "flashinfer" and device.type == "cuda":
+            from .flashinfer_extend import FlashInferExtend
+            self.flashinfer = FlashInferExtend(device)
         self.prefix_read = "int2" if prefix_read == "int2" else "bf16"  # the Triton / reference read
         self.workspace = None
         if self.triton:  # decode scratch for the largest batch, before any CUDA-graph capture
-            self.workspace = api.make_decode_workspace(max_batch or cache.req_to_token.shape[0], num_q_heads,
-                                                       layer.num_kv_heads, layer.head_dim, device, decode_config)
+            from .triton_decode import DecodeWorkspace
+            self.workspace = DecodeWorkspace(max_batch or cache.req_to_token.shape[0], num_q_heads,
+                                             layer.num_kv_heads, layer.head_dim, device, decode_config)
         self._groups_span_head = min(layer.key_group_size, layer.value_group_size) >= layer.head_dim
         self._decode: _DecodeBatch | None = None
         self._extend: _ExtendBatch | None = None
@@ -177,9 +200,13 @@ class HybridAttention:
             raise RuntimeError(f"decode of {q.shape[0]} requests, but the planned decode batch has "
                                f"{None if plan is None else plan.rows.shape[0]}")
         lc, rot, index, r2t = self._layer(layer)
-        api.store_kv(lc, index, rot, r2t, k, v, plan.slots, plan.positions, plan.rows, plan.seq_lens)
-        return api.decode_attention(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
-                                    workspace=self.workspace, launch=plan.launch)
+        self._store(layer, k, v, plan.slots, plan.positions, plan.rows, plan.seq_lens)
+        if self.triton:
+            from .triton_decode import triton_decode
+            return triton_decode(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
+                                 launch=plan.launch)
+        o_rot = ref.reference_decode(_rotate(q, rot.k_rot), lc, index, r2t, plan.rows, plan.seq_lens, self.sm_scale)
+        return _output(o_rot, rot, q, out)
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,13 +218,36 @@ class HybridAttention:
                                f"{None if plan is None else plan.slots.shape[0]}")
         lc, rot, index, r2t = self._layer(layer)
         meta = (plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends)
-        api.store_kv(lc, index, rot, r2t, k, v, *meta, write_ring=False, rotated_out=(plan.k_rot, plan.v_rot))
-        o = api.extend_attention(q, plan.k_rot, plan.v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens,
-                                 plan.qo_indptr, plan.max_extend_len, self.sm_scale, out,
-                                 prefix_read=self.prefix_read, prefix_lens_host=plan.prefix_lens_host,
-                                 flashinfer=self.flashinfer if plan.flashinfer else None, launch=plan.launch)
-        api.store_kv(lc, index, rot, r2t, k, v, *meta, write_int2=False, write_ring=True)
+        k_rot, v_rot = self._store(layer, k, v, *meta, write_ring=False, rotated_out=(plan.k_rot, plan.v_rot))
+        if plan.flashinfer:
+            o = self.flashinfer.run(q, k_rot, v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens, out=out)
+        elif self.triton:
+            from .triton_extend import triton_extend
+            o = triton_extend(q, k_rot, v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens, plan.qo_indptr,
+                              plan.max_extend_len, self.sm_scale, out, launch=plan.launch)
+        else:
+            o_rot = ref.reference_extend(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
+                                         plan.prefix_lens, plan.qo_indptr, self.sm_scale)
+            o = _output(o_rot, rot, q, out)
+        self._store(layer, k, v, *meta, write_int2=False, write_ring=True)
         return o
+
+    def _store(self, layer: int, k, v, slots, positions, rows, seq_ends, *, write_int2=True, write_ring=True,
+               rotated_out=None):
+        """Rotate, clip, quantise, pack new tokens; write sinks and ring cells (the rules of
+        reference.reference_store); returns ``rotated_out`` (k', v' unclipped bf16 [T, H, D]) if given."""
+        lc, rot, index, r2t = self._layer(layer)
+        if self.triton:
+            from .triton_store import triton_store
+            triton_store(lc, index, rot, r2t, k, v, slots, positions, rows, seq_ends, write_int2, write_ring,
+                         rotated_out)
+        else:
+            k_rot, v_rot = ref.reference_store(lc, index, rot, r2t, k, v, slots, positions, rows, seq_ends,
+                                               write_int2, write_ring)
+            if rotated_out is not None:
+                rotated_out[0].copy_(k_rot)
+                rotated_out[1].copy_(v_rot)
+        return rotated_out
 
     # -- warm-up ----------------------------------------------------------------------
 
@@ -252,3 +302,16 @@ class HybridAttention:
     def _layer(self, layer: int):
         c = self.cache
         return c.layers[layer], c.rotations[layer], c.index, c.req_to_token
+
+
+def _rotate(q: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """q' = q R per query head's KV head (reference path)."""
+    return ref.rotate(q, ref.expand_gqa(rot, q.shape[1]))
+
+
+def _output(o_rot: torch.Tensor, rot, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """o = o' R_V^T in ``out`` (or q's dtype) (reference path)."""
+    o = ref.rotate(o_rot, ref.expand_gqa(rot.v_rot, q.shape[1]).transpose(-1, -2))
+    if out is None:
+        return o.to(q.dtype)
+    return out.copy_(o)

@@ -508,7 +508,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
                   workspace: DecodeWorkspace | None = None,
                   config: DecodeConfig | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
-    """Decode attention (api.decode_attention semantics): returns o [B, Hq, D] (q.dtype or
+    """Decode attention (reference.reference_decode between the rotations): returns o [B, Hq, D] (q.dtype or
     ``out``'s dtype), un-rotated. ``launch``: the batch's resolved launch
     (DecodeWorkspace.launch; else resolved here from ``workspace``/``config``). Allocates
     only when ``launch``/``workspace`` and ``out`` are None."""

@@ -223,7 +223,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
                   config: ExtendConfig | None = None, prefix_lens_host: Sequence[int] | None = None,
                   launch: ExtendLaunch | None = None) -> torch.Tensor:
-    """Extend attention (api.extend_attention semantics): q [T, Hq, D] unrotated; k_rot,
+    """Extend attention (reference.reference_extend between the rotations): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
     ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
     ``launch``: the batch's resolved launch (plan_extend_launch); else resolved here from

@@ -154,7 +154,7 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
                  slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True,
                  rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Launch the store kernel (shapes as in api.store_kv)."""
+    """Launch the store kernel (the rules of reference.reference_store; tensors as in hybrid_attention)."""
     t, h, d = k.shape
     if v.shape != k.shape or h != layer.num_kv_heads or d != layer.head_dim:
         raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not match the cache "

@@ -26,8 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from oscar_kernels import api
-from oscar_kernels.hybrid_attention import HybridAttention
+from oscar_kernels.hybrid_attention import HybridAttention, flashinfer_import_error, use_triton
 
 from .pool import OscarKVPool
 from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
@@ -60,7 +59,7 @@ def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = 
     """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device``:
     "int2" | "bf16" | "flashinfer" (the last only where flashinfer imports, on CUDA)."""
     cuda = torch.device(device).type == "cuda"
-    error = api.flashinfer_import_error() if cuda else None
+    error = flashinfer_import_error() if cuda else None
     read = resolve_extend_prefix(choice, cuda, error is None, deterministic)
     if read == "flashinfer" and error is not None:
         raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({error})")
@@ -121,8 +120,9 @@ class OscarAttnBackend(AttentionBackend):
         self.prefix_read = choose_prefix_read(extend_prefix, device, deterministic)
         rows = pool.req_to_token.shape[0]  # decode batches: at most one request per row
         config = None
-        if deterministic and api.use_triton(pool.req_to_token):
-            config = api.batch_invariant_decode_config(context_len, rows, num_q_heads, pool.head_dim)
+        if deterministic and use_triton(pool.req_to_token):
+            from oscar_kernels.triton_decode import batch_invariant_config
+            config = batch_invariant_config(context_len, rows, num_q_heads, pool.head_dim)
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
                                          padding_page=PADDING_PAGE)

@@ -19,8 +19,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.fixture(scope="module")
 def kernels():
-    from oscar_kernels import api, triton_decode, triton_extend, triton_store
-    return api, triton_store, triton_decode, triton_extend
+    from oscar_kernels import hybrid_attention, triton_decode, triton_extend, triton_store
+    return hybrid_attention, triton_store, triton_decode, triton_extend
 
 
 def _gpu(sc):
@@ -258,14 +258,14 @@ def test_extend_long_prefix(kernels):
 
 # ---------------------------------------------------------------- CUDA graphs
 def test_cuda_graph_store_and_decode(kernels):
-    api, _, _, _ = kernels
+    _, ts, td, _ = kernels
     from oscar_kernels import reference as ref
     lens0 = [1000, 3000, 50, 64]
     sc = kc.build_random([n + 8 for n in lens0], H=8, D=128, G=128, S=16, W=64, page=64, seed=8)
     b, hq, h, d = len(lens0), 32, 8, 128
     rows = sc.rows.long()
     ref_layer = kc.clone_layer(sc.layer)
-    ws = api.make_decode_workspace(b, hq, h, d, "cuda")
+    ws = td.DecodeWorkspace(b, hq, h, d, "cuda")
     n = torch.tensor(lens0, device="cuda")
     st = dict(q=torch.zeros(b, hq, d, dtype=torch.bfloat16, device="cuda"),
               k=torch.zeros(b, h, d, dtype=torch.bfloat16, device="cuda"),
@@ -274,10 +274,10 @@ def test_cuda_graph_store_and_decode(kernels):
               out=torch.zeros(b, hq, d, dtype=torch.bfloat16, device="cuda"))
 
     def step():
-        api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, st["k"], st["v"], st["slots"],
+        ts.triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, st["k"], st["v"], st["slots"],
                      st["pos"], rows, st["ends"])
-        api.decode_attention(st["q"], sc.layer, sc.index, sc.rotation, sc.req_to_token, rows, st["lens"],
-                             sc.sm_scale, out=st["out"], workspace=ws)
+        td.triton_decode(st["q"], sc.layer, sc.index, sc.rotation, sc.req_to_token, rows, st["lens"],
+                         sc.sm_scale, out=st["out"], workspace=ws)
 
     gen = torch.Generator(device="cuda").manual_seed(1)
 
@@ -320,7 +320,7 @@ def test_cuda_graph_store_and_decode(kernels):
 def test_one_compilation_serves_every_batch_size(kernels, layout):
     """CUDA-graph capture runs decode and store at ~36 batch sizes; each kernel must compile
     once for all of them (a batch-dependent constexpr cost ~3 s per size at server start)."""
-    api, ts, td, _ = kernels
+    _, ts, td, _ = kernels
 
     def variants(fn):
         return sum(len(caches[0]) for caches in fn.device_caches.values())
@@ -328,7 +328,7 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
     watched = (td._decode_stage1, td._decode_merge_row, td._decode_merge_split, ts._store_kernel)
     before = {fn: variants(fn) for fn in watched}
     h, hq, d = 2, 4, 128
-    ws = api.make_decode_workspace(64, hq, h, d, "cuda")
+    ws = td.DecodeWorkspace(64, hq, h, d, "cuda")
     for b in (1, 3, 8, 17, 64):
         lens = [700 + 37 * i for i in range(b)]
         sc = kc.build_random(lens, H=h, D=d, S=16, W=128, page=64, seed=b, **layout)
@@ -338,7 +338,7 @@ def test_one_compilation_serves_every_batch_size(kernels, layout):
         rows = sc.rows.long()
         pos = torch.tensor(lens, device="cuda") - 1
         kv = torch.randn(b, h, d, dtype=torch.bfloat16, device="cuda")
-        api.store_kv(sc.layer, sc.index, sc.rotation, sc.req_to_token, kv, kv, sc.req_to_token[rows, pos].long(),
+        ts.triton_store(sc.layer, sc.index, sc.rotation, sc.req_to_token, kv, kv, sc.req_to_token[rows, pos].long(),
                      pos, rows, pos + 1)
     torch.cuda.synchronize()
     added = {fn.__name__: variants(fn) - n for fn, n in before.items()}
@@ -357,12 +357,12 @@ def test_kernels_are_batch_invariant(kernels):
     """--enable-deterministic-inference: store, decode (batch_invariant_config, CUDA-graph
     style padding rows) and INT2 extend give a request bitwise the same result alone and in
     a batch of others, with the compiled kernels (the interpreter's dots are numpy's)."""
-    api, ts, td, te = kernels
+    _, ts, td, te = kernels
     h, hq, d = 2, 4, 128
     lens = [700, 3000, 9000, 150, 4100, 64, 12000, 2000]
     sc = kc.build_random(lens, H=h, D=d, G=128, S=16, W=128, page=64, seed=5)
     cfg = td.batch_invariant_config(16384, 64, hq, d)
-    ws = api.make_decode_workspace(64, hq, h, d, "cuda", cfg)
+    ws = td.DecodeWorkspace(64, hq, h, d, "cuda", cfg)
     q = kc.random_q(sc, hq, seed=5)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)

@@ -589,16 +589,16 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
         common.set_interp_tc_bits(0)
 
 
-# ---------------------------------------------------------------- api dispatch, end to end
+# ---------------------------------------------------------------- HybridAttention, end to end
 def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch):
-    from oscar_kernels import api
+    from oscar_kernels.hybrid_attention import use_triton
     sc = kc.build([48, 48], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=13)
     steps = [13, 20, 1, 1, 1]  # two prefill chunks, three decode steps
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "0")
-    assert not api.use_triton(torch.zeros(1))
+    assert not use_triton(torch.zeros(1))
     want, lay_ref = kc.attention_session(sc, steps, 4)
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
-    assert api.use_triton(torch.zeros(1))
+    assert use_triton(torch.zeros(1))
     got, lay_tri = kc.attention_session(sc, steps, 4)
     kc.assert_layers_close(lay_tri, lay_ref)
     for a, w in zip(got, want):

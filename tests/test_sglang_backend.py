@@ -357,29 +357,22 @@ def test_unsupported_modes_and_layers_fail_with_one_line():
 
 
 @pytest.mark.parametrize("read", ["int2", "bf16", "flashinfer", "auto"])
-def test_extend_passes_the_prefix_read_and_host_lengths_to_the_kernels(read):
-    """--oscar-extend-prefix reaches api.extend_attention with the batch's host prefix
-    lengths (the bf16 path sizes its scratch from them without a device sync); on a CPU
-    pool "flashinfer" has no FlashInfer object and the call takes the reference path, and
-    "auto" reads INT2."""
-    from unittest import mock
-
-    from oscar_kernels import api
-
+def test_extend_plans_the_prefix_read_with_the_host_lengths(read, monkeypatch):
+    """--oscar-extend-prefix reaches the extend plan with the batch's host prefix lengths
+    (the bf16 read sizes its scratch from them without a device sync); on a CPU pool
+    "flashinfer" has no FlashInfer object and takes our BF16 read, and "auto" reads INT2.
+    The Triton kernels run interpreted, and every output still matches the oracle."""
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
     sim = Sim(extend_prefix=read)
-    seen = []
-    real = api.extend_attention
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("prefix_read"), list(kwargs.get("prefix_lens_host")), kwargs.get("flashinfer")))
-        return real(*args, **kwargs)
-
-    with mock.patch.object(api, "extend_attention", spy):
-        sim.extend([dict(rid="a", row=1, content="A", prefix=0, new=20)])
-        sim.extend([dict(rid="a", row=1, content="A", prefix=20, new=12),
-                    dict(rid="b", row=2, content="B", prefix=0, new=5)])
-    want = "int2" if read in ("int2", "auto") else "bf16"
-    assert seen == [(want, [0], None)] * LAYERS + [(want, [20, 0], None)] * LAYERS
+    want_bf16 = read in ("bf16", "flashinfer")
+    assert sim.backend.attention.flashinfer is None
+    sim.extend([dict(rid="a", row=1, content="A", prefix=0, new=20)])
+    outs = sim.extend([dict(rid="a", row=1, content="A", prefix=20, new=12),
+                       dict(rid="b", row=2, content="B", prefix=0, new=5)])
+    launch = sim.backend.attention._extend.launch
+    assert launch.bf16_prefix == want_bf16 and launch.prefix_lens_host == ((20, 0) if want_bf16 else ())
+    for l, o in enumerate(outs):
+        close(o[:12], sim.expected(1, "a", l, 20, list(range(20, 32)), "A", 0))
 
 
 @pytest.mark.parametrize("choice, imports, want, deterministic", [
@@ -393,11 +386,11 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
     --enable-deterministic-inference "auto" reads INT2."""
     from unittest import mock
 
-    from oscar_kernels import api
+    from sglang_ext import backend
     from sglang_ext.backend import choose_prefix_read
 
     error = None if imports else ImportError("No module named 'flashinfer'")
-    with mock.patch.object(api, "flashinfer_import_error", lambda: error):
+    with mock.patch.object(backend, "flashinfer_import_error", lambda: error):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
                 choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
@@ -427,7 +420,7 @@ def test_one_attention_scale_for_every_layer():
 def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypatch):
     """--enable-deterministic-inference: the decode workspace carries a batch-invariant config
     (one split count, stage-1 shape and merge at every batch) and "auto" reads INT2."""
-    from oscar_kernels import api
+    from oscar_kernels.triton_decode import DecodeConfig
 
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the workspace is built for the Triton path only
     sim = Sim(extend_prefix="auto", deterministic=True, context_len=CTX)
@@ -437,7 +430,7 @@ def test_deterministic_backend_decodes_batch_invariantly_and_reads_int2(monkeypa
     assert len({(cfg.stage1_tiles(b), cfg.merge_grid_for(b)) for b in (1, ROWS)}) == 1
     assert cfg.min_chunk * cfg.max_splits >= CTX
     default = Sim().backend.attention.workspace.config
-    assert default == api.make_decode_workspace(1, HQ, H, D, "cpu").config
+    assert default == DecodeConfig()
 
 
 def test_backend_reads_the_oscar_settings_from_the_server_arguments(tmp_path, monkeypatch):
@@ -463,10 +456,10 @@ def test_backend_reads_the_oscar_settings_from_the_server_arguments(tmp_path, mo
         model=torch.nn.ModuleList(sim.layers))
     from unittest import mock
 
-    from oscar_kernels import api
+    from oscar_kernels import triton_decode
 
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")  # the decode workspace is built for Triton only
-    with mock.patch.object(api, "make_decode_workspace", lambda *a: a):
+    with mock.patch.object(triton_decode, "DecodeWorkspace", lambda *a: a):
         backend = OscarAttnBackend.from_model_runner(runner)
     assert backend.attention.workspace[:4] == (ROWS, HQ, H, D)  # rows, query and KV heads of this rank
     assert backend.prefix_read == "bf16" and not hasattr(sim.pool, "extend_prefix")
