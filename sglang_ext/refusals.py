@@ -188,8 +188,9 @@ def _model_config(sa):
 
 
 def _check_model(sa, settings) -> None:
-    """Refuse MLA and hybrid SWA / Mamba / linear-attention models; check the rotations
-    file against the model's attention shape and the tensor-parallel split."""
+    """Refuse MLA and hybrid SWA / Mamba / linear-attention models and attention geometries
+    the kernels cannot serve; check the rotations file against the model's attention shape
+    and the tensor-parallel split."""
     model_config = _model_config(sa)
     if model_config is None:
         return
@@ -205,21 +206,67 @@ def _check_model(sa, settings) -> None:
     if mambaish_config(model_config) is not None:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
                                f"Mamba/linear-attention models ({arch})")
-    _check_rotations_file(sa, settings, model_config)
-
-
-_VALIDATED_FILES: set = set()
-
-
-def _check_rotations_file(sa, settings, model_config) -> None:
-    from oscar_kernels.contract.model_shape import ModelShape, kv_heads_for_rank
-    from oscar_kernels.contract.rotations_file import RotationsFileError, load_rotations
+    from oscar_kernels.contract.model_shape import ModelShape
 
     try:
         shape = ModelShape.from_hf_config(model_config.hf_config)
     except (KeyError, TypeError, ValueError) as e:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE}: cannot read the attention shape "
                                f"of {sa.model_path} ({type(e).__name__}: {e})") from None
+    # before the rotations file: a file can be calibrated for a model the kernels cannot serve
+    _check_kernel_geometry(shape, model_config, arch)
+    _check_rotations_file(sa, settings, shape)
+
+
+def kernel_head_dim_problem(head_dim: int) -> str | None:
+    """Why the Triton attention kernels cannot run ``head_dim`` (a phrase), or None: decode
+    and extend need a power of two >= 64 (triton_decode.check_decode_inputs, triton_extend;
+    the store's multiple of 16 >= 32 is laxer)."""
+    if head_dim >= 64 and not head_dim & (head_dim - 1):
+        return None
+    return f"head_dim {head_dim} (the Triton kernels need a power-of-two head_dim >= 64)"
+
+
+def _check_kernel_geometry(shape, model_config, arch: str) -> None:
+    """Refuse an attention geometry the kernels cannot serve (one line naming the limit)."""
+    cannot = f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch}"
+    why = kernel_head_dim_problem(shape.head_dim)
+    if why:
+        raise OscarConfigError(f"{cannot}: {why}")
+    v_dim = getattr(model_config, "v_head_dim", None)
+    if v_dim is not None and v_dim != shape.head_dim:  # one head_dim for codes, rotations and kernels
+        raise OscarConfigError(f"{cannot}: value head_dim {v_dim} differs from the key head_dim "
+                               f"{shape.head_dim} (the INT2 cache needs one head_dim)")
+    if shape.num_q_heads % shape.num_kv_heads:  # query head h reads KV head h // (Hq / H)
+        raise OscarConfigError(f"{cannot}: {shape.num_q_heads} query heads are not a multiple of "
+                               f"{shape.num_kv_heads} KV heads")
+
+
+_VALIDATED_FILES: set = set()
+
+
+def attention_tp_size(sa) -> int:
+    """The attention tensor-parallel size: --tp-size, divided by --dp-size under DP attention."""
+    tp = getattr(sa, "tp_size", 1) or 1
+    if getattr(sa, "enable_dp_attention", False):
+        tp = max(tp // (getattr(sa, "dp_size", 1) or 1), 1)
+    return tp
+
+
+def check_tp_split(shape, tp: int) -> None:
+    """The heads of ``shape`` over ``tp`` attention-TP ranks, as SGLang's QKVParallelLinear
+    splits them (query heads in equal blocks; KV heads in blocks, or each replicated on
+    tp / H ranks), or ValueError with a one-line reason."""
+    from oscar_kernels.contract.model_shape import kv_heads_for_rank
+
+    if shape.num_q_heads % tp:
+        raise ValueError(f"{shape.num_q_heads} query heads cannot be split over tp_size {tp}")
+    kv_heads_for_rank(shape.num_kv_heads, tp, 0)
+
+
+def _check_rotations_file(sa, settings, shape) -> None:
+    from oscar_kernels.contract.rotations_file import RotationsFileError, load_rotations
+
     key = (settings.rotations_path, os.path.getmtime(settings.rotations_path), shape)
     if key not in _VALIDATED_FILES:  # __post_init__ and check_server_args both check
         try:
@@ -227,11 +274,8 @@ def _check_rotations_file(sa, settings, model_config) -> None:
         except RotationsFileError as e:
             raise OscarConfigError(f"--oscar-rotations: {e}") from None
         _VALIDATED_FILES.add(key)
-    tp = getattr(sa, "tp_size", 1) or 1
-    if getattr(sa, "enable_dp_attention", False):
-        tp = max(tp // (getattr(sa, "dp_size", 1) or 1), 1)
     try:
-        kv_heads_for_rank(shape.num_kv_heads, tp, 0)
+        check_tp_split(shape, attention_tp_size(sa))
     except ValueError as e:
         raise OscarConfigError(f"--tp-size {sa.tp_size}: {e}") from None
 
