@@ -1,0 +1,348 @@
+"""OscarHostKVPool: SGLang's HiCache host tier (L2) holding the INT2 cells of an OscarKVPool.
+
+How SGLang 0.5.17 builds and drives the host pool of an MHA model (read from
+``mem_cache/hiradix_cache.py``, ``mem_cache/pool_host/{base,mha}.py``,
+``managers/cache_controller.py``, ``mem_cache/hicache_storage.py``):
+
+- ``HiRadixCache.__init__``: ``isinstance(kv_cache, MHATokenToKVPool)`` (an OscarKVPool is one)
+  -> ``get_mha_host_pool_cls(kv_cache)(kv_cache, hicache_ratio, hicache_size, page_size,
+  hicache_mem_layout, allocator_type=...)``; the name is looked up in ``hiradix_cache``'s module
+  globals, so an AROUND hook on ``sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls``
+  (:func:`get_mha_host_pool_cls_hook`) picks this class for an OscarKVPool.
+- ``HostKVCache.__init__`` (pool_host/base.py): ``dtype = device_pool.store_dtype`` (uint8 here),
+  ``size_per_token = get_size_per_token()`` in bytes; ``size = hicache_size GB * 1e9 //
+  size_per_token`` if ``--hicache-size`` > 0, else ``device_pool.size * hicache_ratio``, then
+  ``page_num = size // page_size + 1`` and ``size = page_num * page_size``; it checks free host
+  RAM, calls ``init_kv_buffer()`` and builds the slot allocator (``alloc``/``free`` of whole
+  pages, ``available_size``, ``clear``; used unchanged). So giving ``get_size_per_token`` the true
+  INT2 bytes makes ``--hicache-ratio`` / ``--hicache-size`` mean what they mean for BF16.
+- ``HiCacheController`` (managers/cache_controller.py), per ``--hicache-io-backend``:
+  ``write()`` -> ``start_writing()``: ``backup_from_device_all_layer(device_pool, host_indices,
+  device_indices, io_backend)`` on its write stream (all layers at once; write_through /
+  write_through_selective / write_back only change *when* the radix cache calls ``write``);
+  ``load()`` -> ``start_loading()``: for each local layer i, ``load_to_device_per_layer(
+  device_pool, host_indices, device_indices, i, io_backend)`` on its load stream, then
+  ``producer_event.complete(i)``; the attention of layer i waits for that event through
+  ``device_pool.layer_transfer_counter.wait_until(i)`` (MHATokenToKVPool.get_key_buffer does it;
+  the oscar backend reads ``pool.cache`` directly, so it must make that call itself before a
+  layer's attention, or a hit reads cells the load stream has not written yet).
+  ``move_indices``: io 'direct' + layer_first: host indices sorted, device indices permuted
+  alike and moved to the CPU; 'direct' + page_first_direct: device indices to the CPU; other
+  layouts with 'direct' raise. io 'kernel': host indices moved to the device, for sgl_kernel's
+  ``transfer_kv_per_layer*`` / JIT ``transfer_hicache_*``, which copy one contiguous token row
+  of ``item_size`` bytes per buffer from ``k_buffer``/``v_buffer`` (or ``k_data_ptrs`` tables).
+- Storage (L3): backends 'hf3fs', 'mooncake', 'eic', 'nixl', 'simm', 'mori' (and 'dynamic' with
+  interface_v1) are zero-copy: ``get_page_buffer_meta`` pointer lists of BF16 K and V pages
+  (and ``get_ksize_per_token``, ``kv_buffer`` of shape (2, ...)). 'file' (HiCacheFile) goes
+  through ``get_data_page(host_index)`` (a flat page written as raw bytes) and
+  ``get_dummy_flat_data_page`` + ``set_from_flat_data_page(host_index, page)`` on a hit; the
+  file key is ``<hash>_<model_name>_<tp_rank>_<tp_size>``, which says nothing of the KV dtype
+  or the rotations (:func:`storage_config_hook` adds both).
+
+What this pool holds, per local layer and token (uint8 bytes, the device cell's content):
+
+    [ k codes H*D/4 | v codes H*D/4 | k (scale, min) H*D/G_K*2*e | v (scale, min) H*D/G_V*2*e ]
+
+(head-major on the device, token-major here: per token, head h's codes/scales are the h-th
+chunk of each segment). Only the INT2 cells: the BF16 sinks and rings stay on the device (the
+ring is per running request; a sink is a side copy). ``size_per_token`` = layers x that row =
+``OscarMemoryPlan.bytes_per_token``. Layouts (one uint8 tensor ``kv_buffer``, pinned by SGLang's
+``ALLOC_MEMORY_FUNCS`` when the device pool is on an accelerator):
+
+    layer_first        [L, size, B]          B = bytes of one token in one layer
+    page_first_direct  [page_num, L, P, B]   a page of all layers is one contiguous block
+
+Transfers ('direct' io backend): per layer, the device cells are gathered (index_select on
+the byte views of codes and scales) into one [n, B] staging tensor on the device and copied
+to contiguous host runs (non_blocking, from pinned memory), and the reverse for a load
+(host runs -> staging -> index_copy_ into the device views). Everything moves as bytes, so
+float8/float16 scales come back bit-exact. A load also unmaps the loaded device pages from
+the sink index (``sink_slot_of_page = -1``): the pages are new to the sequence, a mapping
+left there names another sequence's BF16 sinks, so positions < S read INT2 (the rule of a
+radix hit whose sink slot was reused). Refused in one line: io backend 'kernel' (its
+kernels copy one contiguous row per token of k_buffer/v_buffer; the cells are three
+head-major buffers per layer, so it would need a per-head, per-buffer item copy or a gather
+kernel; use --hicache-io-backend direct), layouts page_first (needs 'kernel'),
+page_first_kv_split and page_head, zero-copy storage backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Optional
+
+import torch
+
+from sglang.srt.mem_cache.pool_host.base import HostKVCache
+from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+
+from .pool import OscarKVPool
+
+SUPPORTED_LAYOUTS = ("layer_first", "page_first_direct")
+SUPPORTED_IO_BACKENDS = ("direct",)
+SUPPORTED_STORAGE_BACKENDS = (None, "file")
+
+_KERNEL_IO = ("--hicache-io-backend kernel cannot carry oscar_int2 cells (its kernels copy one "
+              "contiguous BF16 token row per K/V buffer; the cells are head-major codes and "
+              "scales): use --hicache-io-backend direct")
+
+
+def _refuse(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not supported with --kv-cache-dtype oscar_int2 and "
+                               f"--enable-hierarchical-cache")
+
+
+def hicache_refusal(server_args) -> Optional[str]:
+    """One line for HiCache settings this pool cannot serve (None: it can). For the start-up
+    refusals; SGLang turns layout page_first + io direct into page_first_direct itself."""
+    io = getattr(server_args, "hicache_io_backend", "kernel")
+    layout = getattr(server_args, "hicache_mem_layout", "page_first")
+    storage = getattr(server_args, "hicache_storage_backend", None)
+    if io == "kernel":
+        return _KERNEL_IO
+    if io not in SUPPORTED_IO_BACKENDS:
+        return f"--hicache-io-backend {io} is not supported with oscar_int2 (use direct)"
+    if layout not in SUPPORTED_LAYOUTS + ("page_first",):
+        return (f"--hicache-mem-layout {layout} is not supported with oscar_int2 "
+                f"(use layer_first or page_first_direct)")
+    if storage not in SUPPORTED_STORAGE_BACKENDS:
+        return (f"--hicache-storage-backend {storage} is not supported with oscar_int2 (zero-copy "
+                f"backends address BF16 K/V pages; use file)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CellLayout:
+    """Byte segments of one token's INT2 cell in one layer (H heads, codes Q = D/4 bytes)."""
+
+    num_heads: int
+    code_bytes: int  # Q, per head
+    k_scale_bytes: int  # D/G_K * 2 * e, per head
+    v_scale_bytes: int  # D/G_V * 2 * e, per head
+
+    @property
+    def segments(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, start, end) byte ranges of k codes, v codes, k scales, v scales."""
+        h, out, at = self.num_heads, [], 0
+        for name, per_head in (("k_packed", self.code_bytes), ("v_packed", self.code_bytes),
+                               ("k_scales", self.k_scale_bytes), ("v_scales", self.v_scale_bytes)):
+            out.append((name, at, at + h * per_head))
+            at += h * per_head
+        return tuple(out)
+
+    @property
+    def bytes_per_layer(self) -> int:
+        return self.segments[-1][2]
+
+
+def cell_layout(device_pool: OscarKVPool) -> CellLayout:
+    lc = device_pool.layers[0]
+    e = lc.k_scales.element_size()
+    return CellLayout(num_heads=lc.num_kv_heads, code_bytes=lc.k_packed.shape[-1],
+                      k_scale_bytes=lc.k_scales.shape[2] * 2 * e,
+                      v_scale_bytes=lc.v_scales.shape[2] * 2 * e)
+
+
+def device_byte_views(device_pool: OscarKVPool, layer: int) -> dict[str, torch.Tensor]:
+    """uint8 [slots, H, bytes per head] views of one local layer's codes and scales (strided)."""
+    lc = device_pool.layers[layer]
+    return {"k_packed": lc.k_packed, "v_packed": lc.v_packed,
+            "k_scales": lc.k_scales.view(torch.uint8).flatten(2),
+            "v_scales": lc.v_scales.view(torch.uint8).flatten(2)}
+
+
+def _runs(host: torch.Tensor, pos: torch.Tensor, page_size: int, split_pages: bool):
+    """Maximal runs of consecutive host slots (split at page ends if ``split_pages``):
+    list of (host_start, staging_start, length). host, pos: int64 CPU [n]."""
+    if host.numel() == 0:
+        return []
+    brk = host[1:] != host[:-1] + 1
+    if split_pages:
+        brk |= (host[1:] % page_size) == 0
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(brk).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([host.numel()])])
+    return [(int(host[s]), int(pos[s]), int(e - s)) for s, e in zip(starts.tolist(), ends.tolist())]
+
+
+class OscarHostKVPool(HostKVCache):
+    """Host copy of an OscarKVPool's INT2 cells (module doc). ``kv_buffer``: uint8, see the
+    layouts; ``cells``: the :class:`CellLayout`; ``size_per_token``: true bytes per token."""
+
+    device_pool: OscarKVPool
+
+    def __init__(self, device_pool: OscarKVPool, host_to_device_ratio: float, host_size: int,
+                 page_size: int, layout: str, pin_memory: bool = True, device: str = "cpu",
+                 allocator_type: str = "default", *, pool_label: str = "kv"):
+        if not isinstance(device_pool, OscarKVPool):
+            raise TypeError(f"OscarHostKVPool needs an OscarKVPool, got {type(device_pool).__name__}")
+        if layout not in SUPPORTED_LAYOUTS:
+            raise _refuse(f"--hicache-mem-layout {layout} (use layer_first or page_first_direct)")
+        if getattr(device_pool, "layer_shard_enabled", False):
+            raise _refuse("a layer-sharded device pool")
+        self.cells = cell_layout(device_pool)
+        self.layer_num = device_pool.layer_num
+        # pinning (cudaHostRegister) only means something for an accelerator's pool
+        super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout,
+                         pin_memory and str(device_pool.device) != "cpu", device, allocator_type,
+                         pool_label=pool_label)
+        self._plan_key = None
+
+    # -- sizing and buffers (called by HostKVCache.__init__) ----------------------------
+
+    def get_size_per_token(self) -> int:
+        return self.layer_num * self.cells.bytes_per_layer
+
+    def get_ksize_per_token(self):
+        raise _refuse("a storage backend that splits pages into K and V halves")
+
+    def init_kv_buffer(self) -> torch.Tensor:
+        b = self.cells.bytes_per_layer
+        if self.layout == "layer_first":
+            dims = (self.layer_num, self.size, b)
+        else:  # page_first_direct
+            dims = (self.page_num, self.layer_num, self.page_size, b)
+        alloc = ALLOC_MEMORY_FUNCS[str(self.device_pool.device)]
+        return alloc(dims, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory,
+                     allocator=self.allocator)
+
+    def host_rows(self, layer: int, start: int, length: int) -> torch.Tensor:
+        """uint8 [length, B] contiguous view of host slots start.. of one layer (within a
+        page for page_first_direct)."""
+        if self.layout == "layer_first":
+            return self.kv_buffer[layer, start:start + length]
+        page, off = divmod(start, self.page_size)
+        return self.kv_buffer[page, layer, off:off + length]
+
+    # -- transfers ----------------------------------------------------------------------
+
+    def _plan(self, device_pool, host_indices, device_indices):
+        """(device indices on the pool's device, host runs); cached for the per-layer calls of
+        one load (the controller passes the same tensors for every layer)."""
+        key = (host_indices, device_indices, device_pool)
+        if self._plan_key is not None and all(a is b for a, b in zip(self._plan_key, key)):
+            return self._plan_val
+        if host_indices.numel() != device_indices.numel():
+            raise ValueError(f"HiCache transfer: {host_indices.numel()} host slots for "
+                             f"{device_indices.numel()} device slots")
+        host = host_indices.to("cpu", torch.long)
+        dev = device_indices.to(device_pool.device, torch.long, non_blocking=True)
+        runs = _runs(host, torch.arange(host.numel()), self.page_size,
+                     self.layout == "page_first_direct")
+        self._plan_key, self._plan_val = key, (dev, runs)
+        return dev, runs
+
+    def _check_io(self, io_backend: str):
+        if io_backend == "kernel":
+            raise NotImplementedError(_KERNEL_IO)
+        if io_backend not in SUPPORTED_IO_BACKENDS:
+            raise _refuse(f"--hicache-io-backend {io_backend} (use direct)")
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
+                                     io_backend) -> None:
+        """Device cells at ``device_indices`` -> host slots ``host_indices``, every layer."""
+        self._check_io(io_backend)
+        dev, runs = self._plan(device_pool, host_indices, device_indices)
+        n, b = dev.numel(), self.cells.bytes_per_layer
+        for layer in range(self.layer_num):
+            views = device_byte_views(device_pool, layer)
+            staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
+            for name, s, e in self.cells.segments:
+                staging[:, s:e].copy_(views[name].index_select(0, dev).reshape(n, e - s))
+            for h, p, k in runs:
+                self.host_rows(layer, h, k).copy_(staging[p:p + k], non_blocking=True)
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id,
+                                 io_backend) -> None:
+        """Host slots ``host_indices`` -> device cells ``device_indices`` of local layer
+        ``layer_id`` only; at layer 0 the loaded pages also leave the sink index."""
+        self._check_io(io_backend)
+        dev, runs = self._plan(device_pool, host_indices, device_indices)
+        n, b = dev.numel(), self.cells.bytes_per_layer
+        if layer_id == 0:
+            self.unmap_sinks(device_pool, dev)
+        staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
+        for h, p, k in runs:
+            staging[p:p + k].copy_(self.host_rows(layer_id, h, k), non_blocking=True)
+        views = device_byte_views(device_pool, layer_id)
+        for name, s, e in self.cells.segments:
+            view = views[name]
+            view.index_copy_(0, dev, staging[:, s:e].reshape(n, *view.shape[1:]))
+
+    @staticmethod
+    def unmap_sinks(device_pool: OscarKVPool, device_indices: torch.Tensor) -> None:
+        """The pages of ``device_indices`` hold no sinks any more (their cells came from host)."""
+        index = device_pool.index
+        pages = device_indices // index.page_size
+        index.sink_slot_of_page.index_fill_(0, pages, -1)
+
+    # -- flat pages (the 'file' storage backend) ------------------------------------------
+
+    def _flat_page_shape(self):
+        return (self.layer_num, self.page_size, self.cells.bytes_per_layer)
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        """uint8 [L, P, B] (flattened if ``flat``) of the host page starting at slot ``index``:
+        the same bytes for both layouts, so a file written under one reads under the other."""
+        index = int(index)
+        if self.layout == "layer_first":
+            page = self.kv_buffer[:, index:index + self.page_size]
+        else:
+            page = self.kv_buffer[index // self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self._flat_page_shape(), dtype=torch.uint8, device=self.device,
+                           pin_memory=self.pin_memory).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        index = int(index)
+        page = data_page.view(torch.uint8).reshape(self._flat_page_shape())
+        if self.layout == "layer_first":
+            self.kv_buffer[:, index:index + self.page_size] = page
+        else:
+            self.kv_buffer[index // self.page_size] = page
+
+    def get_page_buffer_meta(self, indices):
+        raise _refuse("a zero-copy storage backend (it addresses BF16 K/V pages; use "
+                      "--hicache-storage-backend file)")
+
+    def get_split_heads_page_buffer_meta(self, indices, split_factor: int):
+        raise _refuse("--hicache-mem-layout page_head (split-head storage)")
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        return False  # no zero-copy storage path
+
+    # -- identity of the bytes, for storage keys ------------------------------------------
+
+    def storage_namespace(self) -> str:
+        """A name for what these bytes mean: cell geometry, scale dtype and a digest of the
+        rotations (cells written with other rotations must not be read back)."""
+        lc, c = self.device_pool.layers[0], self.cells
+        h = hashlib.sha256()
+        for rot in self.device_pool.rotations:
+            for f in rot.FIELDS:
+                h.update(getattr(rot, f).detach().to("cpu").contiguous().numpy().tobytes())
+        dtype = str(lc.k_scales.dtype).replace("torch.", "")
+        return (f"oscar_int2-L{self.layer_num}H{c.num_heads}D{lc.head_dim}g{lc.key_group_size}"
+                f"v{lc.value_group_size}-{dtype}-{h.hexdigest()[:16]}")
+
+
+# -- hooks (installed by the bridge) ---------------------------------------------------------
+
+def get_mha_host_pool_cls_hook(original, device_pool, *args, **kwargs):
+    """AROUND ``sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls``: the host pool class
+    for an OscarKVPool; SGLang's choice for any other pool."""
+    if isinstance(device_pool, OscarKVPool):
+        return OscarHostKVPool
+    return original(device_pool, *args, **kwargs)
+
+
+def storage_config_hook(result, controller, *args, **kwargs):
+    """AFTER ``sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config``:
+    the storage keys of an oscar host pool carry :meth:`OscarHostKVPool.storage_namespace`, so
+    a BF16 run or another rotations file sharing the directory never reads these pages."""
+    host = getattr(controller, "mem_pool_host", None)
+    if not isinstance(host, OscarHostKVPool):
+        return None
+    name = f"{result.model_name or ''}-{host.storage_namespace()}"
+    return dataclasses.replace(result, model_name=name)

@@ -1,0 +1,320 @@
+"""OscarHostKVPool (HiCache host tier of the INT2 cells) on CPU: layout, byte accounting,
+device (a CPU OscarKVPool stands in for GPU memory) <-> host transfers, flat pages, refusals."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang_ext.host_pool import (OscarHostKVPool, cell_layout, device_byte_views,  # noqa: E402
+                                  get_mha_host_pool_cls_hook, hicache_refusal, storage_config_hook)
+from sglang_ext.memory import bf16_bytes_per_token  # noqa: E402
+from sglang_ext.pool import OscarKVPool  # noqa: E402
+
+LAYOUTS = ("layer_first", "page_first_direct")
+SEGMENTS = ("k_packed", "v_packed", "k_scales", "v_scales")
+
+
+def device_pool(size=256, page=16, layers=3, heads=2, dim=64, group=32, seed=0, **kw):
+    from oscar_kernels.testing import random_rotation
+
+    g = torch.Generator().manual_seed(seed)
+    rots = [random_rotation(heads, dim, g) for _ in range(layers)]
+    r2t = torch.zeros(5, 4 * page, dtype=torch.int32)
+    pool = OscarKVPool(size, page, heads, dim, layers, "cpu", rotations=rots, req_to_token=r2t,
+                       sink_tokens=min(4, page), recent_window=8, group_size=group, **kw)
+    randomize(pool, seed + 1)
+    return pool
+
+
+def randomize(pool, seed):
+    """Random bytes in every INT2 cell (any float8/float16 bit pattern, NaNs included) and in
+    the BF16 side caches."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(pool.layer_num):
+        for view in device_byte_views(pool, layer).values():
+            view.copy_(torch.randint(0, 256, view.shape, generator=g, dtype=torch.uint8))
+        lc = pool.layers[layer]
+        for t in (lc.k_sink, lc.v_sink, lc.k_ring, lc.v_ring):
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def cells(pool, layer, slots):
+    """uint8 bytes of the cells at ``slots``: {segment: [n, H, bytes per head]}."""
+    idx = torch.as_tensor(slots, dtype=torch.long)
+    return {k: v.index_select(0, idx).clone() for k, v in device_byte_views(pool, layer).items()}
+
+
+def snapshot(pool):
+    """Every byte of the device pool: cells, BF16 side caches, sink index."""
+    out = {}
+    for layer, lc in enumerate(pool.layers):
+        for k, v in device_byte_views(pool, layer).items():
+            out[(layer, k)] = v.clone()
+        for k in ("k_sink", "v_sink", "k_ring", "v_ring"):
+            out[(layer, k)] = getattr(lc, k).clone()
+    out["sink_slot_of_page"] = pool.index.sink_slot_of_page.clone()
+    out["page_of_sink_slot"] = pool.index.page_of_sink_slot.clone()
+    return out
+
+
+def host_pool(dev, layout="layer_first", ratio=2.0, size_gb=0, cls=OscarHostKVPool):
+    return cls(dev, ratio, size_gb, dev.page_size, layout)
+
+
+def page_slots(pages, page):
+    return torch.cat([torch.arange(p * page, (p + 1) * page) for p in pages])
+
+
+# ---------------------------------------------------------------- layout and bytes
+
+@pytest.mark.parametrize("scale_dtype", ["float8_e4m3fn", "float16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bytes_per_token_are_the_device_int2_cells(layout, scale_dtype):
+    dev = device_pool(scale_dtype=scale_dtype, value_group_size=64)
+    host = host_pool(dev, layout)
+    per_slot = sum(v[0].numel() for lc_i in range(dev.layer_num)
+                   for v in device_byte_views(dev, lc_i).values())
+    e = 1 if scale_dtype.startswith("float8") else 2
+    # keys G=32, values G=64, D=64: codes 16 + 16, scales (2 + 1) groups x (scale, min) x e
+    assert host.size_per_token == per_slot == dev.plan.bytes_per_token == 3 * 2 * (32 + 3 * 2 * e)
+    assert host.cells == cell_layout(dev) and host.cells.bytes_per_layer == 2 * (32 + 6 * e)
+    # the host holds only the cells: one uint8 tensor of size x bytes per token, no BF16
+    assert host.kv_buffer.dtype == torch.uint8
+    assert host.kv_buffer.numel() == host.size * host.size_per_token
+    shape = ((3, host.size, host.cells.bytes_per_layer) if layout == "layer_first" else
+             (host.page_num, 3, 16, host.cells.bytes_per_layer))
+    assert tuple(host.kv_buffer.shape) == shape and host.kv_buffer.is_contiguous()
+    tensors = [v for v in vars(host).values() if isinstance(v, torch.Tensor)]
+    assert not any(t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in tensors)
+    assert bf16_bytes_per_token(3, 2, 64) / host.size_per_token > 5
+
+
+def test_size_follows_hicache_ratio_and_size_like_bf16():
+    dev = device_pool(size=256, page=16)
+    by_ratio = host_pool(dev, ratio=3.0)
+    # HostKVCache's rule: size = device tokens x ratio, rounded to whole pages (+1 page)
+    assert by_ratio.size == (int(256 * 3.0) // 16 + 1) * 16 and by_ratio.page_num == by_ratio.size // 16
+    gb = 1  # --hicache-size GB / true bytes per token
+    by_size = host_pool(dev, size_gb=gb)
+    tokens = int(gb * 1e9 // dev.plan.bytes_per_token)
+    assert by_size.size == (tokens // 16 + 1) * 16
+    assert by_size.kv_buffer.numel() == by_size.size * dev.plan.bytes_per_token
+
+
+# ---------------------------------------------------------------- transfers
+
+def round_trip(cls, page, layout, dev_pages_src, dev_pages_dst, seed=3):
+    dev = device_pool(size=max(8 * page, 256), page=page, seed=seed)
+    host = host_pool(dev, layout, ratio=2.0, cls=cls)
+    src = page_slots(dev_pages_src, page)
+    want = [cells(dev, layer, src) for layer in range(dev.layer_num)]
+    hidx = host.alloc(len(src))
+    host.backup_from_device_all_layer(dev, hidx, src, "direct")
+    randomize(dev, seed + 100)  # the device forgets the cells
+    dst = page_slots(dev_pages_dst, page)
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer(dev, hidx, dst, layer, "direct")
+    return dev, host, [cells(dev, layer, dst) for layer in range(dev.layer_num)], want
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page", [1, 64])
+def test_round_trip_is_bit_exact(page, layout):
+    """Cells of scattered device pages -> host -> other device pages: every byte of codes and
+    scales (float8, random bit patterns) comes back."""
+    src_pages, dst_pages = [5, 1, 6, 2], [3, 7, 4, 1]
+    if page == 1:  # single slots, unsorted, with host slots not in one run
+        src_pages, dst_pages = [9, 3, 250, 77, 128, 4, 5], [200, 17, 18, 90, 31, 2, 6]
+    dev, host, got, want = round_trip(OscarHostKVPool, page, layout, src_pages, dst_pages)
+    assert dev.layers[0].k_scales.dtype == torch.float8_e4m3fn
+    for layer in range(dev.layer_num):
+        for seg in SEGMENTS:
+            assert torch.equal(got[layer][seg], want[layer][seg]), (layer, seg)
+
+
+class _ScalesLost(OscarHostKVPool):
+    """A host pool whose backup carries the codes only (what SGLang's MHA host pool would do
+    with k_buffer/v_buffer): the host's scale bytes stay as they were (zero)."""
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
+        super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+        scales_at = self.cells.segments[2][1]
+        self.kv_buffer[..., scales_at:] = 0
+
+
+def test_round_trip_check_catches_lost_scales():
+    """Negative control: the round-trip comparison fails when the scales are not carried."""
+    dev, host, got, want = round_trip(_ScalesLost, 64, "layer_first", [5, 1], [3, 7])
+    assert all(torch.equal(got[0][s], want[0][s]) for s in ("k_packed", "v_packed"))
+    assert not torch.equal(got[0]["k_scales"], want[0]["k_scales"])
+    assert not torch.equal(got[0]["v_scales"], want[0]["v_scales"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_load_touches_only_that_layer_and_those_slots(layout):
+    page = 16
+    dev = device_pool(size=128, page=page, seed=7)
+    host = host_pool(dev, layout)
+    src = page_slots([2, 5], page)
+    hidx = host.alloc(len(src))
+    host.backup_from_device_all_layer(dev, hidx, src, "direct")
+    want = cells(dev, 1, src)
+    randomize(dev, 8)
+    # a sink slot mapped to a destination page (left by another sequence) and one elsewhere
+    dev.index.sink_slot_of_page[3] = 0
+    dev.index.page_of_sink_slot[0] = 3
+    dev.index.sink_slot_of_page[6] = 1
+    dev.index.page_of_sink_slot[1] = 6
+    before = snapshot(dev)
+    dst = page_slots([3, 7], page)
+    host.load_to_device_per_layer(dev, hidx, dst, 1, "direct")
+    after = snapshot(dev)
+    got = cells(dev, 1, dst)
+    assert all(torch.equal(got[s], want[s]) for s in SEGMENTS)
+    others = torch.ones(dev.layers[1].k_packed.shape[0], dtype=torch.bool)
+    others[dst] = False
+    for key, old in before.items():
+        if isinstance(key, tuple) and key[0] == 1 and key[1] in SEGMENTS:
+            assert torch.equal(after[key][others], old[others]), key  # only the loaded slots
+            assert not torch.equal(after[key][dst], old[dst]), key
+        else:
+            assert torch.equal(after[key], old), key  # other layers, BF16 caches, sink index
+    # layer 0 of the same load also drops the loaded pages from the sink index, only them
+    host.load_to_device_per_layer(dev, hidx, dst, 0, "direct")
+    sinks = dev.index.sink_slot_of_page
+    assert int(sinks[3]) == -1 and int(sinks[7]) == -1 and int(sinks[6]) == 1
+    assert torch.equal(dev.index.page_of_sink_slot, before["page_of_sink_slot"])
+
+
+def test_indices_on_any_device_and_dtype_and_sorted_host_order():
+    """The controller hands int64 host indices (sorted for layer_first, device indices
+    permuted alike) and CPU device indices for 'direct'; int32 works too."""
+    dev = device_pool(size=64, page=1, seed=11)
+    host = host_pool(dev)
+    src = torch.tensor([40, 3, 17, 9], dtype=torch.int32)
+    hidx = host.alloc(4)
+    host.backup_from_device_all_layer(dev, hidx, src, "direct")
+    order = torch.argsort(hidx, descending=True)
+    want = cells(dev, 2, src[order].long())
+    randomize(dev, 12)
+    dst = torch.tensor([5, 6, 7, 8])
+    host.load_to_device_per_layer(dev, hidx[order], dst, 2, "direct")
+    got = cells(dev, 2, dst)
+    assert all(torch.equal(got[s], want[s]) for s in SEGMENTS)
+    with pytest.raises(ValueError, match="host slots for"):
+        host.load_to_device_per_layer(dev, hidx[:3], dst, 0, "direct")
+
+
+def test_alloc_and_free_are_sglangs_page_allocator():
+    dev = device_pool(size=64, page=16)
+    host = host_pool(dev, ratio=1.0)
+    total = host.available_size()
+    assert total == host.size
+    a = host.alloc(32)
+    assert a.numel() == 32 and host.available_size() == total - 32
+    host.free(a)
+    assert host.available_size() == total
+
+
+# ---------------------------------------------------------------- flat pages (file storage)
+
+def test_flat_pages_are_layout_independent_and_round_trip(tmp_path, monkeypatch):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    page = 16
+    dev = device_pool(size=64, page=page, seed=21)
+    lf, pf = host_pool(dev, "layer_first"), host_pool(dev, "page_first_direct")
+    src = page_slots([1, 3], page)
+    want = [cells(dev, layer, src) for layer in range(dev.layer_num)]
+    h_lf, h_pf = lf.alloc(32), pf.alloc(32)
+    lf.backup_from_device_all_layer(dev, h_lf, src, "direct")
+    pf.backup_from_device_all_layer(dev, h_pf, src, "direct")
+    for i in (0, 16):
+        a, b = lf.get_data_page(h_lf[i]), pf.get_data_page(h_pf[i])
+        assert a.dtype == torch.uint8 and a.numel() == dev.plan.bytes_per_token * page
+        assert torch.equal(a, b)
+    assert torch.equal(lf.get_dummy_flat_data_page(), torch.zeros_like(a))
+    # through SGLang's file backend: written from the layer_first pool, read into a fresh one
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                               is_page_first_layout=False, model_name="m")
+    store = HiCacheFile(cfg, file_path=str(tmp_path / "hicache"))
+    assert store.batch_set(["p0", "p1"], [lf.get_data_page(h_lf[0]), lf.get_data_page(h_lf[16])])
+    fresh = host_pool(dev, "page_first_direct")
+    h_new = fresh.alloc(32)
+    got_pages = store.batch_get(["p0", "p1"], [fresh.get_dummy_flat_data_page() for _ in range(2)])
+    for i, data in zip((0, 16), got_pages):
+        fresh.set_from_flat_data_page(h_new[i], data)
+    randomize(dev, 22)
+    dst = page_slots([0, 2], page)
+    for layer in range(dev.layer_num):
+        fresh.load_to_device_per_layer(dev, h_new, dst, layer, "direct")
+        got = cells(dev, layer, dst)
+        assert all(torch.equal(got[s], want[layer][s]) for s in SEGMENTS), layer
+
+
+# ---------------------------------------------------------------- refusals and hooks
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_kv_split", "page_head"])
+def test_unsupported_layouts_refused_in_one_line(layout):
+    with pytest.raises(NotImplementedError) as e:
+        host_pool(device_pool(), layout)
+    assert "\n" not in str(e.value) and layout in str(e.value)
+
+
+def test_kernel_io_and_zero_copy_storage_refused_in_one_line():
+    dev = device_pool()
+    host = host_pool(dev)
+    hidx, didx = host.alloc(16), torch.arange(16, 32)
+    for call in (lambda: host.backup_from_device_all_layer(dev, hidx, didx, "kernel"),
+                 lambda: host.load_to_device_per_layer(dev, hidx, didx, 0, "kernel"),
+                 lambda: host.load_to_device_per_layer(dev, hidx, didx, 0, "kernel_ascend"),
+                 lambda: host.get_page_buffer_meta(hidx),
+                 lambda: host.get_ksize_per_token(),
+                 lambda: host.get_split_heads_page_buffer_meta(hidx, 2)):
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        assert "\n" not in str(e.value) and "oscar_int2" in str(e.value)
+    with pytest.raises(TypeError, match="needs an OscarKVPool"):
+        OscarHostKVPool(SimpleNamespace(), 2.0, 0, 16, "layer_first")
+
+
+@pytest.mark.parametrize("args,ok", [
+    (dict(hicache_io_backend="direct", hicache_mem_layout="layer_first"), True),
+    (dict(hicache_io_backend="direct", hicache_mem_layout="page_first"), True),  # SGLang -> _direct
+    (dict(hicache_io_backend="direct", hicache_mem_layout="page_first_direct",
+          hicache_storage_backend="file"), True),
+    (dict(hicache_io_backend="kernel", hicache_mem_layout="page_first"), False),  # SGLang defaults
+    (dict(hicache_io_backend="direct", hicache_mem_layout="page_head"), False),
+    (dict(hicache_io_backend="direct", hicache_mem_layout="layer_first",
+          hicache_storage_backend="mooncake"), False),
+])
+def test_start_up_refusal_line(args, ok):
+    reason = hicache_refusal(SimpleNamespace(**{"hicache_storage_backend": None, **args}))
+    assert (reason is None) == ok
+    if not ok:
+        assert "\n" not in reason and "oscar_int2" in reason
+
+
+def test_hooks_pick_the_oscar_host_pool_and_name_its_storage():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    dev = device_pool()
+    other = SimpleNamespace()
+    assert get_mha_host_pool_cls_hook(lambda p: "sglang's", dev) is OscarHostKVPool
+    assert get_mha_host_pool_cls_hook(lambda p: "sglang's", other) == "sglang's"
+    # built the way HiRadixCache.__init__ calls the class it gets
+    built = get_mha_host_pool_cls_hook(lambda p: None, dev)(dev, 2.0, 0, dev.page_size,
+                                                            "layer_first", allocator_type="file")
+    assert built.size_per_token == dev.plan.bytes_per_token and built.available_size() == built.size
+    cfg = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, False, "org/model")
+    host = host_pool(dev)
+    named = storage_config_hook(cfg, SimpleNamespace(mem_pool_host=host), "org/model", {})
+    assert named.model_name.startswith("org/model-oscar_int2-L3H2D64g32v32-float8_e4m3fn-")
+    assert storage_config_hook(cfg, SimpleNamespace(mem_pool_host=object()), "m", {}) is None
+    # other rotations: another name (their cells mean something else)
+    assert host_pool(device_pool(seed=5)).storage_namespace() != host.storage_namespace()
+    assert host_pool(device_pool(seed=0)).storage_namespace() == host.storage_namespace()
