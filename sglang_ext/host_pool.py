@@ -73,10 +73,8 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.mem_cache.pool_host.base import HostKVCache
-from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
-
 from .pool import OscarKVPool
+from .sglang_bridge import ALLOC_MEMORY_FUNCS, HostKVCache
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first_direct")
 SUPPORTED_IO_BACKENDS = ("direct",)

@@ -26,7 +26,10 @@ attention backend (also among SGLang's deterministic backends) and installs, thr
 8. ``PrefillAdder.add_one_req_ignore_eos`` / ``add_chunked_req``: the same alignment on the
    two chunking paths SGLang leaves unaligned (:mod:`sglang_ext.chunk_alignment`);
 9. ``ServerArgs.add_cli_args`` / ``__init__`` / ``__post_init__`` / ``check_server_args``:
-   the flags and the start-up defaults and refusals (:mod:`sglang_ext.server_args_hooks`).
+   the flags and the start-up defaults and refusals (:mod:`sglang_ext.server_args_hooks`);
+10. ``hiradix_cache.get_mha_host_pool_cls`` / ``HiCacheController._generate_storage_config``:
+   the INT2 host tier (:mod:`sglang_ext.host_pool`; --enable-hierarchical-cache is still
+   refused at start-up until it is checked on a GPU).
 Every hook passes through unchanged when the server is not serving ``oscar_int2``.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 
-from . import chunk_alignment, server_args_hooks
+from . import chunk_alignment, host_pool, server_args_hooks
 from .settings import FLAGS, OSCAR_ATTENTION_BACKEND, OSCAR_KV_DTYPE, is_oscar
 from .sglang_bridge import (ATTENTION_BACKEND_CHOICES, ATTENTION_BACKENDS,
                             DETERMINISTIC_ATTENTION_BACKEND_CHOICES, HOOK_TARGETS, Hook,
@@ -167,6 +170,8 @@ def hooks() -> list[Hook]:
         Hook(t["server_args_init"], server_args_hooks.init, around),
         Hook(t["server_args_post_init"], server_args_hooks.post_init, around),
         Hook(t["check_server_args"], server_args_hooks.check_server_args, after),
+        Hook(t["host_pool_cls"], host_pool.get_mha_host_pool_cls_hook, around),
+        Hook(t["hicache_storage_config"], host_pool.storage_config_hook, after),
     ]
 
 

@@ -40,6 +40,9 @@ try:
     # KV pool (pool.py)
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    # HiCache host tier (host_pool.py)
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+    from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
     # attention backend (backend.py, plugin.py)
     from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
                                                                 register_attention_backend)
@@ -67,10 +70,10 @@ except ImportError as e:
     raise _needs(str(e)) from None
 
 __all__ = [
-    "AddReqResult", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
+    "AddReqResult", "ALLOC_MEMORY_FUNCS", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
     "AttentionBackend", "AttentionType", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
     "ForwardMode", "GENERAL_PLUGINS_GROUP", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
-    "HookType", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
+    "HookType", "HostKVCache", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
     "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
@@ -96,6 +99,8 @@ HOOK_TARGETS = {
     "server_args_init": f"{_SERVER_ARGS}.__init__",
     "server_args_post_init": f"{_SERVER_ARGS}.__post_init__",
     "check_server_args": f"{_SERVER_ARGS}.check_server_args",
+    "host_pool_cls": "sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls",
+    "hicache_storage_config": "sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config",
 }
 
 
