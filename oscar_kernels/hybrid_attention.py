@@ -85,7 +85,6 @@ class _ExtendBatch:
     prefix_lens: torch.Tensor
     qo_indptr: torch.Tensor  # [B+1]
     max_extend_len: int
-    prefix_lens_host: tuple[int, ...]
     slots: torch.Tensor
     positions: torch.Tensor
     token_rows: torch.Tensor  # [T] request row of each new token
@@ -185,7 +184,7 @@ class HybridAttention:
         k_rot = torch.empty(t, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=slots.device)
         self._extend = _ExtendBatch(
             rows=rows, prefix_lens=prefix, qo_indptr=torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0)),
-            max_extend_len=max_ext, prefix_lens_host=tuple(prefix_host), slots=slots, positions=positions,
+            max_extend_len=max_ext, slots=slots, positions=positions,
             token_rows=torch.repeat_interleave(rows, ext, output_size=t),
             token_seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=t),
             k_rot=k_rot, v_rot=torch.empty_like(k_rot), launch=launch, flashinfer=fi)

@@ -11,6 +11,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import importlib
+import sys
+
 from oscar_kernels import reference as ref
 from oscar_kernels.hybrid_cache import (HybridCache, HybridCacheIndex, HybridLayerCache, LayerRotation,  # noqa: F401
                                         allocate_index, allocate_layer, assign_sink_slots, head_major)
@@ -351,3 +354,16 @@ def attention_session(sc: Scenario, steps, hq, seed=21, prefix_read="int2"):
             outs.append(attn.extend(0, q, k, v))
         n += t
     return outs, lay
+
+
+KERNEL_MODULES = ("triton_common", "triton_hybrid_attn", "triton_store", "triton_decode", "triton_materialize",
+                  "triton_extend")
+
+
+def interpreted_kernel_modules() -> list:
+    """The oscar_kernels Triton modules (KERNEL_MODULES order) as the interpreter runs them
+    (TRITON_INTERPRET=1 set by the caller), re-imported if something loaded them compiled."""
+    common = sys.modules.get("oscar_kernels.triton_common")
+    stale = common is not None and not common.INTERPRET
+    mods = [importlib.import_module(f"oscar_kernels.{name}") for name in KERNEL_MODULES]
+    return [importlib.reload(m) for m in mods] if stale else mods

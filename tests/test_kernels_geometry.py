@@ -12,9 +12,7 @@ batch < 16: every decode and extend case here identifies, per request and query 
 which KV head's cache and rotations the kernel's output came from, and fails unless it is
 head hq // (Hq / H). Short contexts (the interpreter runs every program in numpy).
 """
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -28,18 +26,7 @@ from oscar_kernels import reference as ref  # noqa: E402
 from oscar_kernels import testing as kc  # noqa: E402
 from oscar_kernels.contract.layout import KVLayout  # noqa: E402
 
-_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_hybrid_attn", "oscar_kernels.triton_store",
-                   "oscar_kernels.triton_decode", "oscar_kernels.triton_materialize", "oscar_kernels.triton_extend"]
-
-
-def _interpreted_modules():
-    """Import the kernel modules; re-import them if something loaded them compiled."""
-    common = sys.modules.get("oscar_kernels.triton_common")
-    stale = common is not None and not common.INTERPRET
-    return [importlib.reload(m) if stale else m for m in map(importlib.import_module, _KERNEL_MODULES)]
-
-
-_, _, store_mod, decode_mod, _, extend_mod = _interpreted_modules()
+_, _, store_mod, decode_mod, _, extend_mod = kc.interpreted_kernel_modules()
 
 # several INT2 splits per request at these small lengths (the launch shapes are the tuned ones)
 _SMALL = dict(min_chunk=16, target_programs=64, max_splits=4)

@@ -5,7 +5,6 @@ import itertools
 from dataclasses import replace
 import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -18,22 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from oscar_kernels import testing as kc  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
-_KERNEL_MODULES = ["oscar_kernels.triton_common", "oscar_kernels.triton_hybrid_attn", "oscar_kernels.triton_store",
-                   "oscar_kernels.triton_decode", "oscar_kernels.triton_materialize", "oscar_kernels.triton_extend"]
-
-
-def _interpreted_modules():
-    """Import the kernel modules; re-import them if something loaded them compiled."""
-    common = sys.modules.get("oscar_kernels.triton_common")
-    stale = common is not None and not common.INTERPRET
-    mods = []
-    for name in _KERNEL_MODULES:
-        mod = importlib.import_module(name)
-        mods.append(importlib.reload(mod) if stale else mod)
-    return mods
-
-
-_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = _interpreted_modules()
+_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = kc.interpreted_kernel_modules()
 
 # The interpreter's tl.dot runs on numpy, whose rounding can depend on shapes, alignment and
 # the CPU: bitwise properties are asserted on the GPU (test_kernels_gpu.py); here, the launch
