@@ -30,6 +30,9 @@ attention backend (also among SGLang's deterministic backends) and installs, thr
 10. ``hiradix_cache.get_mha_host_pool_cls`` / ``HiCacheController._generate_storage_config``:
    the INT2 host tier (:mod:`sglang_ext.host_pool`; --enable-hierarchical-cache is still
    refused at start-up until it is checked on a GPU).
+
+It also registers the ``--warmups`` function ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`),
+which the oscar_int2 defaults add to the server's warm-ups.
 Every hook passes through unchanged when the server is not serving ``oscar_int2``.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 
-from . import chunk_alignment, host_pool, server_args_hooks
+from . import chunk_alignment, host_pool, server_args_hooks, warmup
 from .settings import FLAGS, OSCAR_ATTENTION_BACKEND, OSCAR_KV_DTYPE, is_oscar
 from .sglang_bridge import (ATTENTION_BACKEND_CHOICES, ATTENTION_BACKENDS,
                             DETERMINISTIC_ATTENTION_BACKEND_CHOICES, HOOK_TARGETS, Hook,
@@ -187,6 +190,7 @@ def register() -> None:
     if _registered:
         return
     install_hooks(hooks())
+    warmup.register()
     add_server_args_fields([(flag.field, flag.type) for flag in FLAGS])
     if OSCAR_ATTENTION_BACKEND not in ATTENTION_BACKENDS:
         register_attention_backend(OSCAR_ATTENTION_BACKEND)(create_oscar_backend)

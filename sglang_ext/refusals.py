@@ -23,6 +23,7 @@ from .settings import (
     OSCAR_ATTENTION_BACKEND,
     OSCAR_KV_DTYPE,
     OscarConfigError,
+    WARMUP_NAME,
     given_flags,
     is_oscar,
     oscar_settings,
@@ -85,7 +86,7 @@ def _refuse(flag: str, why: str) -> OscarConfigError:
 
 def apply_oscar_defaults(server_args) -> None:
     """Before resolution: pick the oscar attention backend, a page size that holds the
-    sinks, and no prefill CUDA graph, unless the user chose otherwise (an explicit
+    sinks, no prefill CUDA graph and the oscar_prefix_read warm-up, unless the user chose otherwise (an explicit
     non-oscar attention backend is refused here, before SGLang resolves anything)."""
     check_stray_oscar_flags(server_args)
     if not is_oscar(server_args):
@@ -103,6 +104,9 @@ def apply_oscar_defaults(server_args) -> None:
     # lowest-precedence switch: --cuda-graph-backend-prefill / --cuda-graph-config still win
     # (and are checked after resolution)
     server_args.disable_prefill_cuda_graph = True
+    warmups = [w for w in (server_args.warmups or "").split(",") if w]
+    if WARMUP_NAME not in warmups and not server_args.skip_server_warmup:  # sglang_ext.warmup
+        server_args.warmups = ",".join(warmups + [WARMUP_NAME])
 
 
 # ---------------------------------------------------------------------------- checks

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 OSCAR_KV_DTYPE = "oscar_int2"
 OSCAR_ATTENTION_BACKEND = "oscar"
+WARMUP_NAME = "oscar_prefix_read"  # the --warmups function of sglang_ext.warmup
 
 # Defaults (one constant each).
 DEFAULT_SINK_TOKENS = 16

@@ -63,6 +63,9 @@ try:
                                         add_deterministic_attention_backend_choices,
                                         prepare_server_args)
     from sglang.srt.utils import kill_process_tree
+    # the start-up warm-up (warmup.py)
+    from sglang.srt.entrypoints.warmup import warmup as _warmup_decorator
+    from sglang.srt.managers.io_struct import GenerateReqInput
     # plugin mechanism
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -72,12 +75,12 @@ except ImportError as e:
 __all__ = [
     "AddReqResult", "ALLOC_MEMORY_FUNCS", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
     "AttentionBackend", "AttentionType", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
-    "ForwardMode", "GENERAL_PLUGINS_GROUP", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
+    "ForwardMode", "GENERAL_PLUGINS_GROUP", "GenerateReqInput", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
     "HookType", "HostKVCache", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
     "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
-    "register_attention_backend", "run_server",
+    "register_attention_backend", "register_warmup", "run_server",
 ]
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
@@ -145,6 +148,12 @@ def install_hooks(hooks: Sequence[Hook]) -> None:
 def apply_hooks() -> None:
     """Apply the registered hooks now (idempotent: patched targets are skipped)."""
     HookRegistry.apply_hooks()
+
+
+def register_warmup(name: str, fn: Callable) -> None:
+    """Make ``fn(disaggregation_mode, tokenizer_manager)`` (async) the --warmups function
+    ``name``: SGLang's warm-up registry, run before the server listens (idempotent)."""
+    _warmup_decorator(name)(fn)
 
 
 def add_server_args_fields(fields: Sequence[tuple[str, type]]) -> None:

@@ -23,8 +23,8 @@ import pytest
 from sglang_cases import SMALL_QWEN3, write_hadamard_file
 
 from sglang_ext.settings import (DEFAULT_PAGE_SIZE, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS,
-                                 FLAGS, OSCAR_KV_DTYPE, OscarConfigError, OscarSettings, is_oscar,
-                                 oscar_settings)
+                                 FLAGS, OSCAR_KV_DTYPE, WARMUP_NAME, OscarConfigError, OscarSettings,
+                                 is_oscar, oscar_settings)
 
 pytest.importorskip("sglang")
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
@@ -262,6 +262,22 @@ def test_defaults_applied_before_resolution(small_rot):
     sa = oscar_bare(small_rot, page_size=128)
     refusals.apply_oscar_defaults(sa)
     assert sa.page_size == 128
+
+
+def test_prefix_read_warmup_added_after_the_users_own(small_rot):
+    sa = oscar_bare(small_rot)
+    refusals.apply_oscar_defaults(sa)
+    assert sa.warmups == WARMUP_NAME
+    sa = oscar_bare(small_rot, warmups="voice_chat")
+    refusals.apply_oscar_defaults(sa)
+    refusals.apply_oscar_defaults(sa)  # idempotent
+    assert sa.warmups == f"voice_chat,{WARMUP_NAME}"
+    sa = oscar_bare(small_rot, skip_server_warmup=True)
+    refusals.apply_oscar_defaults(sa)
+    assert sa.warmups is None
+    sa = bare_args()
+    refusals.apply_oscar_defaults(sa)
+    assert sa.warmups is None
 
 
 def _fake_model_config(**kw):
