@@ -27,7 +27,7 @@ order inside a dot is (2p + e); q' operands are gathered in the same order once 
 and divided by STEP_i (exact), and outputs are stored back to their channels. V stays bf16:
 its other operand, w = p * scale, needs bf16's range.
 
-Orientation (chosen from sm_90 SASS, oscar_kernels/aot_sm90.py): scores are computed transposed,
+Orientation (chosen from sm_90 SASS, benchmarks/aot_sm90.py): scores are computed transposed,
 s^T [tokens, rows] = codes [tokens, D/8] @ q'^T, so the unpacked K codes are the tensor-core
 A operand straight from shared memory (ldmatrix); V pairs are loaded transposed
 [D/8, tokens] (ldmatrix.trans of 16-bit elements) and acc^T [D/8, rows] += codes^T @ w.

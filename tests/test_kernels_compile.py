@@ -1,6 +1,6 @@
 """The Triton kernels compile for Hopper (sm_90a) ahead of time, without a GPU.
 
-Runs oscar_kernels/aot_sm90.py in a subprocess (it needs compiled, not interpreted, kernels) and
+Runs benchmarks/aot_sm90.py in a subprocess (it needs compiled, not interpreted, kernels) and
 checks every kernel launch of store / decode / extend compiled, and that the decode
 kernels do not spill registers. The main layouts run by default; the others (group sizes,
 head_dim 64, MHA, no BF16 side cache, float8 groups of 64) with OSCAR_AOT_ALL=1.
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @functools.lru_cache(maxsize=None)  # several tests read the same case's records
 def _run(case: str) -> tuple[dict, ...]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "oscar_kernels.aot_sm90", "--case", case], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.aot_sm90", "--case", case], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=1200)
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert recs, f"no kernels compiled:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

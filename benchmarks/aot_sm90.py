@@ -5,7 +5,7 @@ kernel launch is intercepted and compiled with ``triton.compile`` for the sm_90 
 then ``ptxas -v`` reports registers and spills. Catches GPU-only failures (inline PTX,
 layouts, shared memory) on a machine without CUDA.
 
-Usage: python -m oscar_kernels.aot_sm90 [--case NAME ...] [--kernel NAME] [--opcodes] [--dump DIR]
+Usage: python -m benchmarks.aot_sm90 [--case NAME ...] [--kernel NAME] [--opcodes] [--dump DIR]
 (prints one JSON line per kernel launch: registers, spills, and per loop of its SASS the
 instruction count, spill instructions and, with --opcodes, the opcode histogram; --dump writes
 each launch's TTGIR, PTX and SASS to DIR/CASE.N.KERNEL.{ttgir,ptx,sass}, N its launch index)
