@@ -151,13 +151,12 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=eos)
 
 
-def hf_config(arch: Architecture, vocab_size: int, special_id: int = 0):
-    """The transformers config object of ``arch`` (architectures set, BOS/EOS/pad = ``special_id``)."""
+def hf_config(arch: Architecture, vocab_size: int):
+    """The transformers config object of ``arch`` (architectures set, BOS/EOS/pad = token 0)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(arch.model_type, vocab_size=vocab_size, bos_token_id=special_id,
-                                eos_token_id=special_id, pad_token_id=special_id,
-                                architectures=[arch.architecture], **arch.config)
+    return AutoConfig.for_model(arch.model_type, vocab_size=vocab_size, bos_token_id=0, eos_token_id=0,
+                                pad_token_id=0, architectures=[arch.architecture], **arch.config)
 
 
 def build_model(arch: Architecture, vocab_size: int, seed: int = 0):

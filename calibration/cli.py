@@ -22,9 +22,6 @@ from .compose import VARIANTS
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES
 from oscar_kernels.contract.rotations_file import RECIPES
 
-SUBCOMMANDS = ("import-oscar-zoo", "proxy")
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model folder (config.json, weights, tokenizer)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")

@@ -68,13 +68,11 @@ class AttentionStats:
     """Capture callback accumulating C_Q, C_S and K/V reservoirs for every layer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device="cpu",
-                 reservoir_tokens: int = 0, skip_first: int = 0, seed: int = 0,
-                 covariances: bool = True):
+                 reservoir_tokens: int = 0, skip_first: int = 0, seed: int = 0):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.covariances = covariances
         shape = (num_layers, num_kv_heads, head_dim, head_dim)
-        self.sum_qq = torch.zeros(shape, dtype=torch.float64, device=device) if covariances else None
-        self.sum_oo = torch.zeros(shape, dtype=torch.float64, device=device) if covariances else None
+        self.sum_qq = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.sum_oo = torch.zeros(shape, dtype=torch.float64, device=device)
         self.tokens = [0] * num_layers
         self.skip_first = skip_first
         self.k_res = [Reservoir(reservoir_tokens, seed + 2 * l) for l in range(num_layers)]
@@ -85,10 +83,9 @@ class AttentionStats:
         if hkv != self.num_kv_heads or d != self.head_dim or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer}: captured K/V of shape {tuple(k.shape)}, expected "
                              f"{self.num_kv_heads} KV heads of head_dim {self.head_dim}")
-        if self.covariances:
-            for acc, x in ((self.sum_qq, q), (self.sum_oo, o)):
-                rows = group_by_kv_head(x.detach(), hkv).to(acc.device, torch.float64)
-                acc[layer] += rows.transpose(1, 2) @ rows
+        for acc, x in ((self.sum_qq, q), (self.sum_oo, o)):
+            rows = group_by_kv_head(x.detach(), hkv).to(acc.device, torch.float64)
+            acc[layer] += rows.transpose(1, 2) @ rows
         self.tokens[layer] += b * t
         if self.k_res[layer].capacity and t > self.skip_first:
             # [B, H, T, D] -> token rows [B * (T - skip), H, D]; both reservoirs draw the same slots
@@ -106,8 +103,6 @@ class AttentionStats:
         return self._normalised(self.sum_oo)
 
     def _normalised(self, acc):
-        if acc is None:
-            raise ValueError("covariances were not accumulated")
         n = torch.tensor(self.tokens, dtype=torch.float64, device=acc.device)
         if (n == 0).any():
             raise ValueError("some layers saw no calibration tokens")
