@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    args.model, args.rotations = os.path.abspath(args.model), os.path.abspath(args.rotations)  # the server's cwd is --code
 
     need = max(max(s + n for s, n in GREEDY_SET), 2 * args.prompt_tokens)
     ids = corpus_ids(args.model, need)
@@ -79,7 +80,8 @@ def main() -> None:
     server = h.Server("oscar", ["--model-path", args.model, "--kv-cache-dtype", "oscar_int2",
                                 "--oscar-rotations", args.rotations, "--chunked-prefill-size", "1024",
                                 "--page-size", "64", "--mem-fraction-static", args.mem_fraction_static,
-                                "--sampling-backend", "pytorch", "--log-level", "info"], log_dir, env=env)
+                                "--sampling-backend", "pytorch", "--log-level", "info"], log_dir, env=env,
+                      cwd=os.path.abspath(args.code))
     ready = server.start()
     try:
         n = args.prompt_tokens

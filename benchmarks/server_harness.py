@@ -129,8 +129,9 @@ class Server:
     """One ``oscar-sglang serve`` process group."""
 
     def __init__(self, name: str, args: list[str], log_dir: str, port: int | None = None,
-                 env: dict | None = None):
-        self.name = name
+                 env: dict | None = None, cwd: str | None = None):
+        """``cwd``: the server's working folder (``python -m`` imports from it first)."""
+        self.name, self.cwd = name, cwd
         self.port = port or free_port()
         self.cmd = [sys.executable, "-m", "sglang_ext.launcher", "serve", *args,
                     "--host", "127.0.0.1", "--port", str(self.port)]
@@ -152,7 +153,8 @@ class Server:
         log(f"{self.name}: starting server on port {self.port} (log {self.log_path})")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
+                                     start_new_session=True)
         _LIVE.append(self)
         next_note = t0 + 30
         while True:
