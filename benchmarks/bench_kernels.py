@@ -35,7 +35,7 @@ import triton.testing
 from oscar_kernels.triton_store import triton_store
 from oscar_kernels import testing as kc
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES, KVLayout, torch_scale_dtype
-from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, int2_bytes_read, triton_decode
+from oscar_kernels.triton_decode import DecodeConfig, DecodeWorkspace, triton_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +79,20 @@ def copy_bandwidth(gbytes: float = 4.0) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
     return 2 * n / (ms * 1e-3) / 1e9
+
+
+def int2_bytes_read(layer, seq_lens: list[int], num_q_heads: int) -> int:
+    """Bytes decode must read for the given lengths: codes + scales of every INT2 position,
+    bf16 K/V of the sink and ring windows, req_to_token entries and q (for GBps figures)."""
+    h, d = layer.num_kv_heads, layer.head_dim
+    s, w = layer.sink_tokens, layer.recent_window
+    per_int2 = 2 * layer.k_packed.shape[-1] + (layer.k_scales[0, 0].numel() + layer.v_scales[0, 0].numel()) \
+        * layer.k_scales.element_size()
+    total = 0
+    for n in seq_lens:
+        bf = min(n, s + w)
+        total += h * ((n - bf) * per_int2 + bf * 2 * d * 2) + 4 * n
+    return total + len(seq_lens) * num_q_heads * d * 2
 
 
 def bf16_bytes(batch: int, context: int) -> int:

@@ -10,12 +10,8 @@ no allocation when a :class:`DecodeWorkspace` is given):
    through req_to_token. Each writes a partial (o~, lse) per query head; one program
    serves all Hq/H query heads of its KV head, so every byte of the cache is read once.
    All tiles are transposed ([tokens, rows] scores, [channels, rows] accumulators), so the
-   few query rows of a KV head sit on the small side of the tensor-core shapes. The INT2
-   part (triton_hybrid_attn) uses
-        q'.k_t = sum_i scale_{t,i} (q'_i . c_{t,i}) + min_{t,i} sum(q'_i)
-        sum_t p_t v_t |plane i = (p * scale_i) @ C_i + sum_t p_t min_{t,i}
-   (plane i = channels [i D/4, (i+1) D/4), one group per plane when G >= D/4), so codes go
-   straight into tensor-core dots; for G < D/4 the codes are dequantised per channel.
+   few query rows of a KV head sit on the small side of the tensor-core shapes; the INT2
+   part is triton_hybrid_attn's (raw codes in tensor-core dots, its module doc).
    The number of INT2 splits of request b is decided on device:
         ns_b = min(NS, max(1, cdiv(L_b, MIN_CHUNK))),  L_b = INT2 positions of b,
    under NS = clamp(target_programs // (B * H), 1, max_splits) of the batch size (by default
@@ -399,22 +395,16 @@ class DecodeWorkspace:
         split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
         self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
-    def launch(self, batch: int, groups_span_head: bool = True, config: DecodeConfig | None = None) -> "DecodeLaunch":
+    def launch(self, batch: int, groups_span_head: bool = True) -> "DecodeLaunch":
         """The resolved launch of a batch of ``batch`` requests (once per batch, shared by
         every layer): its split count, stage-1 tiles, merge and views of this scratch.
-        ``groups_span_head``: both K and V have one INT2 group per head (DecodeConfig.stage1_tiles);
-        another ``config`` may only lower the split count below what the workspace was sized for."""
+        ``groups_span_head``: both K and V have one INT2 group per head (DecodeConfig.stage1_tiles)."""
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
-        cfg = config or self.config
-        ns = self.config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
-        if config is not None:
-            ns = min(ns, config.splits_for(batch, self.num_kv_heads, self.device, groups_span_head))
+        cfg = self.config
+        ns = cfg.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
         split_merge = cfg.merge_grid_for(batch) == "split"
         hq, d = self.num_q_heads, self.head_dim
-        if split_merge and self.o_rot.numel() < batch * hq * d:
-            raise ValueError(f"a batch of {batch} runs the split merge: its workspace must be made with a config "
-                             "that runs it too (the o' buffer)")
         return DecodeLaunch(
             batch=batch, splits=ns, min_chunk=cfg.min_chunk, tiles=cfg.stage1_tiles(batch, groups_span_head),
             split_merge=split_merge, merge_width=self.merge_width, pdl=pdl_supported(self.device),
@@ -510,8 +500,8 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   config: DecodeConfig | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
     """Decode attention (reference.reference_decode between the rotations): returns o [B, Hq, D] (q.dtype or
     ``out``'s dtype), un-rotated. ``launch``: the batch's resolved launch
-    (DecodeWorkspace.launch; else resolved here from ``workspace``/``config``). Allocates
-    only when ``launch``/``workspace`` and ``out`` are None."""
+    (DecodeWorkspace.launch; else resolved here from ``workspace``, or from a workspace made
+    here with ``config``). Allocates only when ``launch``/``workspace`` and ``out`` are None."""
     check_decode_inputs(q, layer, rotation, rows, seq_lens)
     b, hq, d = q.shape
     h = layer.num_kv_heads
@@ -525,7 +515,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
             workspace = DecodeWorkspace(b, hq, h, d, q.device, config)
         elif (workspace.num_q_heads, workspace.num_kv_heads, workspace.head_dim) != (hq, h, d):
             raise ValueError("workspace was allocated for other head counts / head_dim")
-        launch = workspace.launch(b, min(layer.key_group_size, layer.value_group_size) >= d, config)
+        launch = workspace.launch(b, min(layer.key_group_size, layer.value_group_size) >= d)
     elif launch.q_rot.shape != (b, hq, d):
         raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
     check_last_dim_contiguous("out", out)
@@ -558,16 +548,3 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         )
     return out
 
-
-def int2_bytes_read(layer: HybridLayerCache, seq_lens: list[int], num_q_heads: int) -> int:
-    """Bytes decode must read for the given lengths: codes + scales of every INT2 position,
-    bf16 K/V of the sink and ring windows, req_to_token entries and q (for GBps figures)."""
-    h, d = layer.num_kv_heads, layer.head_dim
-    s, w = layer.sink_tokens, layer.recent_window
-    per_int2 = 2 * layer.k_packed.shape[-1] + (layer.k_scales[0, 0].numel() + layer.v_scales[0, 0].numel()) \
-        * layer.k_scales.element_size()
-    total = 0
-    for n in seq_lens:
-        bf = min(n, s + w)
-        total += h * ((n - bf) * per_int2 + bf * 2 * d * 2) + 4 * n
-    return total + len(seq_lens) * num_q_heads * d * 2

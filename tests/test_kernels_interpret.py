@@ -365,18 +365,6 @@ def test_merge_splits_small_batches_only():
         torch.testing.assert_close(got.float(), kc.decode_reference(sc, q).float(), rtol=3e-2, atol=3e-2)
 
 
-def test_split_merge_needs_a_workspace_made_for_it():
-    """A batch-invariant workspace has no o' buffer: a default config's small batch is refused."""
-    td = triton_decode_mod
-    sc = kc.build([9, 50], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
-    q = kc.random_q(sc, 4)
-    lens = torch.tensor(sc.lens, dtype=torch.int32)
-    ws = td.DecodeWorkspace(2, 4, 2, 64, "cpu", replace(td.DecodeConfig(**_SMALL), batch_invariant=True))
-    with pytest.raises(ValueError, match="split merge"):
-        td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale,
-                         workspace=ws, config=td.DecodeConfig(**_SMALL))
-
-
 def test_decode_workspace_reuse_and_out():
     sc = kc.build([20, 33], H=2, D=64, G=16, S=4, W=8, page=8, seed=12)
     cfg = triton_decode_mod.DecodeConfig(**_SMALL)
