@@ -177,7 +177,7 @@ def oscar_decode(sc, q, config: DecodeConfig | None = None, workspace: DecodeWor
     lens = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     return lambda: triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
-                                 sc.sm_scale, out=out, workspace=ws, config=cfg)
+                                 sc.sm_scale, out=out, workspace=ws)
 
 
 def oscar_store(sc):
