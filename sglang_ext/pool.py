@@ -25,8 +25,7 @@ import torch
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, torch_scale_dtype
 from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import Rotations, RotationsMeta, load_rotations
-from oscar_kernels.hybrid_cache import (HybridCache, HybridLayerCache, LayerRotation, allocate_index,
-                                        allocate_layer)
+from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 from .settings import oscar_settings
@@ -149,12 +148,6 @@ class OscarKVPool(MHATokenToKVPool):
             if hasattr(self, name):
                 delattr(self, name)
 
-    def layer_cache(self, layer_id: int) -> HybridLayerCache:
-        return self.layers[layer_id - self.start_layer]
-
-    def layer_rotation(self, layer_id: int) -> LayerRotation:
-        return self.rotations[layer_id - self.start_layer]
-
     def _get_key_buffer(self, layer_id: int):  # packed codes, never a dtype view
         return self.k_buffer[layer_id - self.start_layer]
 
@@ -175,8 +168,8 @@ class OscarKVPool(MHATokenToKVPool):
             v += nbytes(lc.v_packed, lc.v_scales, lc.v_sink, lc.v_ring, rot.v_rot,
                         rot.v_clip_min, rot.v_clip_max)
         idx = self.index
-        k += nbytes(idx.sink_slot_of_page, idx.page_of_sink_slot, idx.ring_valid_from,
-                    idx.ring_owner, idx.ring_end)
+        k += nbytes(idx.sink_slot_of_page, idx.page_of_sink_slot, idx.sink_generation,
+                    idx.ring_valid_from, idx.ring_owner, idx.ring_end)
         return k, v
 
     def set_kv_buffer(self, *args, **kwargs):

@@ -157,7 +157,7 @@ class Sim:
         window ends at the prefix length for extend, at the length incl. the new token
         for decode (``window_end``)."""
         window_end = n_prefix if window_end is None else window_end
-        rot = self.pool.layer_rotation(layer)
+        rot = self.pool.rotations[layer]
         keys, vals = [], []
         n_all = n_prefix + len(new_positions)
         for j in range(n_all):

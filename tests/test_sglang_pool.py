@@ -118,14 +118,14 @@ def test_pool_buffers_shapes_and_true_bytes():
     slots = 256 + 16
     assert pool.dtype == torch.bfloat16 and pool.store_dtype == torch.uint8
     for l in range(2):
-        lc = pool.layer_cache(l)
+        lc = pool.layers[l]
         assert pool.get_key_buffer(l) is lc.k_packed and pool.get_value_buffer(l) is lc.v_packed
         assert lc.k_packed.shape == (slots, 2, 16) and lc.k_packed.dtype == torch.uint8
         assert pool.k_scale_buffer[l] is lc.k_scales
         assert lc.v_scales.shape == (slots, 2, 2, 2) and lc.v_scales.dtype == torch.float8_e4m3fn  # the default
         assert lc.k_sink.shape == (6, 4, 2, 64) and lc.k_sink.dtype == torch.bfloat16
         assert lc.v_ring.shape == (5, 8, 2, 64) and lc.v_ring.dtype == torch.bfloat16
-        assert pool.layer_rotation(l).k_rot.dtype == torch.float32
+        assert pool.rotations[l].k_rot.dtype == torch.float32
     assert pool.index.sink_slot_of_page.shape == (slots // 16,)
     assert pool.index.ring_owner.shape == pool.index.ring_end.shape == (5,)
     assert pool.cache.layers is pool.layers and pool.cache.index is pool.index
@@ -137,7 +137,7 @@ def test_pool_with_value_groups_of_their_own():
     slots = 256 + 16
     assert pool.plan.value_group_size == 64 and pool.plan.bytes_per_token == 2 * 2 * (2 * 16 + (4 + 1) * 2)
     for l in range(2):
-        lc = pool.layer_cache(l)
+        lc = pool.layers[l]
         assert lc.k_scales.shape == (slots, 2, 4, 2) and lc.v_scales.shape == (slots, 2, 1, 2)
         assert lc.v_scales.dtype == torch.float8_e4m3fn and pool.v_scale_buffer[l] is lc.v_scales
         assert (lc.key_group_size, lc.value_group_size) == (16, 64)
@@ -179,12 +179,12 @@ def test_attention_over_the_pool_stores_like_the_reference():
     want = allocate_layer(256 + page, 2, 64, 32, 4, 8, pool.plan.num_sink_slots, 5)
     index = allocate_index(256 + page, page, pool.plan.num_sink_slots, 5)
     assign_sink_slots(index, pool.req_to_token[row:row + 1, 0], pool.plan.num_sink_slots)
-    ref.reference_store(want, index, pool.layer_rotation(1), pool.req_to_token, k, v, slots, pos,
+    ref.reference_store(want, index, pool.rotations[1], pool.req_to_token, k, v, slots, pos,
                         torch.full((20,), row), torch.full((20,), 20))
-    got = pool.layer_cache(1)
+    got = pool.layers[1]
     for name in ("k_packed", "v_packed", "k_scales", "k_sink", "v_sink", "k_ring", "v_ring"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert not pool.layer_cache(0).k_packed.any()  # other layers untouched
+    assert not pool.layers[0].k_packed.any()  # other layers untouched
     assert int(pool.index.ring_owner[row]) == 7 and int(pool.index.ring_end[row]) == 20
 
 
@@ -239,7 +239,7 @@ def test_value_group_size_from_the_file_reaches_plan_and_pool(tmp_path):
     assert plan.bytes_per_token == 2 * 2 * (2 * 16 + (4 + 1) * 2)
     pool = build_pool_for_configurator(kvc, 128, SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32)))
     assert pool.plan == plan and sum(pool.get_kv_size_bytes()) == plan.pool_bytes(128)
-    assert pool.layer_cache(0).k_scales.shape[2:] == (4, 2) and pool.layer_cache(0).v_scales.shape[2:] == (1, 2)
+    assert pool.layers[0].k_scales.shape[2:] == (4, 2) and pool.layers[0].v_scales.shape[2:] == (1, 2)
 
 
 def test_rotations_for_another_model_fail_with_one_line(tmp_path, tinylm_dir):
