@@ -12,7 +12,9 @@ caches:
   skipping those a live sequence reads when the caller says which (:func:`sink_slots_in_use`),
   so only sinks of finished or radix-cached sequences are evicted (and fall back to INT2),
   and a page shared by a prefix hit keeps the sinks of whoever computed it (a shared first
-  page means identical tokens < S).
+  page means identical tokens < S). ``sink_generation[c]`` counts the times slot ``c`` was
+  handed out: a copy of a first page that noted (c, generation) finds its sinks still in
+  slot ``c`` while the count is unchanged (the HiCache host tier, sglang_ext.host_pool).
 - **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``,
   valid for positions ``p >= ring_valid_from[row]`` (where the request began computing).
   ``ring_owner[row]`` (the caller's id of the request that wrote the ring) and
@@ -47,9 +49,9 @@ class LayerRotation:
     v_clip_min: torch.Tensor
     v_clip_max: torch.Tensor
 
-    def to(self, device=None, dtype=torch.float32) -> "LayerRotation":
-        return LayerRotation(*(getattr(self, f).to(device=device, dtype=dtype).contiguous()
-                               for f in self.FIELDS))
+    def to(self, device) -> "LayerRotation":
+        """float32 copies on ``device``."""
+        return LayerRotation(*(getattr(self, f).to(device, torch.float32).contiguous() for f in self.FIELDS))
 
 
 @dataclass
@@ -101,6 +103,7 @@ class HybridCacheIndex:
     ring_valid_from: torch.Tensor  # int32 [num_rows]
     ring_owner: torch.Tensor  # int64 [num_rows], caller's id of the request that wrote the ring
     ring_end: torch.Tensor  # int64 [num_rows], sequence length the row's last batch reached
+    sink_generation: torch.Tensor  # int64 [num_sink_slots], times each sink slot was handed out
     sink_cursor: int = 0  # next sink slot handed out (host-side counter, no sync)
 
 
@@ -158,6 +161,7 @@ def allocate_index(num_slots: int, page_size: int, num_sink_slots: int, num_rows
         ring_valid_from=torch.zeros(num_rows, dtype=torch.int32, device=device),
         ring_owner=torch.zeros(num_rows, dtype=torch.int64, device=device),
         ring_end=torch.zeros(num_rows, dtype=torch.int64, device=device),
+        sink_generation=torch.zeros(max(num_sink_slots, 1), dtype=torch.int64, device=device),
     )
 
 
@@ -210,6 +214,8 @@ def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_si
                            largest=False).indices
     index.sink_slot_of_page[pages] = slots.to(torch.int32)
     index.page_of_sink_slot[slots] = pages.to(torch.int32)
+    # after the mapping: a reader that sees the new count also sees the new owner
+    index.sink_generation[slots] += 1
     index.sink_cursor = (index.sink_cursor + k) % num_sink_slots
 
 
