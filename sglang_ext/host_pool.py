@@ -56,10 +56,24 @@ Transfers ('direct' io backend): per layer, the device cells are gathered (index
 the byte views of codes and scales) into one [n, B] staging tensor on the device and copied
 to contiguous host runs (non_blocking, from pinned memory), and the reverse for a load
 (host runs -> staging -> index_copy_ into the device views). Everything moves as bytes, so
-float8/float16 scales come back bit-exact. A load also unmaps the loaded device pages from
-the sink index (``sink_slot_of_page = -1``): the pages are new to the sequence, a mapping
-left there names another sequence's BF16 sinks, so positions < S read INT2 (the rule of a
-radix hit whose sink slot was reused). Refused in one line: io backend 'kernel' (its
+float8/float16 scales come back bit-exact.
+
+Sinks (the rule of a radix hit: BF16 sinks while the sequence's sink slot still holds them,
+else INT2). The BF16 sinks stay on the device; what the host keeps per host page is the sink
+slot its backup found valid for the device page (``sink_of_host_page``, -1: none) and, per
+sink slot, which host page claimed it at which ``index.sink_generation`` (the count of
+times the slot was handed out). A backup claims slot c only once per generation: a device
+page keeps its stale mapping after SGLang frees it, so a later page there (a middle page of
+another sequence) would otherwise claim the sinks of the first page that held it. A load
+maps a loaded page back to its slot when the claim is its own and the generation unchanged
+(nobody was given the slot since: it still holds that page's sinks), and unmaps every other
+loaded page (``sink_slot_of_page = -1``: a mapping left there names another sequence's
+sinks), so positions < S read INT2. A freed host page forgets its slot (storage may refill
+it). All of it is device ops on the transfer's stream (no host sync); a slot handed out
+while a load maps it back leaves one of the two reading INT2, never another sequence's
+sinks (a sequence writes sinks only where the mapping is valid for its first page).
+
+Refused in one line: io backend 'kernel' (its
 kernels copy one contiguous row per token of k_buffer/v_buffer; the cells are three
 head-major buffers per layer, so it would need a per-head, per-buffer item copy or a gather
 kernel; use --hicache-io-backend direct), layouts page_first (needs 'kernel'),
@@ -80,9 +94,15 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first_direct")
 SUPPORTED_IO_BACKENDS = ("direct",)
 SUPPORTED_STORAGE_BACKENDS = (None, "file")
 
-_KERNEL_IO = ("--hicache-io-backend kernel cannot carry oscar_int2 cells (its kernels copy one "
-              "contiguous BF16 token row per K/V buffer; the cells are head-major codes and "
-              "scales): use --hicache-io-backend direct")
+_KERNEL_IO = ("--hicache-io-backend kernel (SGLang's default) cannot carry oscar_int2 cells (its "
+              "kernels copy one contiguous BF16 token row per K/V buffer; the cells are head-major "
+              "codes and scales): add --hicache-io-backend direct")
+_LAYOUT_WHY = {
+    "page_first_kv_split": "it stores a page's K and V halves apart; a cell interleaves K and V "
+                           "codes and scales",
+    "page_head": "it splits pages by KV head for split-head storage, which this pool does not "
+                 "implement for the cells",
+}
 
 
 def _refuse(what: str) -> NotImplementedError:
@@ -99,13 +119,15 @@ def hicache_refusal(server_args) -> Optional[str]:
     if io == "kernel":
         return _KERNEL_IO
     if io not in SUPPORTED_IO_BACKENDS:
-        return f"--hicache-io-backend {io} is not supported with oscar_int2 (use direct)"
+        return (f"--hicache-io-backend {io} is not supported with oscar_int2 (its transfers copy "
+                f"BF16 K/V rows; use direct)")
     if layout not in SUPPORTED_LAYOUTS + ("page_first",):
-        return (f"--hicache-mem-layout {layout} is not supported with oscar_int2 "
-                f"(use layer_first or page_first_direct)")
+        why = _LAYOUT_WHY.get(layout, "the host tier holds the cells in two layouts only")
+        return (f"--hicache-mem-layout {layout} is not supported with oscar_int2 ({why}; "
+                f"use layer_first or page_first_direct)")
     if storage not in SUPPORTED_STORAGE_BACKENDS:
-        return (f"--hicache-storage-backend {storage} is not supported with oscar_int2 (zero-copy "
-                f"backends address BF16 K/V pages; use file)")
+        return (f"--hicache-storage-backend {storage} is not supported with oscar_int2 (its "
+                f"transfers address BF16 K/V pages; use file, which writes the cells' bytes)")
     return None
 
 
@@ -184,6 +206,12 @@ class OscarHostKVPool(HostKVCache):
                          pin_memory and str(device_pool.device) != "cpu", device, allocator_type,
                          pool_label=pool_label)
         self._plan_key = None
+        # sink records (module doc), on the device pool's device; the claims' last entry is
+        # a sink for the scatters of pages that claim nothing
+        dev, slots = device_pool.device, device_pool.index.page_of_sink_slot.shape[0]
+        self.sink_of_host_page = torch.full((self.page_num,), -1, dtype=torch.int32, device=dev)
+        self.sink_claim_page = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
+        self.sink_claim_generation = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
 
     # -- sizing and buffers (called by HostKVCache.__init__) ----------------------------
 
@@ -203,6 +231,19 @@ class OscarHostKVPool(HostKVCache):
         return alloc(dims, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory,
                      allocator=self.allocator)
 
+    def clear(self):
+        super().clear()
+        if hasattr(self, "sink_of_host_page"):  # HostKVCache.__init__ clears before they exist
+            self.sink_of_host_page.fill_(-1)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """SGLang's free; the freed host pages also forget their sink slot."""
+        n = super().free(indices)
+        if n:
+            pages = indices.to(self.sink_of_host_page.device, torch.long) // self.page_size
+            self.sink_of_host_page.index_fill_(0, pages, -1)
+        return n
+
     def host_rows(self, layer: int, start: int, length: int) -> torch.Tensor:
         """uint8 [length, B] contiguous view of host slots start.. of one layer (within a
         page for page_first_direct)."""
@@ -214,8 +255,10 @@ class OscarHostKVPool(HostKVCache):
     # -- transfers ----------------------------------------------------------------------
 
     def _plan(self, device_pool, host_indices, device_indices):
-        """(device indices on the pool's device, host runs); cached for the per-layer calls of
-        one load (the controller passes the same tensors for every layer)."""
+        """(device indices on the pool's device, host runs, (host pages, device pages) on
+        the device: the page of every page_size-th slot, SGLang moving whole pages); cached
+        for the per-layer calls of one load (the controller passes the same tensors for
+        every layer)."""
         key = (host_indices, device_indices, device_pool)
         if self._plan_key is not None and all(a is b for a, b in zip(self._plan_key, key)):
             return self._plan_val
@@ -226,8 +269,10 @@ class OscarHostKVPool(HostKVCache):
         dev = device_indices.to(device_pool.device, torch.long, non_blocking=True)
         runs = _runs(host, torch.arange(host.numel()), self.page_size,
                      self.layout == "page_first_direct")
-        self._plan_key, self._plan_val = key, (dev, runs)
-        return dev, runs
+        p = self.page_size
+        pages = ((host[::p] // p).to(dev.device, non_blocking=True), dev[::p] // p)
+        self._plan_key, self._plan_val = key, (dev, runs, pages)
+        return self._plan_val
 
     def _check_io(self, io_backend: str):
         if io_backend == "kernel":
@@ -239,8 +284,9 @@ class OscarHostKVPool(HostKVCache):
                                      io_backend) -> None:
         """Device cells at ``device_indices`` -> host slots ``host_indices``, every layer."""
         self._check_io(io_backend)
-        dev, runs = self._plan(device_pool, host_indices, device_indices)
+        dev, runs, (host_pages, dev_pages) = self._plan(device_pool, host_indices, device_indices)
         n, b = dev.numel(), self.cells.bytes_per_layer
+        self.record_sinks(device_pool, host_pages, dev_pages)
         for layer in range(self.layer_num):
             views = device_byte_views(device_pool, layer)
             staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
@@ -252,12 +298,14 @@ class OscarHostKVPool(HostKVCache):
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id,
                                  io_backend) -> None:
         """Host slots ``host_indices`` -> device cells ``device_indices`` of local layer
-        ``layer_id`` only; at layer 0 the loaded pages also leave the sink index."""
+        ``layer_id`` only; at layer 0 the loaded pages also get their sink mapping
+        (:meth:`restore_sinks`)."""
         self._check_io(io_backend)
-        dev, runs = self._plan(device_pool, host_indices, device_indices)
+        dev, runs, (host_pages, dev_pages) = self._plan(device_pool, host_indices, device_indices)
         n, b = dev.numel(), self.cells.bytes_per_layer
         if layer_id == 0:
             self.unmap_sinks(device_pool, dev)
+            self.restore_sinks(device_pool, host_pages, dev_pages)
         staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
         for h, p, k in runs:
             staging[p:p + k].copy_(self.host_rows(layer_id, h, k), non_blocking=True)
@@ -272,6 +320,36 @@ class OscarHostKVPool(HostKVCache):
         index = device_pool.index
         pages = device_indices // index.page_size
         index.sink_slot_of_page.index_fill_(0, pages, -1)
+
+    def record_sinks(self, device_pool: OscarKVPool, host_pages: torch.Tensor,
+                     dev_pages: torch.Tensor) -> None:
+        """At backup: each host page notes the sink slot valid for its device page, if no
+        host page claimed that slot in its current generation (module doc)."""
+        index = device_pool.index
+        c = index.sink_slot_of_page[dev_pages].long()
+        cc = c.clamp(min=0)
+        generation = index.sink_generation[cc]  # before the owner: see assign_sink_slots
+        valid = (c >= 0) & (index.page_of_sink_slot[cc].long() == dev_pages)
+        fresh = valid & (self.sink_claim_generation[cc] != generation)
+        self.sink_of_host_page[host_pages] = torch.where(fresh, c, -1).to(torch.int32)
+        to = torch.where(fresh, cc, self.sink_claim_page.shape[0] - 1)
+        self.sink_claim_generation.scatter_(0, to, generation)
+        self.sink_claim_page.scatter_(0, to, host_pages)
+
+    def restore_sinks(self, device_pool: OscarKVPool, host_pages: torch.Tensor,
+                      dev_pages: torch.Tensor) -> None:
+        """At load: a loaded page whose host page holds the claim on a sink slot of
+        unchanged generation reads that slot's sinks again (the slot names it as owner);
+        the others stay unmapped."""
+        index = device_pool.index
+        c = self.sink_of_host_page[host_pages].long()
+        cc = c.clamp(min=0)
+        ok = ((c >= 0) & (self.sink_claim_page[cc] == host_pages)
+              & (self.sink_claim_generation[cc] == index.sink_generation[cc]))
+        index.sink_slot_of_page[dev_pages] = torch.where(ok, c, -1).to(torch.int32)
+        owner = torch.cat([index.page_of_sink_slot, index.page_of_sink_slot.new_full((1,), -1)])
+        owner.scatter_(0, torch.where(ok, cc, owner.shape[0] - 1), dev_pages.to(owner.dtype))
+        index.page_of_sink_slot.copy_(owner[:-1])
 
     # -- flat pages (the 'file' storage backend) ------------------------------------------
 

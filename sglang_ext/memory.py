@@ -9,7 +9,8 @@ G_K, values' group size G_V, scale element size e bytes, shared by K and V):
 Fixed reserve, independent of the token count (R request rows, C sink slots):
 
     rings       = R * W * L * H * D * 2 * 2  + R * 20      BF16 K/V ring + per-row state
-    sink store  = C * S * L * H * D * 2 * 2  + 4 * C        BF16 K/V sinks + page_of_sink_slot
+    sink store  = C * S * L * H * D * 2 * 2  + 12 * C       BF16 K/V sinks + page_of_sink_slot
+                                                            + sink_generation (int64)
     rotations   = L * (2 * H * D * D + 4 * H * D) * 4        float32 R_K, R_V and clips
 
 The pool allocates ``size + P`` slots (page 0 is SGLang's padding page), so a budget B
@@ -30,6 +31,7 @@ SINK_SLOTS_PER_ROW = 3
 
 BF16_BYTES = 2
 INDEX_BYTES = 4  # int32 entries of the sink index
+GENERATION_BYTES = 8  # int64 sink_generation, per sink slot
 ROW_STATE_BYTES = 4 + 8 + 8  # ring_valid_from int32, ring_owner int64, ring_end int64
 ROTATION_BYTES = 4  # float32
 
@@ -100,7 +102,8 @@ class OscarMemoryPlan:
 
     @property
     def sink_store_bytes(self) -> int:
-        return self.num_sink_slots * (self.sink_tokens * self._bf16_layer_token() + INDEX_BYTES)
+        return self.num_sink_slots * (self.sink_tokens * self._bf16_layer_token() + INDEX_BYTES
+                                      + GENERATION_BYTES)
 
     @property
     def rotation_bytes(self) -> int:

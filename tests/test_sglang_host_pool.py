@@ -218,6 +218,157 @@ def test_alloc_and_free_are_sglangs_page_allocator():
     assert host.available_size() == total
 
 
+# ---------------------------------------------------------------- sinks of a page loaded back
+
+SINK_PAGE = 16
+
+
+def forget_cells(pool, slots, seed):
+    """Random bytes in the INT2 cells at ``slots`` only (the BF16 sinks stay)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.as_tensor(slots, dtype=torch.long)
+    for layer in range(pool.layer_num):
+        for view in device_byte_views(pool, layer).values():
+            view[idx] = torch.randint(0, 256, view[idx].shape, generator=g, dtype=torch.uint8)
+
+
+def start_sequence(pool, first_page):
+    """A sequence computed from position 0 on ``first_page``: the backend hands it a sink
+    slot (hybrid_cache.assign_sink_slots, round-robin); returns the slot."""
+    from oscar_kernels.hybrid_cache import assign_sink_slots, sink_slot_for
+
+    first = torch.tensor([first_page * pool.page_size])
+    assign_sink_slots(pool.index, first, pool.plan.num_sink_slots)
+    return int(sink_slot_for(pool.index, first)[0])
+
+
+def read_keys(pool, pages, layer):
+    """Keys and values of a sequence on ``pages`` as the kernels read them (the read rule,
+    reference.hybrid_kv), the ring out of the way: [n, H, D] float32 each."""
+    from oscar_kernels.reference import hybrid_kv
+
+    slots = page_slots(pages, pool.page_size)
+    pool.req_to_token[1, :len(slots)] = slots.int()
+    pool.index.ring_valid_from[1] = len(slots)
+    return hybrid_kv(pool.layers[layer], pool.index, pool.req_to_token, 1, len(slots))
+
+
+def int2_keys(pool, pages, layer):
+    from oscar_kernels.int2 import dequantise, unpack
+
+    lc, slots = pool.layers[layer], page_slots(pages, pool.page_size)
+    return (dequantise(unpack(lc.k_packed[slots]), lc.k_scales[slots]),
+            dequantise(unpack(lc.v_packed[slots]), lc.v_scales[slots]))
+
+
+def bits_equal(a, b):
+    """float32 tensors equal bit for bit (the random cells decode to NaNs too)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def backup(host, dev, pages):
+    hidx = host.alloc(len(pages) * dev.page_size)
+    host.backup_from_device_all_layer(dev, hidx, page_slots(pages, dev.page_size), "direct")
+    return hidx
+
+
+def load(host, dev, hidx, pages):
+    dst = page_slots(pages, dev.page_size)
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer(dev, hidx, dst, layer, "direct")
+
+
+def sink_of(dev, page):
+    from oscar_kernels.hybrid_cache import sink_slot_for
+
+    return int(sink_slot_for(dev.index, torch.tensor([page * dev.page_size]))[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loaded_first_page_reads_its_bf16_sinks_while_the_slot_holds_them(layout):
+    """A sequence's pages go to host and come back on other device pages; nobody was given
+    its sink slot meanwhile (a new sequence took the next one): positions < S read the very
+    BF16 sinks the sequence computed, the rest its INT2 cells, as if it had never left."""
+    dev = device_pool(size=256, page=SINK_PAGE, seed=31)
+    host = host_pool(dev, layout)
+    c = start_sequence(dev, 2)
+    s = dev.layers[0].sink_tokens
+    want = [read_keys(dev, [2, 5], layer) for layer in range(dev.layer_num)]
+    sinks = [(lc.k_sink[c].clone(), lc.v_sink[c].clone()) for lc in dev.layers]
+    hidx = backup(host, dev, [2, 5])
+    forget_cells(dev, page_slots([2, 5], SINK_PAGE), 32)  # the device pages go to others
+    assert start_sequence(dev, 9) != c  # a new sequence, another slot
+    load(host, dev, hidx, [6, 3])
+    assert sink_of(dev, 6) == c and int(dev.index.sink_slot_of_page[3]) == -1
+    assert sink_of(dev, 9) >= 0  # the other sequence keeps its own slot
+    for layer in range(dev.layer_num):
+        k, v = read_keys(dev, [6, 3], layer)
+        assert bits_equal(k, want[layer][0]) and bits_equal(v, want[layer][1]), layer
+        # bit for bit the BF16 sinks the sequence wrote (not their INT2 cells)
+        k_sink, v_sink = sinks[layer]
+        assert torch.equal(k[:s].bfloat16(), k_sink) and torch.equal(v[:s].bfloat16(), v_sink)
+        assert not bits_equal(k[:s], int2_keys(dev, [6], layer)[0][:s])
+
+
+@pytest.mark.parametrize("owner_backed_up", [False, True])
+def test_loaded_first_page_reads_int2_when_its_sink_slot_was_handed_out_since(owner_backed_up):
+    """Every sink slot handed out again between backup and load (round-robin): the loaded
+    first page reads INT2 below S, and the slot's new owner keeps reading its sinks (also
+    when the new owner went to host too and comes back: then it gets the slot)."""
+    dev = device_pool(size=512, page=SINK_PAGE, seed=33)
+    host = host_pool(dev)
+    c = start_sequence(dev, 2)
+    hidx = backup(host, dev, [2, 5])
+    forget_cells(dev, page_slots([2, 5], SINK_PAGE), 34)
+    owners = [start_sequence(dev, 8 + i) for i in range(dev.plan.num_sink_slots)]
+    assert c in owners
+    owner = 8 + owners.index(c)
+    if owner_backed_up:
+        h_owner = backup(host, dev, [owner])
+    load(host, dev, hidx, [6, 3])
+    assert sink_of(dev, 6) == -1 and sink_of(dev, owner) == c
+    for layer in range(dev.layer_num):
+        k, v = read_keys(dev, [6, 3], layer)
+        ik, iv = int2_keys(dev, [6, 3], layer)
+        assert bits_equal(k, ik) and bits_equal(v, iv), layer
+    if owner_backed_up:
+        load(host, dev, h_owner, [7])
+        assert sink_of(dev, 7) == c and sink_of(dev, 6) == -1
+
+
+@pytest.mark.parametrize("first_loaded", ["sequence", "reused page"])
+def test_a_freed_first_page_reused_mid_sequence_does_not_take_the_sinks(first_loaded):
+    """SGLang frees a device page without telling the sink index: a sequence's first page,
+    backed up, freed and taken as the middle page of another sequence still looks mapped to
+    the old slot. Backed up and loaded again, that middle page gets no sinks, and the first
+    sequence, loaded before or after it, keeps them."""
+    dev = device_pool(size=256, page=SINK_PAGE, seed=35)
+    host = host_pool(dev)
+    c = start_sequence(dev, 2)
+    sinks = dev.layers[0].k_sink[c].clone()
+    h_first = backup(host, dev, [2, 5])
+    forget_cells(dev, page_slots([2, 5], SINK_PAGE), 36)
+    h_mid = backup(host, dev, [4, 2])  # another sequence [4, 2]; page 2 keeps its old mapping
+    loads = [(h_first, [6, 3]), (h_mid, [7, 1])]
+    for hidx, pages in (loads if first_loaded == "sequence" else loads[::-1]):
+        load(host, dev, hidx, pages)
+    assert sink_of(dev, 6) == c and int(dev.index.sink_slot_of_page[1]) == -1
+    s = dev.layers[0].sink_tokens
+    assert torch.equal(read_keys(dev, [6, 3], 0)[0][:s].bfloat16(), sinks)
+
+
+def test_a_freed_host_page_forgets_its_sink_slot():
+    """Host pages freed (and refilled, e.g. from storage) load back without sinks."""
+    dev = device_pool(size=256, page=SINK_PAGE, seed=37)
+    host = host_pool(dev)
+    start_sequence(dev, 2)
+    hidx = backup(host, dev, [2, 5])
+    host.free(hidx)
+    assert int((host.sink_of_host_page >= 0).sum()) == 0
+    load(host, dev, hidx, [6, 3])
+    assert sink_of(dev, 6) == -1
+
+
 # ---------------------------------------------------------------- flat pages (file storage)
 
 def test_flat_pages_are_layout_independent_and_round_trip(tmp_path, monkeypatch):
