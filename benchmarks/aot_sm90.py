@@ -214,7 +214,7 @@ _LENS = (70, 5, 33, 12, 90)
 def run(case: str) -> list[dict]:
     from oscar_kernels import testing as kc
     from oscar_kernels.triton_decode import triton_decode
-    from oscar_kernels.triton_extend import extend_config, triton_extend
+    from oscar_kernels.triton_extend import triton_extend
     from oscar_kernels.triton_store import triton_store
     spec = CASES[case]
     sc = kc.build(list(_LENS[:max(2, spec.decode_batch)]), H=8, fill=False, seed=0, **spec.scenario)
@@ -234,7 +234,7 @@ def run(case: str) -> list[dict]:
         qe = torch.zeros(t, spec.hq, d, dtype=torch.bfloat16)  # two requests: 2 and 1 new tokens
         triton_extend(qe, k, k.clone(), sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows[:2], lens[:2],
                       torch.tensor([0, 2, 3], dtype=torch.int32), 2, sc.sm_scale,
-                      config=extend_config(spec.prefix_read), prefix_lens_host=sc.lens[:2])
+                      prefix_read=spec.prefix_read, prefix_lens_host=sc.lens[:2])
     finally:
         _unpatch(saved)
     return results

@@ -3,7 +3,7 @@
 Where a long prompt's time to first token goes with OSCAR: every 8k-token chunk attends to
 the whole cached prefix. Compares, on the same lengths and in the same run:
 
-- ``oscar_int2_us``: extend_config("int2"), the prefix unpacked in every program, with that
+- ``oscar_int2_us``: prefix_read="int2", the prefix unpacked in every program, with that
   read's tiles (triton_extend.EXTEND_TILES);
 - ``oscar_bf16_rows128_n64_s3_us``: prefix_read="bf16", the prefix materialised once as BF16
   (triton_materialize) and BF16 flash attention, tiles named in the key (rows, BF16 tokens
@@ -32,7 +32,7 @@ import triton.testing
 
 from benchmarks.bench_kernels import T0, log, run_main, save
 from oscar_kernels import testing as kc
-from oscar_kernels.triton_extend import EXTEND_TILES, ExtendConfig, extend_config, triton_extend
+from oscar_kernels.triton_extend import EXTEND_TILES, triton_extend
 from oscar_kernels.triton_materialize import triton_materialize_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +71,11 @@ class Chunk:
         self.qo = torch.tensor([0, new], dtype=torch.int32, device=device)
         self.out = torch.empty_like(self.q)
 
-    def oscar(self, cfg: ExtendConfig):
+    def oscar(self, prefix_read: str):
         sc = self.sc
         return lambda: triton_extend(self.q, self.k, self.v, sc.layer, sc.index, sc.rotation, sc.req_to_token,
                                      sc.rows, self.pre, self.qo, self.new, sc.sm_scale, out=self.out,
-                                     config=cfg, prefix_lens_host=[self.prefix])
+                                     prefix_read=prefix_read, prefix_lens_host=[self.prefix])
 
     def materialize(self):
         sc = self.sc
@@ -154,15 +154,15 @@ def main(argv=None):
     keys = ("block_rows", "block_n", "block_n_bf16", "num_stages")
     result["default_tiles"] = {read: {k: getattr(t, k) for k in keys} for read, t in EXTEND_TILES.items()}
     # the bf16 key names its tiles (rows, BF16 tokens per step, stages), as earlier runs' columns do
-    variants = (("oscar_int2_us", extend_config("int2")), ("oscar_bf16_rows128_n64_s3_us", extend_config("bf16")))
+    variants = (("oscar_int2_us", "int2"), ("oscar_bf16_rows128_n64_s3_us", "bf16"))
     for prefix, new in CASES:
         log(f"case prefix={prefix} new={new}")
         chunk = Chunk(prefix, new)
         rec = {"prefix": prefix, "new": new, "attention_tflop": round(attention_flops(prefix, new) / 1e12, 3)}
         result["cases"].append(rec)
         ref_out = None  # every read must give the int2 read's output (same math, other order)
-        for key, cfg in variants:
-            rec[key], err = try_time(key, lambda: chunk.oscar(cfg))
+        for key, read in variants:
+            rec[key], err = try_time(key, lambda: chunk.oscar(read))
             if err:
                 rec[key.replace("_us", "_error")] = err
             elif ref_out is None:

@@ -178,9 +178,9 @@ class HybridAttention:
             fi = self.flashinfer.fits
         launch = None
         if self.triton and not fi and t and max_ext:
-            from .triton_extend import extend_config, plan_extend_launch
+            from .triton_extend import plan_extend_launch
             launch = plan_extend_launch(prefix, prefix_host, max_ext, t, self.num_q_heads, layer.num_kv_heads,
-                                        layer.head_dim, extend_config(self.prefix_read))
+                                        layer.head_dim, self.prefix_read)
         k_rot = torch.empty(t, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=slots.device)
         self._extend = _ExtendBatch(
             rows=rows, prefix_lens=prefix, qo_indptr=torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0)),

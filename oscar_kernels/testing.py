@@ -297,7 +297,7 @@ def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
 
-def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, config=None, seed=4):
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", seed=4):
     g = torch.Generator().manual_seed(seed)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
     t = sum(new_lens)
@@ -311,7 +311,7 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, config=None, seed=4
                                  qo, sc.sm_scale)
     want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
     got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
-                    max(new_lens), sc.sm_scale, config=config)
+                    max(new_lens), sc.sm_scale, prefix_read=prefix_read)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 

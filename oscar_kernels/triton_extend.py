@@ -9,7 +9,7 @@ Program (m, b, h) serves BLOCK_M new tokens x the Hq/H query heads of KV head h 
 r = token * GQP + head), flash-attention style with one running (max, sum) per row; the
 INT2 part uses the plane algebra of triton_hybrid_attn. Three launches: q' = q R_K,
 the attention (o' in float32), o = o' R_V^T (the rotation kernels of triton_decode).
-With ``ExtendConfig.prefix_read="bf16"`` a fourth launch first materialises every
+With ``prefix_read="bf16"`` a fourth launch first materialises every
 request's hybrid prefix as BF16 rows (triton_materialize), so that the prefix is unpacked
 once per call instead of once per block of rows, and the attention is BF16 throughout.
 Each read has its own tuned tiles (EXTEND_TILES).
@@ -155,25 +155,13 @@ EXTEND_TILES = {"int2": ExtendTiles(block_rows=64, block_n=32, block_n_bf16=32, 
 PREFIX_READS = tuple(EXTEND_TILES)
 
 
-@dataclass
-class ExtendConfig:
+def check_prefix_read(prefix_read: str) -> None:
     """How extend reads a cached prefix: "int2" (unpacked in every program, nothing
     materialised) or "bf16" (materialised once per call by triton_materialize, sum(prefix) x
     H x D x 4 bytes of scratch, then BF16 flash attention; calls whose prefixes sum to more
     than MAX_MATERIALIZED_TOKENS read INT2)."""
-
-    prefix_read: str = "int2"
-
-
-def check_prefix_read(prefix_read: str) -> None:
     if prefix_read not in PREFIX_READS:
         raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
-
-
-def extend_config(prefix_read: str = "int2") -> ExtendConfig:
-    """The ExtendConfig of a prefix read (checked)."""
-    check_prefix_read(prefix_read)
-    return ExtendConfig(prefix_read=prefix_read)
 
 
 @dataclass(frozen=True)
@@ -194,14 +182,13 @@ class ExtendLaunch:
 
 def plan_extend_launch(prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int] | None, max_extend_len: int,
                        num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                       config: ExtendConfig | None = None) -> ExtendLaunch:
+                       prefix_read: str = "int2") -> ExtendLaunch:
     """Resolve an extend batch: the prefix read (a "bf16" read whose prefixes sum to more
     than MAX_MATERIALIZED_TOKENS reads INT2), its tiles and scratch. ``prefix_lens_host``:
     prefix_lens as host ints (None: read back from the device, one sync, "bf16" only)."""
-    cfg = config or ExtendConfig()
-    check_prefix_read(cfg.prefix_read)
+    check_prefix_read(prefix_read)
     host = None
-    if cfg.prefix_read == "bf16":
+    if prefix_read == "bf16":
         host = prefix_lens.tolist() if prefix_lens_host is None else list(prefix_lens_host)
     bf16_prefix = host is not None and sum(host) <= MAX_MATERIALIZED_TOKENS
     dev, t, hq, d = prefix_lens.device, num_tokens, num_q_heads, head_dim
@@ -221,14 +208,14 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   index: HybridCacheIndex, rotation: LayerRotation, req_to_token: torch.Tensor,
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
-                  config: ExtendConfig | None = None, prefix_lens_host: Sequence[int] | None = None,
+                  prefix_read: str = "int2", prefix_lens_host: Sequence[int] | None = None,
                   launch: ExtendLaunch | None = None) -> torch.Tensor:
     """Extend attention (reference.reference_extend between the rotations): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
     ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
     ``launch``: the batch's resolved launch (plan_extend_launch); else resolved here from
-    ``config`` and ``prefix_lens_host`` (prefix_lens as host ints, for the "bf16" read;
-    without it the lengths are read back from the device: one sync)."""
+    ``prefix_read`` (check_prefix_read) and ``prefix_lens_host`` (prefix_lens as host ints,
+    for the "bf16" read; without it the lengths are read back from the device: one sync)."""
     t, hq, d = q.shape
     h = layer.num_kv_heads
     if d != layer.head_dim or hq % h or k_rot.shape != (t, h, d) or v_rot.shape != (t, h, d):
@@ -250,7 +237,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     if t == 0 or b == 0 or max_extend_len <= 0:
         return out
     if launch is None:
-        launch = plan_extend_launch(prefix_lens, prefix_lens_host, max_extend_len, t, hq, h, d, config)
+        launch = plan_extend_launch(prefix_lens, prefix_lens_host, max_extend_len, t, hq, h, d, prefix_read)
     elif launch.q_rot.shape != (t, hq, d):
         raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
     q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), launch.q_rot)

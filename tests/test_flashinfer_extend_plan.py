@@ -107,6 +107,6 @@ def test_run_glues_rotation_materialisation_and_merge_like_the_reference(monkeyp
     fi = fe.FlashInferExtend("cpu", workspace_bytes=16)
     fi.plan(prefix, new, 4, 2, 64, sc.sm_scale)
 
-    def via(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale, config=None):
+    def via(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale, prefix_read=None):
         return fi.run(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre)
     kc.check_extend(sc, 4, new, via)

@@ -266,7 +266,7 @@ EXTEND_CASES = [
 ]
 
 
-def _run_extend(sc, hq, new_lens, config):
+def _run_extend(sc, hq, new_lens, prefix_read):
     """kc.check_extend; returns the kernel's (q, k_rot, v_rot, qo_indptr, prefix_lens) and output."""
     seen = []
 
@@ -276,7 +276,7 @@ def _run_extend(sc, hq, new_lens, config):
         seen.append(((q, k_rot, v_rot, qo, pre), out))
         return out
 
-    kc.check_extend(sc, hq, new_lens, extend, config)
+    kc.check_extend(sc, hq, new_lens, extend, prefix_read)
     return seen[0]
 
 
@@ -300,7 +300,7 @@ def test_extend_geometry_matches_reference_and_reads_its_kv_head(case):
     """A new sequence, a one-token chunk and a chunk over a cached prefix (INT2 part, sinks, ring)."""
     gq, h, d, span, prefix_read = case
     sc = _scenario([0, 13, 40], h, d, span, seed=gq + d)
-    (q, k_rot, v_rot, qo, pre), got = _run_extend(sc, gq * h, [7, 1, 9], extend_mod.extend_config(prefix_read))
+    (q, k_rot, v_rot, qo, pre), got = _run_extend(sc, gq * h, [7, 1, 9], prefix_read)
     _assert_each_query_head_reads_its_kv_head(got, _extend_candidates(sc, q, k_rot, v_rot, qo, pre), gq,
                                               f"extend gq{gq} d{d}")
 
@@ -309,6 +309,6 @@ def test_extend_sixteen_requests_gqa6():
     """The batch of the upstream decode bug through extend (programs over requests x heads)."""
     sc = _scenario(_LENS, 2, 128, False, seed=16)
     new = [1 + i % 3 for i in range(16)]
-    (q, k_rot, v_rot, qo, pre), got = _run_extend(sc, 12, new, extend_mod.extend_config("int2"))
+    (q, k_rot, v_rot, qo, pre), got = _run_extend(sc, 12, new, "int2")
     _assert_each_query_head_reads_its_kv_head(got, _extend_candidates(sc, q, k_rot, v_rot, qo, pre), 6,
                                               "extend gq6 b16")

@@ -66,8 +66,8 @@ def test_decode_served_geometry_gpu(geometry, batch):
 @pytest.mark.parametrize("prefix_read", ["int2", "bf16"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=_id)
 def test_extend_served_geometry_gpu(geometry, prefix_read):
-    from oscar_kernels.triton_extend import extend_config, triton_extend
+    from oscar_kernels.triton_extend import triton_extend
 
     _, hq, h, d = geometry
     sc = _scenario([0, 1500, 3000, 77], h, d, seed=hq * 3 + d)
-    kc.check_extend(sc, hq, [1024, 1, 700, 37], triton_extend, extend_config(prefix_read))
+    kc.check_extend(sc, hq, [1024, 1, 700, 37], triton_extend, prefix_read)

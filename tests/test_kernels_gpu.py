@@ -189,7 +189,7 @@ def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
     extra = dict(valid_from=[240, 100, 0], evict_sink_of=(2,)) if len(prefix) == 3 else {}
     sc = kc.build(prefix, H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda", **extra)
     kc.check_extend(sc, 32, new, functools.partial(te.triton_extend, prefix_lens_host=prefix),
-                    te.ExtendConfig(prefix_read="bf16"))
+                    "bf16")
     pytest.importorskip("flashinfer")
     from oscar_kernels.flashinfer_extend import FlashInferExtend
 
@@ -197,7 +197,8 @@ def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
     fi.plan(prefix, new, 32, 8, 128, sc.sm_scale)
     assert fi.fits and fi.has_prefix == (sum(prefix) > 0)
 
-    def via_flashinfer(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale, config=None):
+    def via_flashinfer(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale,
+                       prefix_read=None):
         return fi.run(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre)
     kc.check_extend(sc, 32, new, via_flashinfer)
 

@@ -120,7 +120,7 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
     sc = kc.build([1, 13, 77], H=2, D=64, G=grp, S=4, W=8, page=8, seed=5, scale_dtype=f8)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], H=2, D=64, G=grp, S=4, W=8, page=8, seed=6, scale_dtype=f8)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
 
 
 def test_int2_buffers_are_head_major_and_decode_reads_either_order():
@@ -202,7 +202,7 @@ def test_split_group_sizes_store_decode_extend_materialize_match_reference(gk, g
     sc = kc.build([1, 13, 77], seed=5, **kw)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], seed=6, **kw)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
+    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
     lens = [0, 13, 40]
     pre = torch.tensor(lens, dtype=torch.int32)
     want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
@@ -395,7 +395,7 @@ def test_extend_matches_reference(case):
     prefix = [0, 5, 13, 90]  # empty prefix, shorter than S+W, several pages and INT2 blocks
     new = [7, 1, 70, 9]  # one request longer than a block of rows
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
-    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
+    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, "int2")
 
 
 # ---------------------------------------------------------------- BF16-materialised prefix
@@ -438,7 +438,7 @@ def test_extend_with_bf16_prefix_matches_reference(case):
     prefix, new, d, grp, hq, h, s, w, dt, vf, evict = case
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=8, seed=3 + d, scale_dtype=dt,
                   valid_from=vf, evict_sink_of=evict)
-    cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16")
+    cfg = "bf16"
     fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=prefix)
     kc.check_extend(sc, hq, new, fn, cfg)
     kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
@@ -453,7 +453,7 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
     for cap, materialized in ((30, [[21, 9]]), (29, [])):
         calls.clear()
         monkeypatch.setattr(triton_extend_mod, "MAX_MATERIALIZED_TOKENS", cap)
-        cfg = triton_extend_mod.ExtendConfig(prefix_read="bf16")
+        cfg = "bf16"
         kc.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
                         cfg)
         assert calls == materialized
@@ -461,9 +461,8 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
 
 def test_extend_runs_each_reads_tiles_and_the_fallback_the_int2_tiles(monkeypatch):
     ext = triton_extend_mod
-    assert ext.extend_config("bf16") == ext.ExtendConfig(prefix_read="bf16")
     with pytest.raises(ValueError, match="prefix_read"):
-        ext.extend_config("fp8")
+        ext.check_prefix_read("fp8")
     launches = []
     real = ext._extend_kernel
 
@@ -479,7 +478,7 @@ def test_extend_runs_each_reads_tiles_and_the_fallback_the_int2_tiles(monkeypatc
     for cap in (30, 0):  # materialised (BF16 tiles), then over the cap (INT2 read and tiles)
         monkeypatch.setattr(ext, "MAX_MATERIALIZED_TOKENS", cap)
         kc.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]),
-                        ext.extend_config("bf16"))
+                        "bf16")
     gqp = 2  # 4 query heads over 2 KV heads; 40 = the longest chunk
     for (grid, kwargs), read in zip(launches, ("bf16", "int2")):
         tiles = ext.EXTEND_TILES[read]
@@ -501,7 +500,6 @@ def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch
     k_rot, v_rot = torch.randn(2, t, 2, d, generator=g).bfloat16()
     starts = [0, *itertools.accumulate(new_lens)]
     pre = torch.tensor(sc.lens, dtype=torch.int32)
-    cfg = ext.ExtendConfig()
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
 
     def extend(i, j):  # requests i..j-1
@@ -509,7 +507,7 @@ def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch
         qo = torch.tensor([x - lo for x in starts[i:j + 1]], dtype=torch.int32)
         with _recorded_launches(monkeypatch, ext, "_extend_kernel") as seen:
             out = ext.triton_extend(q[lo:hi], k_rot[lo:hi].contiguous(), v_rot[lo:hi].contiguous(), *args,
-                                    sc.rows[i:j], pre[i:j], qo, max(new_lens[i:j]), sc.sm_scale, config=cfg)
+                                    sc.rows[i:j], pre[i:j], qo, max(new_lens[i:j]), sc.sm_scale)
         return out, seen
 
     batched, batched_plan = extend(0, 3)
@@ -527,7 +525,7 @@ def test_extend_unknown_prefix_read_is_refused():
     sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
     with pytest.raises(ValueError, match="prefix_read"):
         kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
-                        triton_extend_mod.ExtendConfig(prefix_read="fp8"))
+                        "fp8")
 
 
 def test_extend_chunked_prefill_after_prefix_hit():
@@ -536,7 +534,7 @@ def test_extend_chunked_prefill_after_prefix_hit():
     prefix = [24, 30, 19]
     sc = kc.build(prefix, H=2, D=64, G=16, S=4, W=8, page=8, valid_from=[24, 10, 0],
                   evict_sink_of=(2,), seed=9)
-    kc.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
+    kc.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend, "int2")
 
 
 # ---------------------------------------------------------------- long histories, truncating tensor cores
@@ -553,7 +551,7 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
     common.set_interp_tc_bits(16)
     try:
         if kind == "extend":
-            kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend, triton_extend_mod.ExtendConfig())
+            kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend, "int2")
         else:
             kc.check_decode(sc, 4, triton_decode_mod.triton_decode,
                             triton_decode_mod.DecodeConfig(max_splits=1, target_programs=1))
