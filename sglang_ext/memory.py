@@ -36,10 +36,9 @@ ROW_STATE_BYTES = 4 + 8 + 8  # ring_valid_from int32, ring_owner int64, ring_end
 ROTATION_BYTES = 4  # float32
 
 
-def bf16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                         v_head_dim: int | None = None) -> int:
-    """What SGLang's BF16 MHA pool spends per token (K and V, all layers)."""
-    return num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * BF16_BYTES
+def bf16_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """What SGLang's BF16 MHA pool spends per token (K and V of one head_dim, all layers)."""
+    return num_layers * num_kv_heads * 2 * head_dim * BF16_BYTES
 
 
 def default_sink_slots(num_rows: int) -> int:
