@@ -138,7 +138,7 @@ def calibration_windows(tokenizer, cfg: CalibrationConfig):
 
 
 @torch.no_grad()
-def collect_stats(model, tokenizer, cfg: CalibrationConfig, windows=None, progress: bool = True) -> AttentionStats:
+def collect_stats(model, tokenizer, cfg: CalibrationConfig, progress: bool = True) -> AttentionStats:
     """Run the decoder over the calibration windows and return the accumulated statistics."""
     from tqdm import tqdm
 
@@ -147,7 +147,7 @@ def collect_stats(model, tokenizer, cfg: CalibrationConfig, windows=None, progre
     stats = AttentionStats(shape.num_layers, shape.num_kv_heads, shape.head_dim, device=acc_device,
                            reservoir_tokens=cfg.clip_sample_tokens if cfg.clip != "none" else 0,
                            skip_first=cfg.skip_first, seed=cfg.seed)
-    windows = calibration_windows(tokenizer, cfg) if windows is None else windows
+    windows = calibration_windows(tokenizer, cfg)
     decoder = getattr(model, model.base_model_prefix, model)  # no LM head: it is not needed
     total = token_budget(cfg)
     bar = tqdm(total=total, unit="tok", desc="calibrating", disable=not progress, smoothing=0.1)

@@ -58,7 +58,7 @@ def quant_error(x: torch.Tensor, clip_min, clip_max, group_size: int, scale_dtyp
 
 
 def search_clip(x: torch.Tensor, granularity: str, group_size: int, scale_dtype: torch.dtype,
-                weight: torch.Tensor | None = None, multiples=COARSE_MULTIPLES, fine_steps=FINE_STEPS):
+                weight: torch.Tensor | None = None):
     """-> (clip_min [H, D], clip_max [H, D], detail dict). x is the rotated sample [N, H, D]."""
     h, d = x.shape[1:]
     if granularity == "none":
@@ -82,8 +82,8 @@ def search_clip(x: torch.Tensor, granularity: str, group_size: int, scale_dtype:
         idx = table.sum(1).argmin().expand(h) if granularity == "layer" else table.argmin(0)
         return [grid[i] for i in idx.tolist()]
 
-    evaluate(list(multiples) + [NO_CLIP])
-    evaluate({m + s for m in set(best_per_head()) if m != NO_CLIP for s in fine_steps})
+    evaluate(list(COARSE_MULTIPLES) + [NO_CLIP])
+    evaluate({m + s for m in set(best_per_head()) if m != NO_CLIP for s in FINE_STEPS})
     chosen = best_per_head()
     m = torch.tensor(chosen, dtype=torch.float32, device=x.device)[:, None].expand(h, d)
     unclipped = torch.isinf(m)

@@ -39,12 +39,11 @@ METRICS = ("logit_rel", "attn_kl", "out_rel")
 class ProxyErrors:
     """Capture callback accumulating the proxy metrics of several rotations at once."""
 
-    def __init__(self, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0,
-                 quantise: bool = True, query_stride: int = 1):
+    def __init__(self, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0, query_stride: int = 1):
         if query_stride < 1:
             raise ValueError("query_stride must be >= 1")
         self.rotations = rotations
-        self.sink, self.recent, self.quantise = sink, recent, quantise
+        self.sink, self.recent = sink, recent
         self.query_stride = query_stride
         n_layers = {r.meta.num_layers for r in rotations.values()}
         if len(n_layers) != 1:
@@ -55,8 +54,6 @@ class ProxyErrors:
 
     def _fq(self, x, lo, hi, meta, group_size):
         """Fake-quantise x [B, H, T, D] with per-head clips [H, D] in groups of ``group_size``."""
-        if not self.quantise:
-            return x
         y = fake_quantise(x.transpose(1, 2), group_size, lo.to(x.device), hi.to(x.device),
                           torch_scale_dtype(meta.scale_dtype))
         return y.transpose(1, 2)
@@ -118,13 +115,13 @@ class ProxyErrors:
 
 @torch.no_grad()
 def run_proxy(model, windows, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0,
-              device: str = "cpu", progress: bool = True, quantise: bool = True, query_stride: int = 8) -> dict:
+              device: str = "cpu", progress: bool = True, query_stride: int = 8) -> dict:
     """Proxy metrics of each rotations file on the given token windows ([T] int64 each)."""
     from tqdm import tqdm
 
     from .capture import capture_attention
 
-    acc = ProxyErrors(rotations, sink=sink, recent=recent, quantise=quantise, query_stride=query_stride)
+    acc = ProxyErrors(rotations, sink=sink, recent=recent, query_stride=query_stride)
     decoder = getattr(model, model.base_model_prefix, model)
     with capture_attention(model, acc):
         for w in tqdm(list(windows), desc="proxy", unit="window", disable=not progress):

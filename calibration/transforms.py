@@ -36,7 +36,7 @@ def _is_prime(q: int) -> bool:
     return q >= 2 and all(q % p for p in range(2, int(q**0.5) + 1))
 
 
-def paley_hadamard(q: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def paley_hadamard(q: int) -> torch.Tensor:
     """Normalised Paley (construction I) Hadamard matrix of order q + 1, q a prime = 3 mod 4.
 
     With the Jacobsthal matrix Q[i, j] = chi(j - i) (chi the quadratic character mod q,
@@ -50,7 +50,7 @@ def paley_hadamard(q: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     jac = chi[(idx[None, :] - idx[:, None]) % q]  # [q, q]
     s = torch.zeros(q + 1, q + 1, dtype=torch.float64)
     s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, jac
-    return ((torch.eye(q + 1, dtype=torch.float64) + s) / (q + 1) ** 0.5).to(dtype)
+    return (torch.eye(q + 1, dtype=torch.float64) + s) / (q + 1) ** 0.5
 
 
 def hadamard_factors(n: int) -> tuple[int, int | None]:
@@ -64,23 +64,23 @@ def hadamard_factors(n: int) -> tuple[int, int | None]:
                      "(orders 2^k and 2^k * (q + 1), q a prime = 3 mod 4)")
 
 
-def hadamard_any(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def hadamard_any(n: int) -> torch.Tensor:
     """A normalised Hadamard matrix of order n: :func:`hadamard_matrix` for a power of two,
     else kron(H_{2^k}, Paley_{q+1}) (:func:`hadamard_factors`). Orthogonal, |entries| = 1/sqrt(n)."""
     two, q = hadamard_factors(n)
     if q is None:
-        return hadamard_matrix(n, dtype)
-    return torch.kron(hadamard_matrix(two), paley_hadamard(q)).to(dtype)
+        return hadamard_matrix(n)
+    return torch.kron(hadamard_matrix(two), paley_hadamard(q))
 
 
-def block_hadamard_matrix(n: int, block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def block_hadamard_matrix(n: int, block: int) -> torch.Tensor:
     """Block-diagonal Hadamard kron(I_{n/block}, H_block): mixes channels only inside
     each aligned block of ``block`` channels (one quantisation group); H_block from
     :func:`hadamard_any` (Sylvester when ``block`` is a power of two)."""
     if block < 1 or n % block:
         raise ValueError(f"block {block} does not divide {n}")
     eye = torch.eye(n // block, dtype=torch.float64)
-    return torch.kron(eye, hadamard_any(block)).to(dtype)
+    return torch.kron(eye, hadamard_any(block))
 
 
 def bit_reversal_permutation(n: int) -> torch.Tensor:
@@ -109,9 +109,9 @@ def dealing_permutation(n: int) -> torch.Tensor:
     return bit_reversal_permutation(two)[j // m] + two * (j % m)
 
 
-def permutation_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def permutation_matrix(perm: torch.Tensor) -> torch.Tensor:
     """P with ``(x @ P)[..., i] == x[..., perm[i]]``, i.e. P[perm[i], i] = 1."""
     n = perm.numel()
-    p = torch.zeros(n, n, dtype=dtype)
+    p = torch.zeros(n, n, dtype=torch.float64)
     p[perm, torch.arange(n)] = 1
     return p
