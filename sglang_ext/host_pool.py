@@ -94,9 +94,9 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first_direct")
 SUPPORTED_IO_BACKENDS = ("direct",)
 SUPPORTED_STORAGE_BACKENDS = (None, "file")
 
-_KERNEL_IO = ("--hicache-io-backend kernel (SGLang's default) cannot carry oscar_int2 cells (its "
-              "kernels copy one contiguous BF16 token row per K/V buffer; the cells are head-major "
-              "codes and scales): add --hicache-io-backend direct")
+_KERNEL_IO = ("--hicache-io-backend kernel (SGLang's default for --enable-hierarchical-cache) "
+              "cannot carry oscar_int2 cells (its kernels copy one contiguous BF16 token row per "
+              "K/V buffer; the cells are head-major codes and scales): add --hicache-io-backend direct")
 _LAYOUT_WHY = {
     "page_first_kv_split": "it stores a page's K and V halves apart; a cell interleaves K and V "
                            "codes and scales",
@@ -112,10 +112,13 @@ def _refuse(what: str) -> NotImplementedError:
 
 def hicache_refusal(server_args) -> Optional[str]:
     """One line for HiCache settings this pool cannot serve (None: it can). For the start-up
-    refusals; SGLang turns layout page_first + io direct into page_first_direct itself."""
+    refusals, before and after SGLang resolves the flags: it turns layout page_first + io
+    direct into page_first_direct and io kernel + page_first_direct into io direct."""
     io = getattr(server_args, "hicache_io_backend", "kernel")
     layout = getattr(server_args, "hicache_mem_layout", "page_first")
     storage = getattr(server_args, "hicache_storage_backend", None)
+    if io == "kernel" and layout == "page_first_direct":
+        io = "direct"  # SGLang switches the io backend for this layout itself
     if io == "kernel":
         return _KERNEL_IO
     if io not in SUPPORTED_IO_BACKENDS:

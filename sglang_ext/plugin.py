@@ -28,8 +28,8 @@ attention backend (also among SGLang's deterministic backends) and installs, thr
 9. ``ServerArgs.add_cli_args`` / ``__init__`` / ``__post_init__`` / ``check_server_args``:
    the flags and the start-up defaults and refusals (:mod:`sglang_ext.server_args_hooks`);
 10. ``hiradix_cache.get_mha_host_pool_cls`` / ``HiCacheController._generate_storage_config``:
-   the INT2 host tier (:mod:`sglang_ext.host_pool`; --enable-hierarchical-cache is still
-   refused at start-up until it is checked on a GPU).
+   the INT2 host tier (:mod:`sglang_ext.host_pool`; the start-up refusals keep the io
+   backends, layouts and storage backends it cannot carry, host_pool.hicache_refusal).
 
 It also registers the ``--warmups`` function ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`),
 which the oscar_int2 defaults add to the server's warm-ups.

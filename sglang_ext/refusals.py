@@ -2,8 +2,9 @@
 
 Every SGLang feature that cannot carry the hybrid INT2/BF16 pool is refused with one line
 that names the flag (OscarConfigError), never run with a silently corrupted cache.
-Why each one breaks: /work/shared/SGLANG_0.5.17_MAP.md section 7 (HiCache and host pools
-copy only k/v buffers; PD transfer and CPU offload use get_contiguous_buf_infos /
+Why each one breaks: /work/shared/SGLANG_0.5.17_MAP.md section 7 (SGLang's host pools copy
+only k/v buffers, so HiCache runs on the INT2 host tier of sglang_ext.host_pool, refused
+where that tier cannot go; PD transfer and CPU offload use get_contiguous_buf_infos /
 get_cpu_copy; speculative decoding moves KV without the ring; the other layouts and
 pools assume one uniform KV dtype).
 
@@ -40,10 +41,6 @@ _TRUE = ("1", "true", "yes", "on")
 
 # (field, refused-when, flag as the user typed it, why). Checked in this order.
 _FLAG_RULES = (
-    ("enable_hierarchical_cache", bool, "--enable-hierarchical-cache",
-     "HiCache host pools copy only k/v buffers (INT2 scales, sinks and ring would be lost)"),
-    ("hicache_storage_backend", lambda v: v is not None, "--hicache-storage-backend",
-     "HiCache storage copies only k/v buffers"),
     ("enable_lmcache", bool, "--enable-lmcache", "LMCache assumes a uniform KV layout"),
     ("enable_flexkv", bool, "--enable-flexkv", "FlexKV assumes a uniform KV layout"),
     ("disaggregation_mode", lambda v: v not in (None, "null"), "--disaggregation-mode",
@@ -116,9 +113,24 @@ def _check_flags(sa) -> None:
     for field, refused, flag, why in _FLAG_RULES:
         if refused(getattr(sa, field, None)):
             raise _refuse(flag, why)
+    _check_hicache(sa)
     for env, why in _ENV_RULES:
         if os.environ.get(env, "").strip().lower() in _TRUE:
             raise _refuse(f"{env}=1", why)
+
+
+def _check_hicache(sa) -> None:
+    """HiCache (--enable-hierarchical-cache, a storage tier): served by the INT2 host tier
+    (sglang_ext.host_pool) for the io backend, layouts and storage it carries; the rest is
+    refused in one line (host_pool.hicache_refusal says why)."""
+    if not (getattr(sa, "enable_hierarchical_cache", False)
+            or getattr(sa, "hicache_storage_backend", None) is not None):
+        return
+    from .host_pool import hicache_refusal  # imports SGLang (through the bridge)
+
+    why = hicache_refusal(sa)
+    if why:
+        raise OscarConfigError(why)
 
 
 def _check_attention_backends(sa) -> None:

@@ -168,8 +168,9 @@ def test_settings_only_for_oscar():
 # ------------------------------------------------------------------ refusals (direct)
 
 REFUSED = [
-    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
-    ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
+    ({"enable_hierarchical_cache": True}, "--hicache-io-backend kernel"),
+    ({"enable_hierarchical_cache": True, "hicache_io_backend": "direct", "hicache_storage_backend": "mooncake"},
+     "--hicache-storage-backend mooncake"),
     ({"enable_lmcache": True}, "--enable-lmcache"),
     ({"enable_flexkv": True}, "--enable-flexkv"),
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),
@@ -346,7 +347,8 @@ def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache is not supported"),
+    (["--enable-hierarchical-cache"], "--hicache-io-backend kernel (SGLang's default for "
+     "--enable-hierarchical-cache) cannot carry oscar_int2 cells"),
     (["--attention-backend", "triton"], "--attention-backend triton is not supported"),
     (["--enable-deterministic-inference", "--oscar-extend-prefix", "flashinfer"],
      "--oscar-extend-prefix flashinfer is not batch-invariant"),
@@ -474,7 +476,7 @@ def test_launcher_serves_through_sglang_launch_path(tinylm_dir, tiny_rot):
     (["--oscar-rotations", "ROT"], {"reason": "the 'oscar' SGLang plugin entry point is not installed"},
      "entry point is not installed"),
     (["--oscar-rotations", "ROT"], {"backend_registered": False}, "did not register its attention backend"),
-    (["--oscar-rotations", "ROT", "--enable-hierarchical-cache"], {}, "--enable-hierarchical-cache"),
+    (["--oscar-rotations", "ROT", "--enable-hierarchical-cache"], {}, "add --hicache-io-backend direct"),
     (["--oscar-rotations", "ROT", "--oscar-sink-tokens", "100", "--page-size", "64"], {},
      "(use --page-size 128, or --oscar-sink-tokens 64 or fewer)"),
 ])
