@@ -178,17 +178,17 @@ def build_model(arch: Architecture, vocab_size: int, seed: int = 0):
     return model.eval()
 
 
-def build_model_dir(arch: Architecture | str, out_dir: str, seed: int = 0, dtype: str = "bfloat16") -> str:
+def build_model_dir(arch: Architecture | str, out_dir: str, seed: int = 0) -> str:
     """Write a complete local HF model folder for ``arch`` into ``out_dir`` (created):
-    config.json, random weights in ``dtype`` (bfloat16 like the published checkpoints) and the
+    config.json, random weights in bfloat16 (like the published checkpoints) and the
     in-process tokenizer. Returns ``out_dir``."""
     import torch
 
     arch = get(arch) if isinstance(arch, str) else arch
     tok = build_tokenizer()
     model = build_model(arch, len(tok), seed)
-    model.to(getattr(torch, dtype))
-    model.config.dtype = dtype
+    model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

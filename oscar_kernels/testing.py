@@ -35,7 +35,7 @@ class Scenario:
         return self.req_to_token.device
 
 
-def random_rotation(h: int, d: int, generator: torch.Generator, clip: bool = True) -> LayerRotation:
+def random_rotation(h: int, d: int, generator: torch.Generator) -> LayerRotation:
     """Per-head random orthogonal K/V rotations; half the channels get finite clips."""
     def orth():
         return torch.linalg.qr(torch.randn(h, d, d, generator=generator, dtype=torch.float64))[0].float()
@@ -43,9 +43,8 @@ def random_rotation(h: int, d: int, generator: torch.Generator, clip: bool = Tru
     def clips():
         lo = torch.full((h, d), -float("inf"))
         hi = torch.full((h, d), float("inf"))
-        if clip:
-            lo[:, ::2] = -1.5 - torch.rand(h, d // 2, generator=generator)
-            hi[:, ::2] = 1.5 + torch.rand(h, d // 2, generator=generator)
+        lo[:, ::2] = -1.5 - torch.rand(h, d // 2, generator=generator)
+        hi[:, ::2] = 1.5 + torch.rand(h, d // 2, generator=generator)
         return lo, hi
 
     klo, khi = clips()
@@ -53,7 +52,7 @@ def random_rotation(h: int, d: int, generator: torch.Generator, clip: bool = Tru
     return LayerRotation(orth(), orth(), klo, khi, vlo, vhi)
 
 
-def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, hq=None, seed=0,
+def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, seed=0,
           device="cpu", valid_from=None, evict_sink_of=(), no_sink=(), fill=True,
           scale_dtype=torch.float16, GV=None) -> Scenario:
     """lens: cached length per request. G: the keys' group size, GV the values' (default G). valid_from: per-request ring_valid_from (default 0).
@@ -169,8 +168,8 @@ def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
 
 
-def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=None, device="cuda",
-                 seed=0, valid_from=None, scale_dtype=torch.float16, GV=None) -> Scenario:
+def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, device="cuda", seed=0,
+                 scale_dtype=torch.float16, GV=None) -> Scenario:
     """Large scenario filled with random INT2 codes/scales and BF16 sinks/rings directly on
     ``device`` (no store pass: for long-context GPU tests and benchmarks). Every request
     owns whole pages (permuted) and a sink slot."""
@@ -179,7 +178,7 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
     pages_per_req = [-(-max(n, 1) // page) for n in lens]
     num_pages = sum(pages_per_req) + 1
     num_slots = num_pages * page
-    sink_slots = sink_slots or max(b, 1)
+    sink_slots = max(b, 1)
     layer = allocate_layer(num_slots, H, D, G, S, W, sink_slots, b + 1, scale_dtype, device=device,
                            value_group_size=GV)
     index = allocate_index(num_slots, page, sink_slots, b + 1, device=device)
@@ -196,8 +195,6 @@ def build_random(lens, *, H=8, D=128, G=128, S=16, W=128, page=64, sink_slots=No
     rows = torch.arange(1, b + 1, dtype=torch.int32, device=device)
     if S > 0:
         assign_sink_slots(index, req_to_token[rows.long(), 0], sink_slots)
-    if valid_from is not None:
-        index.ring_valid_from[rows.long()] = torch.tensor(valid_from, dtype=torch.int32, device=device)
     rotation = random_rotation(H, D, torch.Generator().manual_seed(seed)).to(device)
     return Scenario(layer, index, rotation, req_to_token, rows, list(lens), D ** -0.5)
 
@@ -239,9 +236,9 @@ def head_subset(sc: Scenario, heads: list[int]) -> Scenario:
 
 
 # ---------------------------------------------------------------- checks shared by CPU / GPU tests
-def store_batch(sc: Scenario, starts, seed=7):
+def store_batch(sc: Scenario, starts):
     """New tokens: request i stores positions starts[i]..lens[i]-1 (seq_end = lens[i])."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(7)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
     slots, pos, rows, ends = [], [], [], []
     for i, (s0, n) in enumerate(zip(starts, sc.lens)):
@@ -283,9 +280,9 @@ def decode_reference(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
     return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
 
 
-def random_q(sc: Scenario, hq: int, seed=3, n=None) -> torch.Tensor:
+def random_q(sc: Scenario, hq: int, seed=3) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n or len(sc.lens), hq, sc.layer.head_dim, generator=g) * 2).bfloat16().to(sc.device)
+    return (torch.randn(len(sc.lens), hq, sc.layer.head_dim, generator=g) * 2).bfloat16().to(sc.device)
 
 
 def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
@@ -297,8 +294,8 @@ def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
 
-def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", seed=4):
-    g = torch.Generator().manual_seed(seed)
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2"):
+    g = torch.Generator().manual_seed(4)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
     t = sum(new_lens)
     q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16().to(dev)
@@ -322,13 +319,13 @@ def index_to(index: HybridCacheIndex, device) -> HybridCacheIndex:
                                for f, v in vars(index).items()})
 
 
-def attention_session(sc: Scenario, steps, hq, seed=21, prefix_read="int2"):
+def attention_session(sc: Scenario, steps, hq, prefix_read="int2"):
     """Prefill chunks then decode steps through HybridAttention (one plan per step, the
     store -> attend -> ring protocol per call) on a copy of the scenario's cache; a step of
     one token after the first is a decode. Returns (outputs of every step, final layer)."""
     from .hybrid_attention import HybridAttention
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(21)
     dev = sc.device
     lay = clone_layer(sc.layer)
     cache = HybridCache([lay], [sc.rotation], index_to(sc.index, dev), sc.req_to_token)

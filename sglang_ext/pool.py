@@ -204,16 +204,14 @@ def rank_layout(kvc) -> RankLayout:
                       tp_size=ps.attn_tp_size)
 
 
-def plan_for_configurator(kvc, num_rows: Optional[int] = None) -> OscarMemoryPlan:
-    """The memory plan of this rank. ``num_rows`` defaults to the planned request rows
-    (--max-running-requests per attention-DP worker, or the oscar default, + SGLang's
-    padding row); the pool itself uses the real req_to_token row count."""
+def plan_for_configurator(kvc) -> OscarMemoryPlan:
+    """The memory plan of this rank for the planned request rows (--max-running-requests per
+    attention-DP worker, or the oscar default, + SGLang's padding row); the pool itself uses
+    the real req_to_token row count."""
     s = oscar_settings(kvc.server_args)
     layout = rank_layout(kvc)
     _, meta = load_rank_rotations(s.rotations_path, kvc.model_config.hf_config, layout)
-    if num_rows is None:
-        num_rows = planned_request_rows(kvc.server_args.max_running_requests,
-                                        kvc.ps.attn_dp_size) + 1
+    num_rows = planned_request_rows(kvc.server_args.max_running_requests, kvc.ps.attn_dp_size) + 1
     return memory_plan(layout, meta, s.sink_tokens, s.recent_window, num_rows, s.sink_slots)
 
 
