@@ -91,7 +91,7 @@ def measure(server: Server, args, vocab: int) -> dict:
             raise RuntimeError(f"{server.name}: /flush_cache refused (server not idle)")
         prefix = prompt(args.prefix_tokens)
         out["recompute"].append(first_token(server, prefix + prompt(SUFFIX)))
-        time.sleep(args.settle)  # its write-through backup completes before anything evicts it
+        time.sleep(args.settle)  # its write-through backup lands before the next prompt needs room
         for _ in range(2):  # other prompts of the same length: the prefix leaves the device
             out["recompute"].append(first_token(server, prompt(args.prefix_tokens + SUFFIX)))
             time.sleep(args.settle)
@@ -125,8 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16-mem-layout", default="page_first", help="bf16 --hicache-mem-layout (SGLang's default)")
     ap.add_argument("--oscar-mem-layout", default="layer_first", choices=("layer_first", "page_first_direct"),
                     help="oscar_int2 --hicache-mem-layout (layer_first: a load copies whole host runs)")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds after each recompute (the host backup of 100k BF16 tokens is ~15 GB)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds after each recompute, for its write-through backup (~15 GB for 100k BF16 "
+                         "tokens; the node stays locked on the device until it is on host)")
     ap.add_argument("--server-args", default="", help="extra server arguments for every config")
     ap.add_argument("--out", default=None)
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "benchmarks", "results", "hicache_logs"))
