@@ -144,7 +144,6 @@ class ExtendTiles:
     block_n: int  # INT2 prefix tokens per step
     block_n_bf16: int  # BF16 (sink / ring / materialised prefix / new) tokens per step
     num_stages: int
-    num_warps: int = 8
 
 
 # The tuned tiles of each prefix read (H200; figures in benchmarks/DECODE_KERNEL_LOG.md), no
@@ -153,6 +152,7 @@ class ExtendTiles:
 EXTEND_TILES = {"int2": ExtendTiles(block_rows=64, block_n=32, block_n_bf16=32, num_stages=2),
                 "bf16": ExtendTiles(block_rows=128, block_n=32, block_n_bf16=64, num_stages=3)}
 PREFIX_READS = tuple(EXTEND_TILES)
+EXTEND_WARPS = 8  # both reads
 
 
 def check_prefix_read(prefix_read: str) -> None:
@@ -262,7 +262,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E,
         GQ=gq, GQP=gqp, BM=bm, D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens,
         W=layer.recent_window, BN=tiles.block_n, BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, num_warps=tiles.num_warps,
+        SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, num_warps=EXTEND_WARPS,
         num_stages=tiles.num_stages,
     )
     return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)
