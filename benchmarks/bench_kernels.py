@@ -235,10 +235,10 @@ def l2_bytes() -> int:
 @dataclass(frozen=True)
 class Layout:
     """The INT2 layout of a table run: keys' and values' group sizes, one scale dtype
-    (default: oscar-calibrate's, KVLayout.default)."""
+    (default: oscar-calibrate's, KVLayout.resolve)."""
 
-    key_group: int = KVLayout.default(D).key_group_size
-    value_group: int = KVLayout.default(D).value_group_size
+    key_group: int = KVLayout.resolve(D).key_group_size
+    value_group: int = KVLayout.resolve(D).value_group_size
     scale_dtype: str = DEFAULT_SCALE_DTYPE
 
     def describe(self) -> dict:

@@ -147,7 +147,7 @@ def compare_candidates(model, tok, shape: ModelShape, idx, tokens: int, eval_tok
     files = text_sources.shuffled(text_sources.stdlib_files(), 0)
     forward_all(model, text_sources.token_stream(tok, text_sources.read_texts(files), seq_len, tokens),
                 sliced(stats, idx))
-    layout = KVLayout.default(shape.head_dim)
+    layout = KVLayout.resolve(shape.head_dim)
     _, u_k = sorted_eigh(stats.c_q())
     _, u_v = sorted_eigh(stats.c_s())
     per_layer = [(candidates(u_k[l], layout.key_group_size), candidates(u_v[l], layout.value_group_size))

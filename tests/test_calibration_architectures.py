@@ -123,7 +123,7 @@ def test_calibrate_writes_a_file_that_loads_for_that_model(tmp_path, arch, capsy
     assert "error" not in capsys.readouterr().err
     rots = {r: load_rotations(f, expect=shape) for r, f in files.items()}
     m = rots["oscar"].meta
-    layout = KVLayout.default(d)
+    layout = KVLayout.resolve(d)
     assert (m.num_q_heads, m.num_kv_heads, m.head_dim) == (arch.geometry["num_q_heads"], arch.geometry["num_kv_heads"], d)
     assert (m.group_size, m.value_group_size, m.calib_tokens) == (layout.key_group_size, layout.value_group_size,
                                                                   min_calibration_tokens(d))
@@ -191,8 +191,8 @@ def test_every_variant_is_orthogonal_at_head_dim_96(variant, group):
 
 
 def test_layout_of_head_dim_96_is_whole_planes():
-    assert KVLayout.default(96) == KVLayout(24, 96, "float8_e4m3fn")
-    assert KVLayout.default(96).bytes_per_token_per_head(96) == 2 * 24 + (4 + 1) * 2
+    assert KVLayout.resolve(96) == KVLayout(24, 96, "float8_e4m3fn")
+    assert KVLayout.resolve(96).bytes_per_token_per_head(96) == 2 * 24 + (4 + 1) * 2
     for g in (24, 48, 96, 32, 8):
         KVLayout(g, g, "float16").check(96)
     with pytest.raises(ValueError, match=r"^group size 12 must be a power of two dividing head_dim 96, "

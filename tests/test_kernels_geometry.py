@@ -41,7 +41,7 @@ def _layout(d: int, span: bool) -> dict:
     """build() keywords of a layout class: groups spanning the head (G = D, float16), or the default layout."""
     if span:
         return dict(G=d, GV=d, scale_dtype=torch.float16)
-    lay = KVLayout.default(d)
+    lay = KVLayout.resolve(d)
     return dict(G=lay.key_group_size, GV=lay.value_group_size, scale_dtype=lay.torch_scale_dtype)
 
 

@@ -3,7 +3,7 @@ GPU, at lengths and batches the interpreter cannot reach (issue 30; the CPU twin
 is tests/test_kernels_geometry.py).
 
 Every row of calibration/architectures.py that the kernels serve (its query / KV heads and
-head_dim, the default layout KVLayout.default(D), S = 16, W = 128, page 64) and the two
+head_dim, the default layout KVLayout.resolve(D), S = 16, W = 128, page 64) and the two
 published geometries where the upstream OSCAR decode read another KV head's cache (48 / 8 at
 batch >= 16, 96 / 8 at batch < 16) and MHA and 2 query heads per KV head, against the PyTorch reference: decode with the tuned
 default configuration at batch 1, 3, 16 and 64 (every batch branch of the tile heuristics),
@@ -38,7 +38,7 @@ BATCHES = {1: [16384], 3: [4099, 130, 9000], 16: [2048 + 97 * i for i in range(1
 
 
 def _scenario(lens, h, d, seed):
-    lay = KVLayout.default(d)
+    lay = KVLayout.resolve(d)
     return kc.build(lens, H=h, D=d, G=lay.key_group_size, GV=lay.value_group_size,
                     scale_dtype=lay.torch_scale_dtype, S=16, W=128, page=64, sink_slots=len(lens) + 1,
                     seed=seed, device="cuda")

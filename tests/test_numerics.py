@@ -91,10 +91,10 @@ def test_pack_unpack_round_trip():
 
 # ---------------------------------------------------------------- the INT2 layout
 def test_default_layout():
-    assert KVLayout.default(128) == KVLayout(32, 128, "float8_e4m3fn")
-    assert KVLayout.default(64) == KVLayout(16, 64, "float8_e4m3fn")
-    assert KVLayout.default(256) == KVLayout(64, 128, "float8_e4m3fn")
-    assert KVLayout.default(128).bytes_per_token_per_head(128) == 74  # 64 B codes + 5 groups x 2 x 1 B
+    assert KVLayout.resolve(128) == KVLayout(32, 128, "float8_e4m3fn")
+    assert KVLayout.resolve(64) == KVLayout(16, 64, "float8_e4m3fn")
+    assert KVLayout.resolve(256) == KVLayout(64, 128, "float8_e4m3fn")
+    assert KVLayout.resolve(128).bytes_per_token_per_head(128) == 74  # 64 B codes + 5 groups x 2 x 1 B
 
 
 def test_layout_resolve_fills_only_what_is_open():
@@ -125,7 +125,7 @@ def test_layout_imports_no_torch():
     import sys
 
     code = ("import sys; from oscar_kernels.contract.layout import KVLayout; "
-            "KVLayout.default(128).bytes_per_token_per_head(128); print('torch' in sys.modules)")
+            "KVLayout.resolve(128).bytes_per_token_per_head(128); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # benchmarks' --help and the byte arithmetic stay torch-free
 
@@ -133,7 +133,7 @@ def test_layout_imports_no_torch():
 @pytest.mark.parametrize("fn", [int2.quantise, int2.quantise_rotated, int2.fake_quantise, allocate_layer])
 def test_numerics_default_to_the_layout_scale_dtype(fn):
     default = inspect.signature(fn).parameters["scale_dtype"].default
-    assert default == KVLayout.default(128).torch_scale_dtype
+    assert default == KVLayout.resolve(128).torch_scale_dtype
 
 
 # ---------------------------------------------------------------- quantisation

@@ -111,8 +111,8 @@ def test_report_states_the_calibration_defaults_of_the_code():
     d = report.CALIBRATE_DEFAULTS
     assert (d["variant"], d["clip"], d["scale_dtype"]) == (calibrate.DEFAULT_VARIANT, calibrate.DEFAULT_CLIP,
                                                            DEFAULT_SCALE_DTYPE)
-    assert KVLayout.default(128) == KVLayout(32, 128, DEFAULT_SCALE_DTYPE)
-    assert KVLayout.default(64) == KVLayout(16, 64, DEFAULT_SCALE_DTYPE)
+    assert KVLayout.resolve(128) == KVLayout(32, 128, DEFAULT_SCALE_DTYPE)
+    assert KVLayout.resolve(64) == KVLayout(16, 64, DEFAULT_SCALE_DTYPE)
     assert (d["key_group"], d["value_group"]) == ("head_dim / 4", "min(128, head_dim)")
 
 
@@ -214,8 +214,8 @@ def test_calibrate_options_table_gives_the_codes_defaults():
     parser = argparse.ArgumentParser()
     cli._add_model_args(parser)
     assert rows["--seq-len"] == str(parser.get_default("seq_len"))
-    assert rows["--group-size"] == f"head_dim / 4 ({KVLayout.default(128).key_group_size} at head_dim 128)"
-    assert rows["--value-group-size"] == "min(128, head_dim)" and KVLayout.default(256).value_group_size == 128
+    assert rows["--group-size"] == f"head_dim / 4 ({KVLayout.resolve(128).key_group_size} at head_dim 128)"
+    assert rows["--value-group-size"] == "min(128, head_dim)" and KVLayout.resolve(256).value_group_size == 128
 
 
 DOCS = {"README.md": README, "benchmarks/RESULTS.md": RESULTS_TEXT}

@@ -92,15 +92,11 @@ class KVLayout:
     scale_dtype: str
 
     @classmethod
-    def default(cls, head_dim: int) -> "KVLayout":
-        """Keys head_dim/4, values min(128, head_dim), float8_e4m3fn scales."""
-        return cls.resolve(head_dim)
-
-    @classmethod
     def resolve(cls, head_dim: int, key_group_size: int | None = None,
                 value_group_size: int | None = None, scale_dtype: str | None = None) -> "KVLayout":
-        """The default layout with what is given in place; a key group given without a value
-        group applies to both (not checked: see :meth:`check`)."""
+        """The default layout (keys head_dim/4, values min(128, head_dim), float8_e4m3fn
+        scales) with what is given in place; a key group given without a value group applies
+        to both (not checked: see :meth:`check`)."""
         if key_group_size is None:
             key_group_size = max(1, head_dim // CODES_PER_BYTE)
             if value_group_size is None:
