@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -71,12 +72,12 @@ def generate(server, ids: list[int], max_new_tokens: int, top: bool = False) -> 
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                                   "ignore_eos": True}}
     if top:
-        body.update(return_logprob=True, top_logprobs_num=2)
+        body.update(return_logprob=True, top_logprobs_num=5)
     return server.post("/generate", body)
 
 
 def greedy(server, ids: list[int]) -> tuple[list[int], list[dict]]:
-    """(token ids, per position {token id: logprob} of the top two)."""
+    """(token ids, per position {token id: logprob} of the top five)."""
     meta = generate(server, ids, GREEDY_TOKENS, top=True)["meta_info"]
     tokens = [int(t[1]) for t in meta["output_token_logprobs"]]
     tops = [{int(c[1]): float(c[0]) for c in pos} for pos in meta["output_top_logprobs"]]
@@ -97,35 +98,41 @@ def serve_row(name: str, model_dir: str, work: str) -> dict:
     if done.returncode:
         row["verdict"] = f"fail: oscar-calibrate: {row['calibrate']['error']}"
         return row
+    h.log(f"{name}: calibrated in {row['calibrate']['s']} s")
     ids = text_ids(model_dir, max(o + n for o, n in CONCURRENT) + LONG_PROMPT)
     logs = os.path.join(work, "logs")
     oscar = h.Server(f"{name}-oscar", ["--model-path", model_dir, "--kv-cache-dtype", "oscar_int2",
                                        "--oscar-rotations", rot, "--cuda-graph-max-bs-decode", "16", *COMMON], logs)
-    try:
-        row["oscar_ready_s"] = round(oscar.start(), 1)
-    except h.ServerDied:
-        lines = [ln for ln in oscar.log_text().splitlines() if ln.strip()]
-        oscar.stop()
-        refusal = next((ln for ln in reversed(lines) if ln.startswith("oscar-sglang: ")), None)
-        row["oscar_start"] = refusal or "\n".join(lines[-5:])
-        row["verdict"] = f"refused: {refusal}" if refusal else "fail: the oscar server died (see oscar_start)"
-        return row
-    try:
-        graph = GRAPH_LINE.search(oscar.log_text())
-        row["graphs"] = graph.group(0) if graph else None
-        windows = [greedy(oscar, ids[o:o + n]) for o, n in WINDOW_PROMPTS]
-        t = time.monotonic()
-        long_out = generate(oscar, ids[:LONG_PROMPT], 32)
-        row["long"] = {"prompt_tokens": LONG_PROMPT, "output_tokens": len(long_out["output_ids"]),
-                       "s": round(time.monotonic() - t, 2)}
-        with ThreadPoolExecutor(len(CONCURRENT)) as pool:
-            outs = list(pool.map(lambda on: generate(oscar, ids[on[0]:on[0] + on[1]], 32), CONCURRENT))
-        row["concurrent"] = {"requests": len(CONCURRENT), "completed": sum(len(o["output_ids"]) == 32 for o in outs)}
-    finally:
-        oscar.stop()
-    with h.Server(f"{name}-bf16", ["--model-path", model_dir, "--attention-backend", "triton",
-                                   "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", *COMMON], logs) as bf16:
-        reference = [greedy(bf16, ids[o:o + n]) for o, n in WINDOW_PROMPTS]
+    bf16 = h.Server(f"{name}-bf16", ["--model-path", model_dir, "--attention-backend", "triton",
+                                     "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", *COMMON], logs)
+    with ThreadPoolExecutor(1) as starter:  # the reference starts beside the oscar server
+        bf16_ready = starter.submit(bf16.start)
+        try:
+            try:
+                row["oscar_ready_s"] = round(oscar.start(), 1)
+            except h.ServerDied:
+                lines = [ln for ln in oscar.log_text().splitlines() if ln.strip()]
+                refusal = next((ln for ln in reversed(lines) if ln.startswith("oscar-sglang: ")), None)
+                row["oscar_start"] = refusal or "\n".join(lines[-5:])
+                row["verdict"] = f"refused: {refusal}" if refusal else "fail: the oscar server died (see oscar_start)"
+                return row
+            graph = GRAPH_LINE.search(oscar.log_text())
+            row["graphs"] = graph.group(0) if graph else None
+            windows = [greedy(oscar, ids[o:o + n]) for o, n in WINDOW_PROMPTS]
+            t = time.monotonic()
+            long_out = generate(oscar, ids[:LONG_PROMPT], 32)
+            row["long"] = {"prompt_tokens": LONG_PROMPT, "output_tokens": len(long_out["output_ids"]),
+                           "s": round(time.monotonic() - t, 2)}
+            with ThreadPoolExecutor(len(CONCURRENT)) as pool:
+                outs = list(pool.map(lambda on: generate(oscar, ids[on[0]:on[0] + on[1]], 32), CONCURRENT))
+            row["concurrent"] = {"requests": len(CONCURRENT),
+                                 "completed": sum(len(o["output_ids"]) == 32 for o in outs)}
+            oscar.stop()
+            row["bf16_ready_s"] = round(bf16_ready.result(), 1)
+            reference = [greedy(bf16, ids[o:o + n]) for o, n in WINDOW_PROMPTS]
+        finally:
+            oscar.stop()
+            bf16.stop()
     row["windows"] = []
     for (o, n), (got, _), (want, want_top) in zip(WINDOW_PROMPTS, windows, reference):
         verdict = h.agree_up_to_a_near_tie(got, want, want_top, NEAR_TIE)
@@ -144,7 +151,7 @@ def serve_row(name: str, model_dir: str, work: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated row names (default: all)")
-    ap.add_argument("--parallel", type=int, default=8, help="rows served at the same time")
+    ap.add_argument("--parallel", type=int, default=9, help="rows served at the same time")
     ap.add_argument("--out", default=os.path.join(h.ROOT, "benchmarks", "results", "architectures_serving.json"))
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or [a.name for a in archs.ARCHITECTURES]
@@ -156,20 +163,29 @@ def main() -> int:
     with ProcessPoolExecutor(min(args.parallel, len(names))) as pool:
         dirs = dict(zip(names, pool.map(build, names, [work] * len(names))))
     h.log(f"built {len(dirs)} model folders in {work}")
+    head = {"what": "each calibration/architectures.py row (real attention geometry, 2 layers, seeded random "
+                    "weights) served by SGLang 0.5.17 with --kv-cache-dtype oscar_int2 (defaults: S 16, W 128, "
+                    "decode CUDA graphs) against BF16 (triton attention); --chunked-prefill-size 1024 --page-size 64",
+            "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "host": platform.node(),
+            "checks": {"windows": f"{len(WINDOW_PROMPTS)} prompts of 40-110 tokens + {GREEDY_TOKENS} greedy "
+                                  f"tokens: equal to BF16 up to one near-tie ({NEAR_TIE} nats)",
+                       "long": f"{LONG_PROMPT}-token prompt + 32 tokens",
+                       "concurrent": f"{len(CONCURRENT)} requests of 300-3000 tokens at once, 32 tokens each",
+                       "graphs": "decode CUDA graphs captured"}}
+    rows, lock = [], threading.Lock()
+
+    def one(name: str) -> None:
+        try:
+            row = serve_row(name, dirs[name], work)
+        except Exception as e:  # a row that breaks is a result, not the end of the matrix
+            row = {"name": name, "verdict": f"fail: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        h.log(f"{name}: {row['verdict']}")
+        with lock:  # saved after every row: a run cut short keeps what finished
+            rows.append(row)
+            h.save_json(args.out, {**head, "rows": sorted(rows, key=lambda r: names.index(r["name"]))})
+
     with ThreadPoolExecutor(args.parallel) as pool:
-        rows = list(pool.map(lambda n: serve_row(n, dirs[n], work), names))
-    for r in rows:
-        h.log(f"{r['name']}: {r['verdict']}")
-    h.save_json(args.out, {
-        "what": "each calibration/architectures.py row (real attention geometry, 2 layers, seeded random "
-                "weights) served by SGLang 0.5.17 with --kv-cache-dtype oscar_int2 (defaults: S 16, W 128, decode "
-                "CUDA graphs) against BF16 (triton attention); --chunked-prefill-size 1024 --page-size 64",
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "host": platform.node(),
-        "checks": {"windows": f"{len(WINDOW_PROMPTS)} prompts of 40-110 tokens + {GREEDY_TOKENS} greedy tokens: "
-                              f"equal to BF16 up to one near-tie ({NEAR_TIE} nats)",
-                   "long": f"{LONG_PROMPT}-token prompt + 32 tokens", "concurrent": f"{len(CONCURRENT)} requests "
-                   "of 300-3000 tokens at once, 32 tokens each", "graphs": "decode CUDA graphs captured"},
-        "rows": rows})
+        list(pool.map(one, names))
     return 0 if all(r["verdict"] == "pass" or r["verdict"].startswith("refused") for r in rows) else 1
 
 

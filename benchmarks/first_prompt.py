@@ -52,6 +52,9 @@ def generate(server, ids: list[int], max_new_tokens: int) -> tuple[dict, float]:
 
 
 def git_describe(path: str) -> str:
+    """``git describe`` of the checkout at ``path`` (its folder name when it is not one)."""
+    if not os.path.exists(os.path.join(path, ".git")):
+        return os.path.basename(os.path.abspath(path))
     done = subprocess.run(["git", "-C", path, "describe", "--always", "--dirty"], capture_output=True, text=True)
     return done.stdout.strip() or os.path.basename(os.path.abspath(path))
 

@@ -74,8 +74,9 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 def agree_up_to_a_near_tie(got: list[str], want: list[str], want_top: list[dict], margin: float):
     """None when ``got`` equals the reference ``want`` or first leaves it at a near-tie of
-    the reference (its top two within ``margin`` nats, ``got`` taking the runner-up);
-    else a message saying where and how they differ."""
+    the reference: ``got`` takes a token among the reference's top candidates there
+    (``want_top``: token -> logprob) that it rates within ``margin`` nats of its best (two,
+    or three, tokens can tie); else a message saying where and how they differ."""
     k = first_divergence(got, want)
     if k < 0:
         return None
@@ -83,10 +84,10 @@ def agree_up_to_a_near_tie(got: list[str], want: list[str], want_top: list[dict]
         return f"lengths differ: {len(got)} vs {len(want)} tokens"
     top = sorted(want_top[k].items(), key=lambda kv: -kv[1])
     gap = top[0][1] - want_top[k].get(got[k], float("-inf"))
-    if got[k] in dict(top[:2]) and gap <= margin:
+    if gap <= margin:
         return None
-    return (f"token {k}: got {got[k]!r}, reference {want[k]!r} (reference top-2 {top[:2]}, gap {gap:.3f} "
-            f"nats > {margin}) after {''.join(want[:k])!r}")
+    return (f"token {k}: got {got[k]!r}, reference {want[k]!r} (reference top {top[:3]}, gap {gap:.3f} "
+            f"nats > {margin}) after {''.join(map(str, want[:k]))!r}")
 
 
 def save_json(path: str, data: dict) -> None:

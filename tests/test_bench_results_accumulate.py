@@ -59,6 +59,9 @@ def test_near_tie_rule():
     assert "token 0" in agree(["x", "R", "c"], ["a", "R", "c"], top, 0.1)  # 2.9 nats apart
     assert "token 1" in agree(["a", "Q", "c"], ["a", "R", "c"], top, 0.1)  # not a candidate
     assert "lengths" in agree(["a", "R"], ["a", "R", "c"], top, 0.1)
+    three = [{"R": -3.2312, "K": -3.2312, "8": -3.25, "z": -3.6}]  # a three-way tie (seen on the H200)
+    assert agree(["8"], ["K"], three, 0.1) is None
+    assert "token 0" in agree(["z"], ["K"], three, 0.1)
 
 
 def test_tp_check_classifies_divergences():

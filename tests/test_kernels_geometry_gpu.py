@@ -33,8 +33,8 @@ GEOMETRIES = [(a.name, a.geometry["num_q_heads"], a.geometry["num_kv_heads"], a.
 GEOMETRIES += [("minimax-m2-shape", 48, 8, 128), ("glm-4.7-shape", 96, 8, 128),  # the upstream bug's
                ("mha-shape", 32, 32, 128), ("gqa-2-shape", 16, 8, 64)]
 # (batch, cached lengths): the batch branches of the decode heuristics, with long contexts
-BATCHES = {1: [16384], 3: [4099, 130, 9000], 16: [2048 + 97 * i for i in range(16)],
-           64: [300 + 37 * i for i in range(64)]}
+BATCHES = {1: [8192], 3: [4099, 130, 2000], 16: [700 + 97 * i for i in range(16)],
+           64: [150 + 13 * i for i in range(64)]}
 
 
 def _scenario(lens, h, d, seed):
@@ -69,5 +69,5 @@ def test_extend_served_geometry_gpu(geometry, prefix_read):
     from oscar_kernels.triton_extend import triton_extend
 
     _, hq, h, d = geometry
-    sc = _scenario([0, 1500, 3000, 77], h, d, seed=hq * 3 + d)
-    kc.check_extend(sc, hq, [1024, 1, 700, 37], triton_extend, prefix_read)
+    sc = _scenario([0, 700, 1500, 77], h, d, seed=hq * 3 + d)
+    kc.check_extend(sc, hq, [512, 1, 300, 37], triton_extend, prefix_read)
