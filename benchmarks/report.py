@@ -402,7 +402,7 @@ def render_calibration_proxy(path: str, data: dict) -> list[str]:
     return parts
 
 
-@per_results_file("fidelity_*sweep*.json", "python -m calibration.fidelity.sweep --model DIR --method oscar=FILE ...", "CPU or GPU")
+@per_results_file("fidelity_*sweep*.json", "python -m benchmarks.fidelity_sweep --model DIR --method oscar=FILE ...", "CPU or GPU")
 def render_fidelity_sweep(path: str, data: dict) -> list[str]:
     parts = []
     runs = data.get("runs", [])

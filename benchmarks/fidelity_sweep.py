@@ -1,6 +1,6 @@
 """Sweep the BF16 sink size S and recent window W with oscar-eval; fidelity vs memory.
 
-    python -m calibration.fidelity.sweep --model DIR --method oscar=FILE [--method ...] \\
+    python -m benchmarks.fidelity_sweep --model DIR --method oscar=FILE [--method ...] \\
         --sinks 4,16,64 --recents 64,128,256 --out JSON -- [oscar-eval options]
 
 bf16 runs once; every (S, W) runs each method through :func:`calibration.fidelity.cli.main`
@@ -22,7 +22,7 @@ from oscar_kernels.contract.layout import KVLayout
 from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import load_rotations
 
-from . import cli
+from calibration.fidelity import cli
 
 
 def memory_costs(shape: ModelShape, group_size: int, scale_dtype: str, sink: int, recent: int,
