@@ -24,9 +24,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 from oscar_kernels import reference as ref  # noqa: E402
 from oscar_kernels import testing as kc  # noqa: E402
+import kernel_helpers as kh  # noqa: E402
 from oscar_kernels.contract.layout import KVLayout  # noqa: E402
 
-_, _, store_mod, decode_mod, _, extend_mod = kc.interpreted_kernel_modules()
+_, _, store_mod, decode_mod, _, extend_mod = kh.interpreted_kernel_modules()
 
 # several INT2 splits per request at these small lengths (the launch shapes are the tuned ones)
 _SMALL = dict(min_chunk=16, target_programs=64, max_splits=4)
@@ -52,7 +53,7 @@ def _scenario(lens, h, d, span, seed):
 def _same_head_everywhere(sc, c: int):
     """The scenario with every KV head's cache and rotations replaced by head c's: the
     reference on it is what every query head would give if it read head c."""
-    return kc.head_subset(sc, [c] * sc.layer.num_kv_heads)
+    return kh.head_subset(sc, [c] * sc.layer.num_kv_heads)
 
 
 def _assert_each_query_head_reads_its_kv_head(got, candidates, gq, what):
@@ -75,20 +76,20 @@ def _assert_each_query_head_reads_its_kv_head(got, candidates, gq, what):
 
 
 def _decode_candidates(sc, q):
-    """[H, B, Hq, D] float32: kc.decode_reference had every query head read KV head c."""
-    return torch.stack([kc.decode_reference(_same_head_everywhere(sc, c), q)
+    """[H, B, Hq, D] float32: kh.decode_reference had every query head read KV head c."""
+    return torch.stack([kh.decode_reference(_same_head_everywhere(sc, c), q)
                         for c in range(sc.layer.num_kv_heads)])
 
 
 def _run_decode(sc, hq, config, seed=3):
-    """kc.check_decode (kernel vs reference within its tolerance); returns (q, kernel output)."""
+    """kh.check_decode (kernel vs reference within its tolerance); returns (q, kernel output)."""
     seen = []
 
     def decode(*args, **kwargs):
         seen.append(decode_mod.triton_decode(*args, **kwargs))
         return seen[-1]
 
-    kc.check_decode(sc, hq, decode, config, seed=seed)
+    kh.check_decode(sc, hq, decode, config, seed=seed)
     return kc.random_q(sc, hq, seed), seen[0]
 
 
@@ -123,7 +124,7 @@ def test_store_geometry_matches_reference(d, span):
     token, an extend chunk and two new sequences (sinks)."""
     sc = kc.build([21, 9, 5, 12], H=4, D=d, S=4, W=8, page=8, fill=False, no_sink=(3,), seed=d,
                   **_layout(d, span))
-    got = kc.check_store(sc, [20, 3, 0, 0], store_mod.triton_store, True, True)
+    got = kh.check_store(sc, [20, 3, 0, 0], store_mod.triton_store, True, True)
     assert got.k_sink.abs().sum() > 0 and got.k_ring.abs().sum() > 0
 
 
@@ -232,7 +233,7 @@ def test_wrong_kv_head_is_caught(kind, perm, first_wrong):
     head perm[hq // gq]) is flagged, naming the query heads, and misses the reference."""
     gq, h, d, b = 6, 4, 64, 16
     sc = _scenario(_LENS[:b], h, d, False, seed=5)
-    moved = kc.head_subset(sc, perm)
+    moved = kh.head_subset(sc, perm)
     q = kc.random_q(sc, gq * h, 3)
     got = decode_mod.triton_decode(q, moved.layer, moved.index, moved.rotation, moved.req_to_token, moved.rows,
                                    torch.tensor(sc.lens, dtype=torch.int32), sc.sm_scale,
@@ -241,7 +242,7 @@ def test_wrong_kv_head_is_caught(kind, perm, first_wrong):
     with pytest.raises(AssertionError, match=first_wrong):
         _assert_each_query_head_reads_its_kv_head(got, cands, gq, kind)
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(got.float(), kc.decode_reference(sc, q), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(got.float(), kh.decode_reference(sc, q), rtol=3e-2, atol=3e-2)
     # what it did read: every query head the moved head's
     read = (got.float()[None] - cands).abs().amax(-1).argmin(0)
     assert torch.equal(read, torch.tensor(perm)[torch.arange(gq * h) // gq].expand(b, -1))
@@ -267,7 +268,7 @@ EXTEND_CASES = [
 
 
 def _run_extend(sc, hq, new_lens, prefix_read):
-    """kc.check_extend; returns the kernel's (q, k_rot, v_rot, qo_indptr, prefix_lens) and output."""
+    """kh.check_extend; returns the kernel's (q, k_rot, v_rot, qo_indptr, prefix_lens) and output."""
     seen = []
 
     def extend(q, k_rot, v_rot, layer, index, rotation, req_to_token, rows, pre, qo, *args, **kwargs):
@@ -276,7 +277,7 @@ def _run_extend(sc, hq, new_lens, prefix_read):
         seen.append(((q, k_rot, v_rot, qo, pre), out))
         return out
 
-    kc.check_extend(sc, hq, new_lens, extend, prefix_read)
+    kh.check_extend(sc, hq, new_lens, extend, prefix_read)
     return seen[0]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from calibration import architectures as archs
 from oscar_kernels import testing as kc
+import kernel_helpers as kh
 from oscar_kernels.contract.layout import KVLayout
 from sglang_ext.refusals import kernel_head_dim_problem
 
@@ -60,7 +61,7 @@ def test_decode_served_geometry_gpu(geometry, batch):
 
     _, hq, h, d = geometry
     sc = _scenario(BATCHES[batch], h, d, seed=hq + d + batch)
-    kc.check_decode(sc, hq, triton_decode)
+    kh.check_decode(sc, hq, triton_decode)
 
 
 @pytest.mark.parametrize("prefix_read", ["int2", "bf16"])
@@ -70,4 +71,4 @@ def test_extend_served_geometry_gpu(geometry, prefix_read):
 
     _, hq, h, d = geometry
     sc = _scenario([0, 700, 1500, 77], h, d, seed=hq * 3 + d)
-    kc.check_extend(sc, hq, [512, 1, 300, 37], triton_extend, prefix_read)
+    kh.check_extend(sc, hq, [512, 1, 300, 37], triton_extend, prefix_read)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oscar_kernels import testing as kc
+import kernel_helpers as kh
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def test_store_gpu(kernels, cfg, flags):
     lens = [211, 90, 65, 128]
     starts = [210, 3, 0, 0]
     sc = kc.build(lens, H=4, fill=False, no_sink=(3,), seed=1, device="cuda", **cfg)
-    kc.check_store(sc, starts, ts.triton_store, *flags)
+    kh.check_store(sc, starts, ts.triton_store, *flags)
 
 
 _DECODE_CASES = [
@@ -65,7 +66,7 @@ def test_decode_gpu(kernels, case):
     d, g, hq, h, s, w, page = case
     lens = [1, 7, max(s + w, 1), s + w + 1, 300, 1000, 4099]  # empty history, boundaries, splits
     sc = kc.build(lens, H=h, D=d, G=g, S=s, W=w, page=page, seed=d + g + hq, device="cuda")
-    kc.check_decode(sc, hq, td.triton_decode)
+    kh.check_decode(sc, hq, td.triton_decode)
 
 
 def test_decode_gpu_invalid_sink_and_late_ring(kernels):
@@ -73,7 +74,7 @@ def test_decode_gpu_invalid_sink_and_late_ring(kernels):
     lens = [300, 450, 120, 2000]
     sc = kc.build(lens, H=4, D=128, G=128, S=16, W=64, page=64, evict_sink_of=(0,), no_sink=(2,),
                   valid_from=[0, 420, 100, 1990], seed=5, device="cuda")
-    kc.check_decode(sc, 16, td.triton_decode)
+    kh.check_decode(sc, 16, td.triton_decode)
 
 
 @pytest.mark.parametrize("split_policy", [dict(max_splits=1), dict(min_chunk=64, target_programs=4096),
@@ -83,7 +84,7 @@ def test_decode_gpu_split_policies(kernels, split_policy):
     query-head merge at batch 3)."""
     _, _, td, _ = kernels
     sc = kc.build([5, 900, 3000], H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda")
-    kc.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**split_policy))
+    kh.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**split_policy))
 
 
 @pytest.mark.parametrize("case", [
@@ -98,7 +99,7 @@ def test_extend_gpu(kernels, case):
     prefix = [0, 5, 130, 700]
     new = [70, 1, 200, 33]
     sc = kc.build(prefix, H=h, D=d, G=g, S=s, W=w, page=page, seed=d + hq, device="cuda")
-    kc.check_extend(sc, hq, new, te.triton_extend)
+    kh.check_extend(sc, hq, new, te.triton_extend)
 
 
 def test_float8_scales_gpu(kernels):
@@ -107,11 +108,11 @@ def test_float8_scales_gpu(kernels):
     f8 = torch.float8_e4m3fn
     sc = kc.build([211, 90, 65], H=4, D=128, G=64, S=16, W=64, page=64, fill=False, seed=2, device="cuda",
                   scale_dtype=f8)
-    kc.check_store(sc, [210, 3, 0], ts.triton_store)
+    kh.check_store(sc, [210, 3, 0], ts.triton_store)
     sc = kc.build([5, 900, 3000], H=8, D=128, G=64, S=16, W=64, page=64, seed=3, device="cuda", scale_dtype=f8)
-    kc.check_decode(sc, 32, td.triton_decode)
+    kh.check_decode(sc, 32, td.triton_decode)
     sc = kc.build([0, 130, 700], H=8, D=128, G=64, S=16, W=64, page=64, seed=4, device="cuda", scale_dtype=f8)
-    kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
+    kh.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
 
 
 def test_decode_reads_head_major_and_slot_major_caches_bitwise_the_same_gpu(kernels):
@@ -123,7 +124,7 @@ def test_decode_reads_head_major_and_slot_major_caches_bitwise_the_same_gpu(kern
     q = kc.random_q(sc, 8, seed=5)
     lens = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
     outs = [td.triton_decode(q, layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens, sc.sm_scale)
-            for layer in (sc.layer, kc.slot_major(sc.layer))]
+            for layer in (sc.layer, kh.slot_major(sc.layer))]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -133,11 +134,11 @@ def test_split_group_sizes_gpu(kernels):
     _, ts, td, te = kernels
     kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
     sc = kc.build([211, 90, 65], fill=False, seed=2, device="cuda", **kw)
-    kc.check_store(sc, [210, 3, 0], ts.triton_store)
+    kh.check_store(sc, [210, 3, 0], ts.triton_store)
     sc = kc.build([5, 900, 3000], seed=3, device="cuda", **kw)
-    kc.check_decode(sc, 32, td.triton_decode)
+    kh.check_decode(sc, 32, td.triton_decode)
     sc = kc.build([0, 130, 700], seed=4, device="cuda", **kw)
-    kc.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
+    kh.check_extend(sc, 32, [70, 1, 200], te.triton_extend)
     lens = [131072, 4096, 1]
     sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})
     q = kc.random_q(sc, 32, seed=4)
@@ -159,7 +160,7 @@ def test_default_layout_pipelines_gpu(kernels, monkeypatch, scale_reads):
         monkeypatch.setattr(triton_common, "float8_words_view", lambda scales: None)
     kw = dict(H=8, D=128, G=32, GV=128, S=16, W=64, page=64, scale_dtype=torch.float8_e4m3fn)
     sc = kc.build([5, 80, 81, 144, 900, 3000], seed=3, device="cuda", **kw)
-    kc.check_decode(sc, 32, td.triton_decode)
+    kh.check_decode(sc, 32, td.triton_decode)
     lens = [131072, 4096, 1]
     sc = kc.build_random(lens, seed=5, **{**kw, "W": 128})
     q = kc.random_q(sc, 32, seed=4)
@@ -175,7 +176,7 @@ def test_extend_gpu_chunked_prefill_after_prefix_hit(kernels):
     _, _, _, te = kernels
     sc = kc.build([240, 300, 190], H=4, D=128, G=128, S=16, W=64, page=64, valid_from=[240, 100, 0],
                   evict_sink_of=(2,), seed=9, device="cuda")
-    kc.check_extend(sc, 16, [50, 120, 0], te.triton_extend)
+    kh.check_extend(sc, 16, [50, 120, 0], te.triton_extend)
 
 
 @pytest.mark.parametrize("prefix, new", [([0, 5, 130, 700], [70, 1, 200, 33]), ([240, 300, 190], [50, 120, 9])])
@@ -188,7 +189,7 @@ def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
     _, _, _, te = kernels
     extra = dict(valid_from=[240, 100, 0], evict_sink_of=(2,)) if len(prefix) == 3 else {}
     sc = kc.build(prefix, H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda", **extra)
-    kc.check_extend(sc, 32, new, functools.partial(te.triton_extend, prefix_lens_host=prefix),
+    kh.check_extend(sc, 32, new, functools.partial(te.triton_extend, prefix_lens_host=prefix),
                     "bf16")
     pytest.importorskip("flashinfer")
     from oscar_kernels.flashinfer_extend import FlashInferExtend
@@ -200,16 +201,16 @@ def test_extend_bf16_prefix_reads_gpu(kernels, prefix, new):
     def via_flashinfer(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre, qo, max_len, sm_scale,
                        prefix_read=None):
         return fi.run(q, k_rot, v_rot, layer, index, rotation, r2t, rows, pre)
-    kc.check_extend(sc, 32, new, via_flashinfer)
+    kh.check_extend(sc, 32, new, via_flashinfer)
 
 
 @pytest.mark.parametrize("prefix_read", ["int2", "bf16", "flashinfer"])
 def test_hybrid_attention_end_to_end_gpu_vs_cpu_reference(kernels, prefix_read):
     sc = kc.build([400, 400, 400], H=4, D=128, G=128, S=16, W=64, page=64, fill=False, seed=13)
     steps = [130, 200, 1, 1, 1]
-    want, lay_ref = kc.attention_session(sc, steps, 16)  # CPU tensors: the reference path
-    got, lay_gpu = kc.attention_session(_gpu(sc), steps, 16, prefix_read=prefix_read)  # CUDA: Triton / FlashInfer
-    kc.assert_layers_close(kc.layer_to(lay_gpu, "cpu"), lay_ref)
+    want, lay_ref = kh.attention_session(sc, steps, 16)  # CPU tensors: the reference path
+    got, lay_gpu = kh.attention_session(_gpu(sc), steps, 16, prefix_read=prefix_read)  # CUDA: Triton / FlashInfer
+    kh.assert_layers_close(kc.layer_to(lay_gpu, "cpu"), lay_ref)
     for a, w in zip(got, want):
         torch.testing.assert_close(a.float().cpu(), w.float(), rtol=3e-2, atol=3e-2)
 
@@ -217,12 +218,12 @@ def test_hybrid_attention_end_to_end_gpu_vs_cpu_reference(kernels, prefix_read):
 # ---------------------------------------------------------------- long contexts
 def _check_subset(sc, hq, out, q, requests, heads):
     """Compare decode outputs of some requests and KV heads with the reference."""
-    sub = kc.head_subset(sc, heads)
+    sub = kh.head_subset(sc, heads)
     gq = hq // sc.layer.num_kv_heads
     qh = torch.cat([torch.arange(h * gq, (h + 1) * gq) for h in heads]).cuda()
     part = kc.Scenario(sub.layer, sub.index, sub.rotation, sub.req_to_token, sc.rows[requests],
                        [sc.lens[i] for i in requests], sc.sm_scale)
-    want = kc.decode_reference(part, q[requests][:, qh])
+    want = kh.decode_reference(part, q[requests][:, qh])
     torch.testing.assert_close(out[requests][:, qh].float(), want, rtol=3e-2, atol=3e-2)
 
 
@@ -251,10 +252,10 @@ def test_decode_long_context(kernels, lens):
 def test_extend_long_prefix(kernels):
     _, _, _, te = kernels
     sc = kc.build_random([131072, 3000], H=8, D=128, G=32, S=16, W=128, page=64, seed=6)
-    sub = kc.head_subset(sc, [3])
+    sub = kh.head_subset(sc, [3])
     part = kc.Scenario(sub.layer, sub.index, sub.rotation, sub.req_to_token, sc.rows, sc.lens, sc.sm_scale)
     # the reference on one KV head; the kernel on that head alone too (same math per head)
-    kc.check_extend(part, 4, [256, 64], te.triton_extend)
+    kh.check_extend(part, 4, [256, 64], te.triton_extend)
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -265,7 +266,7 @@ def test_cuda_graph_store_and_decode(kernels):
     sc = kc.build_random([n + 8 for n in lens0], H=8, D=128, G=128, S=16, W=64, page=64, seed=8)
     b, hq, h, d = len(lens0), 32, 8, 128
     rows = sc.rows.long()
-    ref_layer = kc.clone_layer(sc.layer)
+    ref_layer = kh.clone_layer(sc.layer)
     ws = td.DecodeWorkspace(b, hq, h, d, "cuda")
     n = torch.tensor(lens0, device="cuda")
     st = dict(q=torch.zeros(b, hq, d, dtype=torch.bfloat16, device="cuda"),
@@ -310,10 +311,10 @@ def test_cuda_graph_store_and_decode(kernels):
                             st["slots"], st["pos"], rows, st["ends"])
         cur = kc.Scenario(ref_layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                           [int(x) for x in (n + i + 1).tolist()], sc.sm_scale)
-        want = kc.decode_reference(cur, st["q"])
+        want = kh.decode_reference(cur, st["q"])
         torch.cuda.synchronize()
         torch.testing.assert_close(st["out"].float(), want, rtol=3e-2, atol=3e-2)
-    kc.assert_layers_close(sc.layer, ref_layer)
+    kh.assert_layers_close(sc.layer, ref_layer)
 
 
 # ---------------------------------------------------------------- start-up cost
@@ -378,8 +379,8 @@ def test_kernels_are_batch_invariant(kernels):
 
     sc = kc.build([211, 90, 65, 128], H=h, D=d, G=128, S=16, W=64, page=64, fill=False, seed=6, device="cuda")
     starts = [190, 3, 0, 0]
-    k, v, slots, pos, rows, ends = kc.store_batch(sc, starts)
-    together, apart = kc.clone_layer(sc.layer), kc.clone_layer(sc.layer)
+    k, v, slots, pos, rows, ends = kh.store_batch(sc, starts)
+    together, apart = kh.clone_layer(sc.layer), kh.clone_layer(sc.layer)
     ts.triton_store(together, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends)
     cut = 0
     for s0, n in zip(starts, sc.lens):
@@ -426,7 +427,7 @@ def test_programmatic_launch_gives_the_same_output(kernels, lens, monkeypatch):
     b = len(lens)
     q = kc.random_q(sc, 32)
     seq = torch.tensor(sc.lens, dtype=torch.int32, device="cuda")
-    want = kc.decode_reference(sc, q)
+    want = kh.decode_reference(sc, q)
     outs = {}
     for pdl in (True, False):
         monkeypatch.setattr(td, "pdl_supported", lambda device, pdl=pdl: pdl)

@@ -15,9 +15,10 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 
 from oscar_kernels import testing as kc  # noqa: E402
+import kernel_helpers as kh  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
-_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = kc.interpreted_kernel_modules()
+_, _, triton_store_mod, triton_decode_mod, triton_materialize_mod, triton_extend_mod = kh.interpreted_kernel_modules()
 
 # The interpreter's tl.dot runs on numpy, whose rounding can depend on shapes, alignment and
 # the CPU: bitwise properties are asserted on the GPU (test_kernels_gpu.py); here, the launch
@@ -69,7 +70,7 @@ def test_store_matches_reference(cfg, flags):
     lens = [21, 9, 5, 12]
     starts = [20, 3, 0, 0]  # decode token, extend chunk, two new sequences (sinks)
     sc = kc.build(lens, H=2, fill=False, no_sink=(3,), seed=1, **cfg)
-    got = kc.check_store(sc, starts, triton_store_mod.triton_store, *flags)
+    got = kh.check_store(sc, starts, triton_store_mod.triton_store, *flags)
     if flags[0] and cfg["S"]:
         assert got.k_sink.abs().sum() > 0  # sinks were written for the new sequences
     if flags[1] and cfg["W"]:
@@ -82,7 +83,7 @@ _SMALL = dict(min_chunk=16, target_programs=64, max_splits=4)
 
 
 def _check_decode(sc, hq, config):
-    kc.check_decode(sc, hq, triton_decode_mod.triton_decode, config)
+    kh.check_decode(sc, hq, triton_decode_mod.triton_decode, config)
 
 
 @pytest.mark.parametrize("case", [
@@ -116,11 +117,11 @@ def test_float8_scales_store_decode_extend_match_reference(grp):
     """float8_e4m3fn (scale, min): groups of 64 at the bytes of float16 groups of 128."""
     f8 = torch.float8_e4m3fn
     sc = kc.build([21, 9, 5], H=2, D=64, G=grp, S=4, W=8, page=8, fill=False, seed=4, scale_dtype=f8)
-    kc.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
+    kh.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
     sc = kc.build([1, 13, 77], H=2, D=64, G=grp, S=4, W=8, page=8, seed=5, scale_dtype=f8)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], H=2, D=64, G=grp, S=4, W=8, page=8, seed=6, scale_dtype=f8)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
+    kh.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
 
 
 def test_int2_buffers_are_head_major_and_decode_reads_either_order():
@@ -133,7 +134,7 @@ def test_int2_buffers_are_head_major_and_decode_reads_either_order():
     slots, q = hm.k_packed.shape[0], hm.k_packed.shape[2]
     assert hm.k_packed.stride() == hm.v_packed.stride() == (q, slots * q, 1)
     assert hm.k_scales.stride() == hm.v_scales.stride() == (10, slots * 10, 2, 1)  # 4 + 1 float8 pairs
-    slot_major = kc.slot_major(hm)
+    slot_major = kh.slot_major(hm)
     assert slot_major.k_packed.stride(0) == 2 * q and slot_major.k_scales.stride(0) == 20
     q_rows = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     lens = torch.tensor(sc.lens, dtype=torch.int32)
@@ -198,11 +199,11 @@ def test_split_group_sizes_store_decode_extend_materialize_match_reference(gk, g
     kw = dict(H=2, D=64, G=gk, GV=gv, S=4, W=8, page=8, scale_dtype=dt)
     sc = kc.build([21, 9, 5], fill=False, seed=4, **kw)
     assert (sc.layer.key_group_size, sc.layer.value_group_size) == (gk, gv)
-    kc.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
+    kh.check_store(sc, [20, 3, 0], triton_store_mod.triton_store, True, True)
     sc = kc.build([1, 13, 77], seed=5, **kw)
     _check_decode(sc, 4, triton_decode_mod.DecodeConfig(**_SMALL))
     sc = kc.build([0, 13, 40], seed=6, **kw)
-    kc.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
+    kh.check_extend(sc, 4, [7, 1, 9], triton_extend_mod.triton_extend, "int2")
     lens = [0, 13, 40]
     pre = torch.tensor(lens, dtype=torch.int32)
     want = ref.reference_materialize_prefix(sc.layer, sc.index, sc.req_to_token, sc.rows, pre)
@@ -323,7 +324,7 @@ def test_batch_invariant_decode_plans_a_request_the_same_alone_and_batched(monke
     assert [cfg.splits_for(b, 2, "cpu") for b in (1, 3)] == [4, 4] and cfg.min_chunk == 128
     assert cfg.stage1_tiles(1) == cfg.stage1_tiles(3) and cfg.merge_grid_for(1) == cfg.merge_grid_for(3)
     sc = kc.build([5, 300, 77], H=2, D=64, G=64, S=4, W=8, page=8, seed=31)
-    kc.check_decode(sc, 4, td.triton_decode, cfg)
+    kh.check_decode(sc, 4, td.triton_decode, cfg)
     q = kc.random_q(sc, 4)
     lens = torch.tensor(sc.lens, dtype=torch.int32)
     args = (sc.layer, sc.index, sc.rotation, sc.req_to_token)
@@ -362,7 +363,7 @@ def test_merge_splits_small_batches_only():
         q = kc.random_q(sc, 4)
         got = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                                torch.tensor(lens, dtype=torch.int32), sc.sm_scale, workspace=ws)
-        torch.testing.assert_close(got.float(), kc.decode_reference(sc, q).float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(got.float(), kh.decode_reference(sc, q).float(), rtol=3e-2, atol=3e-2)
 
 
 def test_decode_workspace_reuse_and_out():
@@ -375,7 +376,7 @@ def test_decode_workspace_reuse_and_out():
     r = triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                                         lens, sc.sm_scale, out=out, workspace=ws)
     assert r is out
-    torch.testing.assert_close(out.float(), kc.decode_reference(sc, q), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), kh.decode_reference(sc, q), rtol=3e-2, atol=3e-2)
     with pytest.raises(ValueError, match="max_batch"):
         triton_decode_mod.triton_decode(torch.randn(5, 4, 64).bfloat16(), sc.layer, sc.index, sc.rotation,
                                         sc.req_to_token, torch.zeros(5, dtype=torch.int32),
@@ -395,7 +396,7 @@ def test_extend_matches_reference(case):
     prefix = [0, 5, 13, 90]  # empty prefix, shorter than S+W, several pages and INT2 blocks
     new = [7, 1, 70, 9]  # one request longer than a block of rows
     sc = kc.build(prefix, H=h, D=d, G=grp, S=s, W=w, page=page, seed=d + hq)
-    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, "int2")
+    kh.check_extend(sc, hq, new, triton_extend_mod.triton_extend, "int2")
 
 
 # ---------------------------------------------------------------- BF16-materialised prefix
@@ -440,8 +441,8 @@ def test_extend_with_bf16_prefix_matches_reference(case):
                   valid_from=vf, evict_sink_of=evict)
     cfg = "bf16"
     fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=prefix)
-    kc.check_extend(sc, hq, new, fn, cfg)
-    kc.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
+    kh.check_extend(sc, hq, new, fn, cfg)
+    kh.check_extend(sc, hq, new, triton_extend_mod.triton_extend, cfg)  # lengths read back from the device
 
 
 def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
@@ -454,7 +455,7 @@ def test_extend_bf16_prefix_over_the_scratch_cap_reads_int2(monkeypatch):
         calls.clear()
         monkeypatch.setattr(triton_extend_mod, "MAX_MATERIALIZED_TOKENS", cap)
         cfg = "bf16"
-        kc.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
+        kh.check_extend(sc, 4, [3, 5], functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[21, 9]),
                         cfg)
         assert calls == materialized
 
@@ -477,7 +478,7 @@ def test_extend_runs_each_reads_tiles_and_the_fallback_the_int2_tiles(monkeypatc
     sc = kc.build([21, 9], H=2, D=64, G=16, S=4, W=8, page=8, seed=8)
     for cap in (30, 0):  # materialised (BF16 tiles), then over the cap (INT2 read and tiles)
         monkeypatch.setattr(ext, "MAX_MATERIALIZED_TOKENS", cap)
-        kc.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]),
+        kh.check_extend(sc, 4, [3, 40], functools.partial(ext.triton_extend, prefix_lens_host=[21, 9]),
                         "bf16")
     gqp = 2  # 4 query heads over 2 KV heads; 40 = the longest chunk
     for (grid, kwargs), read in zip(launches, ("bf16", "int2")):
@@ -524,7 +525,7 @@ def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch
 def test_extend_unknown_prefix_read_is_refused():
     sc = kc.build([9], H=2, D=64, G=16, S=4, W=8, page=8, seed=1)
     with pytest.raises(ValueError, match="prefix_read"):
-        kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
+        kh.check_extend(sc, 4, [3], triton_extend_mod.triton_extend,
                         "fp8")
 
 
@@ -534,7 +535,7 @@ def test_extend_chunked_prefill_after_prefix_hit():
     prefix = [24, 30, 19]
     sc = kc.build(prefix, H=2, D=64, G=16, S=4, W=8, page=8, valid_from=[24, 10, 0],
                   evict_sink_of=(2,), seed=9)
-    kc.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend, "int2")
+    kh.check_extend(sc, 4, [5, 12, 0], triton_extend_mod.triton_extend, "int2")
 
 
 # ---------------------------------------------------------------- long histories, truncating tensor cores
@@ -551,9 +552,9 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
     common.set_interp_tc_bits(16)
     try:
         if kind == "extend":
-            kc.check_extend(sc, 4, [3], triton_extend_mod.triton_extend, "int2")
+            kh.check_extend(sc, 4, [3], triton_extend_mod.triton_extend, "int2")
         else:
-            kc.check_decode(sc, 4, triton_decode_mod.triton_decode,
+            kh.check_decode(sc, 4, triton_decode_mod.triton_decode,
                             triton_decode_mod.DecodeConfig(max_splits=1, target_programs=1))
     finally:
         common.set_interp_tc_bits(0)
@@ -566,10 +567,10 @@ def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch):
     steps = [13, 20, 1, 1, 1]  # two prefill chunks, three decode steps
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "0")
     assert not use_triton(torch.zeros(1))
-    want, lay_ref = kc.attention_session(sc, steps, 4)
+    want, lay_ref = kh.attention_session(sc, steps, 4)
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
     assert use_triton(torch.zeros(1))
-    got, lay_tri = kc.attention_session(sc, steps, 4)
-    kc.assert_layers_close(lay_tri, lay_ref)
+    got, lay_tri = kh.attention_session(sc, steps, 4)
+    kh.assert_layers_close(lay_tri, lay_ref)
     for a, w in zip(got, want):
         torch.testing.assert_close(a.float(), w.float(), rtol=3e-2, atol=3e-2)

@@ -1,0 +1,188 @@
+"""Checks the kernel tests make on oscar_kernels.testing scenarios (CPU and GPU): each kernel
+against its PyTorch twin (oscar_kernels.reference) on a copy of the cache, and the
+interpreted kernel modules."""
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from dataclasses import replace
+
+import torch
+
+from oscar_kernels import reference as ref
+from oscar_kernels.hybrid_cache import HybridCache, HybridLayerCache, LayerRotation
+from oscar_kernels.int2 import unpack
+from oscar_kernels.testing import Scenario, index_to, joined_scales, random_q
+
+
+def slot_major(layer: HybridLayerCache) -> HybridLayerCache:
+    """The layer with its INT2 codes and scales copied to slot-major storage ([slots, H, ...]
+    contiguous; allocate_layer's are head-major), K/V scales still views of one tensor."""
+    k_scales, v_scales = joined_scales(layer.k_scales, layer.v_scales, storage_head_major=False)
+    return replace(layer, k_packed=layer.k_packed.contiguous(), v_packed=layer.v_packed.contiguous(),
+                   k_scales=k_scales, v_scales=v_scales)
+
+
+def clone_layer(layer: HybridLayerCache) -> HybridLayerCache:
+    """A deep copy that keeps K/V scales as views of one tensor (deepcopy alone does not on CUDA)."""
+    out = copy.deepcopy(layer)
+    out.k_scales, out.v_scales = joined_scales(layer.k_scales, layer.v_scales)
+    return out
+
+
+def assert_codes_close(packed_a, packed_b, max_fraction=2e-3):
+    """INT2 codes equal except rare +-1 level differences (rounding ties)."""
+    a = unpack(packed_a).int()
+    b = unpack(packed_b).int()
+    diff = (a - b).abs()
+    if diff.numel():
+        assert int(diff.max()) <= 1, "codes differ from the reference by more than one level"
+    frac = float((diff > 0).float().mean()) if diff.numel() else 0.0
+    assert frac <= max_fraction, f"{frac:.2e} of the codes differ from the reference"
+
+
+def assert_layers_close(test: HybridLayerCache, want: HybridLayerCache):
+    """Codes and (scale, min) of two stores of the same tokens. With float8 scales, an fp32
+    rounding difference in the rotation can move a group's scale or min by one float8 step
+    (1/8 relative) and with it many of the group's codes by one level: looser bounds."""
+    f8 = test.k_scales.element_size() == 1
+    assert_codes_close(test.k_packed, want.k_packed, 0.05 if f8 else 2e-3)
+    assert_codes_close(test.v_packed, want.v_packed, 0.05 if f8 else 2e-3)
+    for name in ("k_scales", "v_scales"):
+        a, b = getattr(test, name).float(), getattr(want, name).float()
+        torch.testing.assert_close(a, b, rtol=0.13 if f8 else 2e-3, atol=2e-3, msg=name)
+    for name in ("k_sink", "v_sink", "k_ring", "v_ring"):
+        a, b = getattr(test, name).float(), getattr(want, name).float()
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def head_subset(sc: Scenario, heads: list[int]) -> Scenario:
+    """The scenario restricted to some KV heads (copies of their buffers), for a cheaper
+    reference on large caches."""
+    hs = torch.tensor(heads, device=sc.device)
+    parts = {f: getattr(sc.layer, f).index_select(-3 if f.endswith("scales") else -2, hs)
+             for f in sc.layer.__dataclass_fields__}
+    parts["k_scales"], parts["v_scales"] = joined_scales(parts["k_scales"], parts["v_scales"])
+    lay = HybridLayerCache(**parts)
+    rot = LayerRotation(*(getattr(sc.rotation, f)[hs] for f in LayerRotation.FIELDS))
+    return Scenario(lay, sc.index, rot, sc.req_to_token, sc.rows, sc.lens, sc.sm_scale)
+
+
+def store_batch(sc: Scenario, starts):
+    """New tokens: request i stores positions starts[i]..lens[i]-1 (seq_end = lens[i])."""
+    g = torch.Generator().manual_seed(7)
+    h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
+    slots, pos, rows, ends = [], [], [], []
+    for i, (s0, n) in enumerate(zip(starts, sc.lens)):
+        r = int(sc.rows[i])
+        p = torch.arange(s0, n, device=dev)
+        pos.append(p)
+        slots.append(sc.req_to_token[r, s0:n].long())
+        rows.append(torch.full_like(p, r))
+        ends.append(torch.full_like(p, n))
+    t = sum(n - s0 for s0, n in zip(starts, sc.lens))
+    k = (torch.randn(t, h, d, generator=g) * 2).bfloat16().to(dev)
+    v = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    return k, v, torch.cat(slots), torch.cat(pos), torch.cat(rows).int(), torch.cat(ends).int()
+
+
+def check_store(sc: Scenario, starts, store_fn, write_int2=True, write_ring=True):
+    """store_fn (triton_store signature) against reference_store on clones of the cache."""
+    k, v, slots, pos, rows, ends = store_batch(sc, starts)
+    want = clone_layer(sc.layer)
+    got = clone_layer(sc.layer)
+    k_rot, v_rot = ref.reference_store(want, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos,
+                                       rows, ends, write_int2, write_ring)
+    ko = torch.zeros(k.shape, dtype=torch.bfloat16, device=k.device)
+    vo = torch.zeros_like(ko)
+    store_fn(got, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends, write_int2,
+             write_ring, rotated_out=(ko, vo))
+    assert_layers_close(got, want)
+    torch.testing.assert_close(ko.float(), k_rot.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(vo.float(), v_rot.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    return got
+
+
+def decode_reference(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
+    """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
+    hq = q.shape[1]
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_decode(q_rot, sc.layer, sc.index, sc.req_to_token, sc.rows,
+                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale)
+    return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+
+
+def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
+    q = random_q(sc, hq, seed)
+    want = decode_reference(sc, q)
+    got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                    torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2"):
+    g = torch.Generator().manual_seed(4)
+    h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
+    t = sum(new_lens)
+    q = (torch.randn(t, hq, d, generator=g) * 2).bfloat16().to(dev)
+    k_rot = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    v_rot = torch.randn(t, h, d, generator=g).bfloat16().to(dev)
+    qo = torch.tensor([0] + list(new_lens)).cumsum(0).to(torch.int32).to(dev)
+    pre = torch.tensor(sc.lens, dtype=torch.int32, device=dev)
+    q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
+    o_rot = ref.reference_extend(q_rot, k_rot, v_rot, sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
+                                 qo, sc.sm_scale)
+    want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
+    got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
+                    max(new_lens), sc.sm_scale, prefix_read=prefix_read)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def attention_session(sc: Scenario, steps, hq, prefix_read="int2"):
+    """Prefill chunks then decode steps through HybridAttention (one plan per step, the
+    store -> attend -> ring protocol per call) on a copy of the scenario's cache; a step of
+    one token after the first is a decode. Returns (outputs of every step, final layer)."""
+    from oscar_kernels.hybrid_attention import HybridAttention
+
+    g = torch.Generator().manual_seed(21)
+    dev = sc.device
+    lay = clone_layer(sc.layer)
+    cache = HybridCache([lay], [sc.rotation], index_to(sc.index, dev), sc.req_to_token)
+    attn = HybridAttention(cache, hq, sc.sm_scale, prefix_read=prefix_read)
+    h, d = lay.num_kv_heads, lay.head_dim
+    b = len(sc.rows)
+    rows = sc.rows.long()
+    n = 0
+    outs = []
+    for t in steps:
+        pos = (n + torch.arange(t, device=dev)).repeat(b)
+        slots = sc.req_to_token[rows.repeat_interleave(t), pos]
+        q = torch.randn(b * t, hq, d, generator=g).bfloat16().to(dev)
+        k = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
+        v = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
+        if t == 1 and n > 0:
+            attn.plan_decode(rows, torch.full((b,), n + 1, device=dev), pos, slots)
+            outs.append(attn.decode(0, q, k, v))
+        else:
+            full = torch.full((b,), n, device=dev)
+            attn.plan_extend(rows, full, torch.full((b,), t, device=dev), pos, slots, prefix_lens_host=[n] * b,
+                             extend_lens_host=[t] * b, owners=torch.zeros(b, dtype=torch.int64, device=dev))
+            outs.append(attn.extend(0, q, k, v))
+        n += t
+    return outs, lay
+
+
+KERNEL_MODULES = ("triton_common", "triton_hybrid_attn", "triton_store", "triton_decode", "triton_materialize",
+                  "triton_extend")
+
+
+def interpreted_kernel_modules() -> list:
+    """The oscar_kernels Triton modules (KERNEL_MODULES order) as the interpreter runs them
+    (TRITON_INTERPRET=1 set by the caller), re-imported if something loaded them compiled."""
+    common = sys.modules.get("oscar_kernels.triton_common")
+    stale = common is not None and not common.INTERPRET
+    mods = [importlib.import_module(f"oscar_kernels.{name}") for name in KERNEL_MODULES]
+    return [importlib.reload(m) for m in mods] if stale else mods
