@@ -14,6 +14,25 @@ context length, max running requests) and runs the requested phases against it:
                   with ``--max-concurrency`` = as many as fit in the pool: output tokens/s
                   and TTFT / ITL / TPOT / E2E percentiles.
 
+- ``steady_32k`` / ``steady_8k``: steady-state decode at the same memory budget (not in the
+                  default phases; their own JSON, default ``e2e_decode_throughput_<model>.json``;
+                  configurations bf16_flashinfer, fp8_e4m3, oscar_int2 unless --configs says
+                  otherwise). As many requests (32k in / 2048 out, or the reasoning-style 8k in /
+                  4k out) as fit in oscar_int2's pool, all sent at once; ``--max-running-requests``
+                  defaults to that count (taken from oscar_int2's entry of the JSON when there is one,
+                  else from the oscar_int2 pool of ``e2e_<model>.json`` at the same budget: an upper
+                  bound, since more ring rows leave a smaller pool), so the pool, not the flag, limits
+                  concurrency; ``--cuda-graph-max-bs-decode`` is the same, so every batch the pool
+                  admits replays a graph. One server per configuration and workload, with
+                  ``--enable-metrics``. Per configuration: requests in flight and decode tokens/s at
+                  steady state (benchmarks/steady_decode.py: median of the scheduler's "Decode batch"
+                  intervals that held decode steps only, at full concurrency) and end-to-end output
+                  tokens/s (decode-token counter of /metrics over the window, and over the first
+                  seconds that every configuration's window covers), and the ratios to
+                  bf16_flashinfer. The window ends when every request is done or at ``--dt-window-s``
+                  / the deadline, whichever is first (``bounded: true`` in the JSON; the client is
+                  stopped then), so one configuration and workload fit one 10-minute call.
+
 Every measurement is merged into the JSON (``--out``) as soon as it exists, so a killed
 run keeps what it measured; server and client logs go to ``--log-dir``; the server's
 whole process group is stopped on exit, on error and on SIGTERM; ``--deadline-s`` bounds
@@ -30,6 +49,23 @@ accumulate in the JSON given to --out when it is copied there first (copy the JS
 to benchmarks/results/ after each call). If a configuration's call runs out of time, split it:
 ``--phases capacity,decode`` and ``--phases throughput``. Here, afterwards:
 ``python3 -m benchmarks.e2e --plot-only`` and ``python3 -m benchmarks.report --write README.md``.
+
+Steady-state decode, one configuration and workload per 10-minute call, oscar_int2 first (it
+fixes the request count and --max-running-requests that the others reuse from the JSON):
+
+    mkdir -p $OUT/logs; cp benchmarks/results/e2e_decode_throughput_qwen3-8b-shape.json $OUT/ 2>/dev/null
+    python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2 \\
+        --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+
+A run longer than one call (say ``--dt-window-s 1500 --deadline-s 1600``, every request to
+completion) starts detached in a first call that then only waits, and a second call, made at once
+(before the machine goes idle), waits for it to end and collects what it wrote (the JSON holds
+every measurement made so far at any time):
+
+    mkdir -p /tmp/dt; setsid python3 -m benchmarks.e2e ... --out /tmp/dt/r.json --log-dir /tmp/dt/logs \\
+        >/tmp/dt/run.log 2>&1 </dev/null & echo $! >/tmp/dt/pid; sleep 580
+    while kill -0 $(cat /tmp/dt/pid) 2>/dev/null && [ $SECONDS -lt 560 ]; do sleep 5; done; \\
+        cp /tmp/dt/r.json /tmp/dt/run.log $OUT/; tar -C /tmp/dt -czf $OUT/logs.tgz logs
 """
 from __future__ import annotations
 
@@ -48,6 +84,7 @@ from datetime import datetime, timezone
 from benchmarks.capacity import (add_layout_args, resolve_layout, rotations_meta,
                                  shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
 from benchmarks.server_harness import ROOT, Server, ServerDied, log
+from benchmarks.steady_decode import metrics_sample, parse_scheduler_log, steady_state, tokens_by, window_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,6 +92,23 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 CONFIG_ORDER = ("bf16_triton", "bf16_flashinfer", "fp8_e4m3", "oscar_int2")
 PHASES = ("capacity", "decode", "throughput")
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    label: str
+
+
+# the steady-state decode workloads (their own phases and JSON; see the docstring)
+WORKLOADS = {
+    "steady_32k": Workload(32000, 2048, "long context: 32k input, 2048 output"),
+    "steady_8k": Workload(8000, 4096, "reasoning-style: 8k input, 4k output"),
+}
+STEADY_CONFIGS = ("bf16_flashinfer", "fp8_e4m3", "oscar_int2")
+STEADY_REFERENCE = "bf16_flashinfer"  # the ratios' denominator
+STEADY_TARGET = 5.0  # steady-state decode tokens/s of oscar_int2 vs STEADY_REFERENCE (issue 29)
 
 
 @dataclass(frozen=True)
@@ -163,9 +217,10 @@ class OutOfTime(RuntimeError):
 # ------------------------------------------------------------------------- commands
 
 
-def server_args(cfg: ServeConfig, args, rotations: str | None) -> list[str]:
+def server_args(cfg: ServeConfig, args, rotations: str | None, more: tuple[str, ...] = ()) -> list[str]:
     """The server arguments of one configuration; all but the KV dtype / attention backend
-    (and the oscar rotations file) are the same for every configuration."""
+    (and the oscar rotations file) are the same for every configuration; ``more`` goes
+    before --extra-server-args (which can override it)."""
     cmd = [
         "--model-path", args.model, "--load-format", "dummy",
         "--context-length", str(args.context_length),
@@ -180,7 +235,7 @@ def server_args(cfg: ServeConfig, args, rotations: str | None) -> list[str]:
         if not rotations:
             raise ValueError("oscar_int2 needs a rotations file (--rotations)")
         cmd += ["--oscar-rotations", rotations]
-    return cmd + shlex.split(args.extra_server_args)
+    return cmd + list(more) + shlex.split(args.extra_server_args)
 
 
 def bench_command(args, *, input_len: int, output_len: int, num_prompts: int, range_ratio: float,
@@ -331,20 +386,245 @@ def phase_throughput(server: Server, args, deadline: Deadline, log_dir: str, nam
     return {"throughput_tok_s": tok_s, "steady_decode_tok_s": steady, "throughput": {**r, "settings": settings}}
 
 
+# ------------------------------------------------------------------------- steady-state decode
+
+
+def reference_pool(data: dict, args, workload: str) -> tuple[int, int | None, str] | None:
+    """(oscar_int2's pool in tokens, the --max-running-requests it was measured at, where it
+    comes from): oscar_int2's entry of this workload in the results, else the oscar_int2 pool of
+    the e2e results file (--dt-reference) when it was measured at the same budget; None if neither."""
+    here = data["configs"].get("oscar_int2", {}).get(workload, {})
+    if isinstance(here.get("pool_tokens"), int):
+        return (here["pool_tokens"], here.get("max_running_requests"),
+                f"{os.path.basename(args.out)}: oscar_int2 {workload}")
+    try:
+        ref = load_results(args.dt_reference)
+    except (OSError, ValueError):
+        return None
+    st = ref.get("settings", {})
+    pool = ref["configs"].get("oscar_int2", {}).get("max_total_num_tokens")
+    same = all(st.get(k) == getattr(args, k) for k in ("mem_fraction_static", "page_size", "context_length"))
+    if not isinstance(pool, int) or not same:
+        return None
+    return pool, st.get("max_running_requests"), f"{os.path.basename(args.dt_reference)}: oscar_int2"
+
+
+def steady_plan(data: dict, args, workload: str) -> dict:
+    """Requests to send and --max-running-requests of one workload, the same for every
+    configuration: oscar_int2's recorded values once it ran, else as many as fit in the
+    reference oscar_int2 pool (an upper bound for the flag: more ring rows, smaller pool);
+    the command line's --dt-num-prompts / --max-running-requests win."""
+    w = WORKLOADS[workload]
+    osc = data["configs"].get("oscar_int2", {}).get(workload, {})
+    if osc.get("num_prompts") and osc.get("max_running_requests"):
+        n, r, source = osc["num_prompts"], osc["max_running_requests"], "oscar_int2's entry of this file"
+    else:
+        ref = reference_pool(data, args, workload)
+        n = r = requests_that_fit(ref[0], w.input_len, w.output_len, args.page_size) if ref else None
+        source = (f"requests that fit in {ref[0]} tokens ({ref[2]}, --max-running-requests {ref[1]})"
+                  if ref else None)
+    n, r = args.dt_num_prompts or n, args.max_running_requests or r
+    if not n or not r:
+        raise ValueError(f"no oscar_int2 pool known for {workload} at this budget (neither in {args.out} nor in "
+                         f"{args.dt_reference}): run --configs oscar_int2 first, or give --max-running-requests "
+                         f"and --dt-num-prompts")
+    return {"num_prompts": int(n), "max_running_requests": int(r),
+            "cuda_graph_max_bs": int(args.cuda_graph_max_bs or r), "source": source,
+            "num_prompts_fixed": bool(args.dt_num_prompts or osc.get("num_prompts"))}
+
+
+def steady_server_args(args, plan: dict) -> tuple[str, ...]:
+    """What the steady-state workloads add to every configuration's server."""
+    return ("--enable-metrics", "--decode-log-interval", str(args.dt_log_interval),
+            "--cuda-graph-max-bs-decode", str(plan["cuda_graph_max_bs"]))
+
+
+def common_window(entries: list[dict]) -> float | None:
+    """The longest window every measured configuration of a workload covers (seconds from its
+    first request), so that their end-to-end rates compare over the same time."""
+    spans = [e["window_s"] for e in entries if e.get("window_s") and e.get("metrics_samples")
+             and e.get("metrics_start_tokens") is not None]
+    return min(spans) if spans else None
+
+
+def add_ratios(data: dict) -> dict:
+    """Each configuration's steady figures over bf16_flashinfer's (and the end-to-end rate over
+    the window all of them cover), and the target's verdict."""
+    target = {"what": f"steady-state decode tokens/s of oscar_int2 >= {STEADY_TARGET:g}x {STEADY_REFERENCE}",
+              "ratio": STEADY_TARGET}
+    for workload in WORKLOADS:
+        ref = data["configs"].get(STEADY_REFERENCE, {}).get(workload, {})
+        entries = [e[workload] for e in data["configs"].values() if isinstance(e.get(workload), dict)]
+        span = common_window(entries)
+        for here in entries:
+            made = (tokens_by(here["metrics_samples"], here["metrics_start_tokens"], span)
+                    if span and here.get("metrics_samples") and here.get("metrics_start_tokens") is not None else None)
+            here["e2e_common_window"] = {"window_s": span,
+                                         "output_tok_s": round(made / span, 1) if made is not None else None}
+        for here in entries:
+            common = (ref.get("e2e_common_window") or {}).get("output_tok_s")
+            mine = here["e2e_common_window"]["output_tok_s"]
+            here[f"vs_{STEADY_REFERENCE}"] = {
+                **{k: round(here[k] / ref[k], 3) if here.get(k) and ref.get(k) else None
+                   for k in ("decode_tok_s", "e2e_output_tok_s", "in_flight")},
+                "e2e_common_window": round(mine / common, 3) if mine and common else None}
+        osc = data["configs"].get("oscar_int2", {}).get(workload, {})
+        r = (osc.get(f"vs_{STEADY_REFERENCE}") or {}).get("decode_tok_s")
+        if osc or ref:
+            target[workload] = {"measured": r, "met": None if r is None else r >= STEADY_TARGET}
+    data["target"] = target
+    return data
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, to a client started in its own session."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, workload: str, plan: dict) -> dict:
+    """Send the workload at once, watch /metrics until every request is done or the window
+    closes, then read the steady-state figures from the scheduler's log."""
+    w = WORKLOADS[workload]
+    pool, pool_source = server.max_total_num_tokens()
+    fit = requests_that_fit(pool, w.input_len, w.output_len, args.page_size)
+    n = plan["num_prompts"] if plan["num_prompts_fixed"] or not cfg.oscar else fit
+    res = {"workload": {"input_len": w.input_len, "output_len": w.output_len, "label": w.label},
+           "pool_tokens": int(pool), "pool_source": pool_source, "fit_in_pool": fit, "num_prompts": n,
+           "max_running_requests": plan["max_running_requests"], "cuda_graph_max_bs": plan["cuda_graph_max_bs"],
+           "plan_source": plan["source"], "flag_limits_concurrency": min(n, fit) > plan["max_running_requests"]}
+    cap = deadline.left() - args.dt_stop_reserve_s
+    if cap < 30:
+        raise OutOfTime(f"{workload}: {cap:.0f} s left for the window")
+    cap = min(cap, args.dt_window_s) if args.dt_window_s else cap
+    log(f"  {workload}: {n} requests of {w.input_len} + {w.output_len} tokens at once; pool {pool} tokens holds "
+        f"{fit}; window at most {cap:.0f} s")
+    log_dir = args.log_dir
+    client_log = os.path.join(log_dir, f"{cfg.name}.{workload}.client.log")
+    out_file = client_log.replace(".log", ".jsonl")
+    if os.path.exists(out_file):
+        os.remove(out_file)
+    cmd = bench_command(args, input_len=w.input_len, output_len=w.output_len, num_prompts=n, range_ratio=1.0,
+                        concurrency=n, warmup=0, output_file=out_file)
+    offset = len(server.log_text())
+    first = server.get("/metrics")
+    # a counter that /metrics does not list yet has counted nothing
+    start_tokens = (metrics_sample(first, 0.0)["decode_tokens"] or 0.0) if isinstance(first, str) else None
+    samples = []
+    t0 = time.monotonic()
+    with open(client_log, "w", encoding="utf-8") as lf:
+        lf.write("$ " + shlex.join(cmd) + "\n")
+        lf.flush()
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            while True:
+                done = proc.poll() is not None
+                text = server.get("/metrics", timeout=10)
+                if isinstance(text, str):
+                    samples.append(metrics_sample(text, time.monotonic() - t0))
+                if done or time.monotonic() - t0 >= cap or not server.alive():
+                    break
+                time.sleep(args.dt_poll_s)
+        finally:
+            bounded = proc.poll() is None
+            if bounded:
+                _stop_group(proc)
+    wall = time.monotonic() - t0
+    if not server.alive():
+        raise ServerDied(f"{server.name}: server exited during {workload}; last log lines:\n{server.log_tail()}")
+    client = None
+    if not bounded:
+        try:
+            client = read_bench_result(out_file) if proc.returncode == 0 else None
+        except (OSError, ValueError):
+            client = None
+        if client is None:
+            lines = open(client_log, encoding="utf-8", errors="replace").read().splitlines()[1:]
+            res["client_error"] = f"client exited {proc.returncode}: " + " | ".join(lines[-6:])[:500]
+    steady = steady_state(parse_scheduler_log(server.log_text()[offset:]), args.dt_full_fraction)
+    window = window_rate(samples, start_tokens)
+    step = max(1, len(samples) // 200)
+    res.update({
+        "in_flight": steady.get("in_flight"), "decode_tok_s": steady.get("decode_tok_s"),
+        "e2e_output_tok_s": window["e2e_output_tok_s"],
+        "bounded": bounded, "window_s": round(wall, 1), "window_cap_s": round(cap, 1),
+        "metrics_start_tokens": start_tokens,
+        "completed": client.get("completed") if client else None,
+        "steady": steady, "window": window, "client": client,
+        "metrics_samples": samples[::step],
+        "sources": {"decode_tok_s": "scheduler log: median gen throughput of the 'Decode batch' intervals with "
+                                    "decode steps only, at full concurrency (benchmarks/steady_decode.py)",
+                    "in_flight": "scheduler log: median #running-req of those intervals",
+                    "e2e_output_tok_s": "/metrics sglang:realtime_tokens_total{mode=decode} over the window, "
+                                        "from the first request sent (first tokens, made by prefill, not counted)"},
+    })
+    log(f"  {workload}: {steady.get('in_flight')} in flight, steady decode {steady.get('decode_tok_s')} tok/s, "
+        f"e2e {window['e2e_output_tok_s']} tok/s over {wall:.0f} s{' (bounded)' if bounded else ''}")
+    return res
+
+
+def run_steady(cfg: ServeConfig, workload: str, args, deadline: Deadline, data: dict, rotations: str | None,
+               gpu: str | None = None) -> None:
+    """One steady-state workload of one configuration on its own server."""
+    def record_here(values: dict) -> None:
+        record(args.out, data, cfg.name, values, finish=add_ratios)
+
+    record_here({"label": cfg.label})
+    error = None
+    server = None
+    t0 = time.monotonic()
+    try:
+        with _SAVE_LOCK:  # the plan may reuse this entry's earlier values; then the entry starts afresh
+            plan = steady_plan(data, args, workload)
+            data["configs"].setdefault(cfg.name, {})[workload] = {}
+        sargs = copy.copy(args)
+        sargs.max_running_requests = plan["max_running_requests"]
+        server = make_server(cfg, sargs, rotations, env=None if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu},
+                             more=steady_server_args(args, plan), name=f"{cfg.name}.{workload}.server")
+        record_here({workload: {"server_cmd": shlex.join(server.cmd), "server_log": server.log_path, "gpu": gpu,
+                                "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}})
+        ready_s = server.start(timeout=deadline.cap(args.server_timeout_s))
+        record_here({workload: {"server_ready_s": round(ready_s, 1)}})
+        record_here({workload: phase_steady(server, args, deadline, cfg, workload, plan)})
+    except (ServerDied, OutOfTime, RuntimeError, OSError, ValueError) as e:
+        error = str(e)[:2000]
+        log(f"{cfg.name} {workload}: FAILED: {str(e)[:600]}")
+    finally:
+        if server is not None:
+            server.stop()
+        record_here({workload: {"wall_s": round(time.monotonic() - t0, 1)}, "errors": {workload: error}})
+
+
 # ------------------------------------------------------------------------- driver
 
 
-def make_server(cfg: ServeConfig, args, rotations: str | None, env: dict | None = None) -> Server:
-    server = Server(f"{cfg.name}.server", server_args(cfg, args, rotations), args.log_dir, port=args.port, env=env)
+def make_server(cfg: ServeConfig, args, rotations: str | None, env: dict | None = None,
+                more: tuple[str, ...] = (), name: str | None = None) -> Server:
+    server = Server(name or f"{cfg.name}.server", server_args(cfg, args, rotations, more), args.log_dir,
+                    port=args.port, env=env)
     if args.launcher:  # another launcher (tests use a stand-in); same arguments
         server.cmd = shlex.split(args.launcher) + server.cmd[server.cmd.index("serve") + 1:]
     return server
 
 
-def record(path: str, data: dict, config: str, values: dict) -> None:
-    """Merge one configuration's values and write the file (safe from parallel workers)."""
+def record(path: str, data: dict, config: str, values: dict, finish=None) -> None:
+    """Merge one configuration's values (then ``finish(data)``, if given) and write the file
+    (safe from parallel workers)."""
     with _SAVE_LOCK:
         merge(data, config, values)
+        if finish is not None:
+            finish(data)
         save_results(path, data)
 
 
@@ -390,20 +670,26 @@ def run_all(args, deadline: Deadline, data: dict, rotations: str | None) -> None
     """The configurations in order, one at a time; with ``--gpus`` one worker per GPU takes
     the next configuration as soon as its previous one is done (own server port, the
     server sees only that GPU), so N identical GPUs measure N configurations at once."""
-    pending = list(args.configs)
+    # steady-state workloads: one server per (configuration, workload), workload by workload
+    pending = ([(name, w) for w in args.phases for name in args.configs] if args.steady
+               else [(name, None) for name in args.configs])
     lock = threading.Lock()
 
-    def next_config() -> str | None:
+    def next_config() -> tuple[str, str | None] | None:
         with lock:
             return pending.pop(0) if pending else None
 
     def worker(wargs, gpu: str | None) -> None:
-        while (name := next_config()) is not None:
-            if deadline.left() < 90:
-                record(args.out, data, name, {"errors": {"server": "skipped: deadline"}})
-                log(f"{name}: skipped (deadline)")
+        while (item := next_config()) is not None:
+            name, workload = item
+            if deadline.left() < (120 if workload else 90):
+                record(args.out, data, name, {"errors": {workload or "server": "skipped: deadline"}})
+                log(f"{name}{' ' + workload if workload else ''}: skipped (deadline)")
                 continue
-            run_config(CONFIGS[name], wargs, deadline, data, rotations, gpu)
+            if workload:
+                run_steady(CONFIGS[name], workload, wargs, deadline, data, rotations, gpu)
+            else:
+                run_config(CONFIGS[name], wargs, deadline, data, rotations, gpu)
 
     if not args.gpus:
         worker(args, None)
@@ -449,13 +735,18 @@ def default_model() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="End-to-end serving benchmark (capacity, decode, throughput)",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description="End-to-end serving benchmark (capacity, decode, throughput; steady-state decode)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=default_model(), help="model directory (config + tokenizer)")
-    ap.add_argument("--configs", default=",".join(CONFIG_ORDER),
-                    help=f"comma-separated, from {', '.join(CONFIGS)}")
-    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {', '.join(PHASES)}")
-    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e_<model>.json)")
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated, from {', '.join(CONFIGS)} (default {','.join(CONFIG_ORDER)}; "
+                         f"steady-state phases: {','.join(STEADY_CONFIGS)})")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"comma-separated, from {', '.join(PHASES)}; or the steady-state workloads "
+                         f"{', '.join(WORKLOADS)} (on their own)")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/e2e_<model>.json; "
+                                                "steady-state phases: e2e_decode_throughput_<model>.json)")
     ap.add_argument("--log-dir", default=None, help="server/client logs (default <out dir>/e2e_logs)")
     ap.add_argument("--plot", default=None, help="plot path (default: the JSON path with .png)")
     ap.add_argument("--plot-only", action="store_true", help="only render the plot from --out")
@@ -474,7 +765,8 @@ def build_parser() -> argparse.ArgumentParser:
     # the common memory budget and scheduler settings (identical for every configuration)
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--context-length", type=int, default=131072)
-    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="default 64; steady-state phases: the requests that fit in oscar_int2's pool")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--extra-server-args", default="", help="appended to every server command")
@@ -488,6 +780,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="inputs uniform in [ratio*len, len]; SGLang applies it to the outputs too")
     ap.add_argument("--tp-output-len", type=int, default=256)
     ap.add_argument("--tp-num-prompts", type=int, default=32)
+    # the steady-state decode workloads (steady_32k, steady_8k)
+    ap.add_argument("--dt-num-prompts", type=int, default=None,
+                    help="requests to send (default: as many as fit in oscar_int2's pool)")
+    ap.add_argument("--dt-window-s", type=float, default=0,
+                    help="longest window from the first request (0: until every request is done or the deadline)")
+    ap.add_argument("--dt-stop-reserve-s", type=float, default=45,
+                    help="the window closes this long before --deadline-s (stopping the server, saving)")
+    ap.add_argument("--dt-poll-s", type=float, default=2.0, help="seconds between /metrics samples")
+    ap.add_argument("--dt-log-interval", type=int, default=40,
+                    help="the servers' --decode-log-interval (decode steps per 'Decode batch' line)")
+    ap.add_argument("--dt-full-fraction", type=float, default=0.9,
+                    help="steady intervals count at full concurrency when #running-req >= this x the largest")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="steady-state phases: the servers' --cuda-graph-max-bs-decode (default: "
+                         "--max-running-requests)")
+    ap.add_argument("--dt-reference", default=None,
+                    help="e2e results file whose oscar_int2 pool sizes the steady workloads before oscar_int2 "
+                         "has run (default benchmarks/results/e2e_<model>.json)")
     # how the processes are started (every server: oscar-sglang serve, as benchmarks/capacity.py)
     ap.add_argument("--launcher", default=None,
                     help="server launcher command (default: python -m sglang_ext.launcher serve)")
@@ -500,15 +810,24 @@ def resolve_args(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     args.model = os.path.abspath(args.model)
     model_name = os.path.basename(os.path.normpath(args.model))
-    args.out = args.out or os.path.join(RESULTS, f"e2e_{model_name}.json")
-    args.log_dir = args.log_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "e2e_logs")
-    args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS] + [p for p in args.phases if p not in PHASES]
+    args.steady = any(p in WORKLOADS for p in args.phases)
+    if args.steady and any(p in PHASES for p in args.phases):
+        raise SystemExit(f"e2e: the steady-state phases ({', '.join(WORKLOADS)}) run on servers of their own; "
+                         f"give them without {', '.join(PHASES)}")
+    args.configs = [c.strip() for c in (args.configs or ",".join(STEADY_CONFIGS if args.steady else CONFIG_ORDER))
+                    .split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in CONFIGS] + [p for p in args.phases if p not in PHASES + tuple(WORKLOADS)]
     if bad:
         raise SystemExit(f"e2e: unknown configuration/phase {', '.join(bad)} "
-                         f"(configurations: {', '.join(CONFIGS)}; phases: {', '.join(PHASES)})")
+                         f"(configurations: {', '.join(CONFIGS)}; phases: {', '.join(PHASES + tuple(WORKLOADS))})")
+    if not args.steady and args.max_running_requests is None:
+        args.max_running_requests = 64
+    name = f"e2e_decode_throughput_{model_name}.json" if args.steady else f"e2e_{model_name}.json"
+    args.out = args.out or os.path.join(RESULTS, name)
+    args.dt_reference = args.dt_reference or os.path.join(RESULTS, f"e2e_{model_name}.json")
+    args.log_dir = args.log_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "e2e_logs")
+    args.plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     args.decode_lens = [int(x) for x in str(args.decode_lens).split(",") if x.strip()]
     args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     return args
@@ -525,11 +844,19 @@ def main(argv: list[str] | None = None) -> int:
     data = load_results(args.out)
     data["model"] = os.path.basename(os.path.normpath(args.model))
     data["environment"] = environment()
-    data["settings"] = {k: getattr(args, k) for k in (
-        "mem_fraction_static", "context_length", "max_running_requests", "page_size",
-        "chunked_prefill_size", "extra_server_args", "concurrent_input_len", "concurrent_output_len",
-        "decode_lens", "decode_output_len", "tp_input_len", "tp_range_ratio", "tp_output_len",
-        "tp_num_prompts")}
+    if args.steady:
+        data["settings"] = {k: getattr(args, k) for k in (
+            "mem_fraction_static", "context_length", "page_size", "chunked_prefill_size", "extra_server_args",
+            "dt_log_interval", "dt_poll_s", "dt_full_fraction")}
+        data["settings"]["workloads"] = {k: {"input_len": w.input_len, "output_len": w.output_len, "label": w.label}
+                                         for k, w in WORKLOADS.items()}
+        data["settings"]["reference"] = STEADY_REFERENCE
+    else:
+        data["settings"] = {k: getattr(args, k) for k in (
+            "mem_fraction_static", "context_length", "max_running_requests", "page_size",
+            "chunked_prefill_size", "extra_server_args", "concurrent_input_len", "concurrent_output_len",
+            "decode_lens", "decode_output_len", "tp_input_len", "tp_range_ratio", "tp_output_len",
+            "tp_num_prompts")}
     save_results(args.out, data)
     os.makedirs(args.log_dir, exist_ok=True)
 
@@ -550,6 +877,8 @@ def main(argv: list[str] | None = None) -> int:
     data["settings"]["gpus"] = args.gpus
     run_all(args, deadline, data, rotations)
     log(f"results: {args.out}")
+    if args.steady:
+        return 0
     try:
         from benchmarks.plot_e2e import plot_e2e
 

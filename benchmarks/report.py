@@ -112,7 +112,8 @@ def _seconds(ms_values) -> str:
     return " / ".join(fmt(x / 1000 if isinstance(x, (int, float)) else None, 2) for x in ms_values)
 
 
-@per_results_file("e2e_*.json", "python3 -m benchmarks.e2e", "one GPU per configuration")
+@per_results_file("e2e_*.json", "python3 -m benchmarks.e2e", "one GPU per configuration",
+                  keep=lambda f: "decode_throughput" not in os.path.basename(f))
 def render_e2e(path: str, data: dict) -> list[str]:
     parts = []
     configs = data.get("configs", {})
@@ -168,6 +169,85 @@ def render_e2e(path: str, data: dict) -> list[str]:
             f"inter-token latency (ms), derived (the rate of a decode step at that concurrency). "
             f"Decode: one request at a time, median inter-token latency; its time to first token is that "
             f"prompt's whole prefill (chunks of {st.get('chunked_prefill_size', '?')} tokens over the cached prefix).")
+    return parts
+
+
+STEADY_CONFIGS = ("bf16_flashinfer", "fp8_e4m3", "oscar_int2")
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
+
+
+@per_results_file("e2e_decode_throughput_*.json",
+                  "python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2",
+                  "one GPU, one configuration and workload per call, oscar_int2 first; then steady_8k, "
+                  "and the other configurations")
+def render_e2e_decode_throughput(path: str, data: dict) -> list[str]:
+    parts = []
+    configs = data.get("configs", {})
+    env, st = data.get("environment", {}), data.get("settings", {})
+    ref = st.get("reference", "bf16_flashinfer")
+    parts.append(
+        f"**{data.get('model', '?')}** (random weights) on {env.get('gpu') or 'an unnamed GPU'}, SGLang "
+        f"{env.get('sglang', '?')}, `--mem-fraction-static {st.get('mem_fraction_static')} --page-size "
+        f"{st.get('page_size')} --chunked-prefill-size {st.get('chunked_prefill_size')} --enable-metrics "
+        f"--decode-log-interval {st.get('dt_log_interval')}"
+        f"{(' ' + st['extra_server_args']) if st.get('extra_server_args') else ''}` for every configuration, one "
+        f"server per configuration and workload. Source: `{_rel(path)}`.")
+    names = [c for c in STEADY_CONFIGS if c in configs] + [c for c in configs if c not in STEADY_CONFIGS]
+    for workload, w in st.get("workloads", {}).items():
+        rows, span = [], None
+        for n in names:
+            r = configs[n].get(workload)
+            err = (configs[n].get("errors") or {}).get(workload)
+            if not isinstance(r, dict) and not err:
+                continue
+            r = r if isinstance(r, dict) else {}
+            vs = r.get(f"vs_{ref}") or {}
+            if r.get("bounded"):
+                window = f"{fmt(r.get('window_s'))} (bounded)"
+            elif r.get("window_s") is not None:
+                window = f"{fmt(r.get('window_s'))} (all {fmt(r.get('completed'))} done)"
+            else:
+                window = "-"
+            notes = "; ".join(x for x in (
+                "the flag, not the pool, limited concurrency" if r.get("flag_limits_concurrency") else "",
+                f"{fmt(r.get('steady', {}).get('retracted_requests'))} requests retracted"
+                if r.get("steady", {}).get("retracted_requests") else "",
+                f"CUDA graph in {r['steady']['cuda_graph_fraction']:.0%} of the steady steps"
+                if r.get("steady", {}).get("cuda_graph_fraction") not in (None, 1.0) else "",
+                str(err)[:80] if err else "") if x)
+            rows.append([n, fmt(r.get("pool_tokens")), fmt(r.get("num_prompts")), fmt(r.get("fit_in_pool")),
+                         fmt(r.get("max_running_requests")), fmt(r.get("in_flight")), fmt(r.get("decode_tok_s")),
+                         _x(vs.get("decode_tok_s")), fmt(r.get("steady", {}).get("ms_per_step"), 2),
+                         fmt(r.get("e2e_output_tok_s")), fmt((r.get("e2e_common_window") or {}).get("output_tok_s")),
+                         _x(vs.get("e2e_common_window")), window, notes])
+            span = (r.get("e2e_common_window") or {}).get("window_s") or span
+        if not rows:
+            continue
+        parts.append(f"{w.get('label', workload)} (`{workload}`): {w.get('input_len')} random input tokens and "
+                     f"{w.get('output_len')} output tokens per request, all requests sent at once.")
+        parts.append(table(["config", "KV pool (tokens)", "requests sent", "fit in this pool",
+                            "--max-running-requests", "in flight (steady)", "steady decode tok/s", f"vs {ref}",
+                            "ms per decode step", "e2e output tok/s (its window)",
+                            f"e2e output tok/s, first {fmt(span)} s", f"vs {ref}", "window (s)", "notes"], rows))
+    target = data.get("target", {})
+    verdicts = [f"`{k}` {_x(v.get('measured'))} ({'met' if v.get('met') else 'missed' if v.get('met') is False else 'not measured'})"
+                for k, v in target.items() if isinstance(v, dict)]
+    if verdicts:
+        parts.append(f"Target (issue 29): {target.get('what', '')}: " + ", ".join(verdicts) + ".")
+    parts.append(
+        "Requests sent = as many as fit in oscar_int2's pool, the same count and `--max-running-requests` for every "
+        "configuration (`--cuda-graph-max-bs-decode` the same). Steady decode tok/s: the median of the scheduler's "
+        "'Decode batch' log intervals (each `--decode-log-interval` decode steps) that held decode steps only "
+        "(no prefill, no retraction, the same #running-req at both ends), at full concurrency (#running-req >= "
+        f"{fmt(st.get('dt_full_fraction'), 2)} x the largest); in flight = their median #running-req; ms per decode "
+        "step = #running-req / rate. E2e output tok/s: the decode-token counter of /metrics "
+        "(`sglang:realtime_tokens_total{mode=\"decode\"}`) from the first request to the end of each "
+        "configuration's window, and over the first seconds that every configuration's window covers (the ratio is "
+        "of those); a bounded window closed before every request was done (the client was stopped there), so the "
+        "prefill at its start weighs more than in a run to completion.")
     return parts
 
 
@@ -621,6 +701,7 @@ SECTIONS = {
     "headline": render_headline,
     "targets": render_targets,
     "e2e": render_e2e,
+    "e2e-decode-throughput": render_e2e_decode_throughput,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
     "fidelity": render_fidelity,
