@@ -51,7 +51,9 @@ to benchmarks/results/ after each call). If a configuration's call runs out of t
 ``python3 -m benchmarks.e2e --plot-only`` and ``python3 -m benchmarks.report --write README.md``.
 
 Steady-state decode, one configuration and workload per 10-minute call, oscar_int2 first (it
-fixes the request count and --max-running-requests that the others reuse from the JSON):
+fixes the request count and --max-running-requests that the others reuse from the JSON; on a
+fresh machine its first start compiles for minutes, so steady_8k, the shorter prefill, goes first;
+``steady.full_intervals`` in the JSON says how many decode intervals the figure rests on):
 
     mkdir -p $OUT/logs; cp benchmarks/results/e2e_decode_throughput_qwen3-8b-shape.json $OUT/ 2>/dev/null
     python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2 \\
@@ -389,14 +391,10 @@ def phase_throughput(server: Server, args, deadline: Deadline, log_dir: str, nam
 # ------------------------------------------------------------------------- steady-state decode
 
 
-def reference_pool(data: dict, args, workload: str) -> tuple[int, int | None, str] | None:
+def reference_pool(args) -> tuple[int, int | None, str] | None:
     """(oscar_int2's pool in tokens, the --max-running-requests it was measured at, where it
-    comes from): oscar_int2's entry of this workload in the results, else the oscar_int2 pool of
-    the e2e results file (--dt-reference) when it was measured at the same budget; None if neither."""
-    here = data["configs"].get("oscar_int2", {}).get(workload, {})
-    if isinstance(here.get("pool_tokens"), int):
-        return (here["pool_tokens"], here.get("max_running_requests"),
-                f"{os.path.basename(args.out)}: oscar_int2 {workload}")
+    comes from) of the e2e results file (--dt-reference) when it was measured at the same
+    budget; None if not."""
     try:
         ref = load_results(args.dt_reference)
     except (OSError, ValueError):
@@ -419,7 +417,7 @@ def steady_plan(data: dict, args, workload: str) -> dict:
     if osc.get("num_prompts") and osc.get("max_running_requests"):
         n, r, source = osc["num_prompts"], osc["max_running_requests"], "oscar_int2's entry of this file"
     else:
-        ref = reference_pool(data, args, workload)
+        ref = reference_pool(args)
         n = r = requests_that_fit(ref[0], w.input_len, w.output_len, args.page_size) if ref else None
         source = (f"requests that fit in {ref[0]} tokens ({ref[2]}, --max-running-requests {ref[1]})"
                   if ref else None)
