@@ -13,6 +13,10 @@ tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
+``--quantizer`` picks the INT2 quantiser candidate of a fake run (calibration.fidelity.quantizers):
+``minmax`` (the server's), ``lloyd-max`` (Gaussian Lloyd-Max codes on a uniform grid with outer
+levels at +-``--lloyd-max-span`` sigma) or ``per-channel-keys`` (keys per channel over pages of
+``--page-size`` tokens, values per token as minmax).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from oscar_kernels.contract.layout import SCALE_DTYPES
 from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import RotationsFileError, check_matches_model, load_rotations
 
-from . import runner, tasks
+from . import quantizers, runner, tasks
 from .attention import use_simulated_attention
 from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim
 
@@ -64,6 +68,16 @@ def _value_groups(s: str) -> tuple[int, str]:
     if not g.isdigit() or dtype not in SCALE_DTYPES:
         raise argparse.ArgumentTypeError(f"--value-groups wants G:DTYPE with DTYPE in {sorted(SCALE_DTYPES)}, got {s!r}")
     return int(g), dtype
+
+
+def _spans(s: str) -> tuple[float, float]:
+    try:
+        vals = [float(x) for x in s.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) not in (1, 2) or not all(v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--lloyd-max-span wants K_SPAN[,V_SPAN] > 0 (sigma), got {s!r}")
+    return vals[0], vals[-1]
 
 
 def _method(s: str) -> tuple[str, str]:
@@ -109,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --int2-parts kv-fake or v: the values' INT2 group size and scale dtype "
                          "(e.g. 128:float8_e4m3fn; default: the rotations file's value_group_size and "
                          "scale_dtype)")
+    ap.add_argument("--quantizer", choices=quantizers.QUANTIZERS, default=quantizers.DEFAULT_QUANTIZER,
+                    help="INT2 quantiser of a fake run (--int2-parts kv-fake, k or v): minmax = the server's "
+                         "(default); lloyd-max = per token and group, codes by the Gaussian Lloyd-Max "
+                         "thresholds (0, +-0.98 sigma) on the stored uniform grid of outer levels +-span "
+                         "sigma; per-channel-keys = keys per channel over a page of --page-size tokens, "
+                         "quantised once the page is complete (needs --recent >= --page-size), values as "
+                         "minmax. Bytes per token and KV head at D=128 with float8 scales: 74, 74, 70")
+    ap.add_argument("--lloyd-max-span", type=_spans, default=(quantizers.UPSTREAM_SPAN,) * 2, metavar="K[,V]",
+                    help="lloyd-max: the grid's outer level in sigma for keys[,values] (default "
+                         f"{quantizers.UPSTREAM_SPAN}, the public upstream's 1.16 x the Lloyd-Max outer "
+                         "level 1.510; tune it on calibration data, see benchmarks/quantizer_study.py)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -156,6 +181,12 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
                          "rotations file's groups and one scale dtype)")
+    if a.quantizer != quantizers.DEFAULT_QUANTIZER and a.int2_parts == "kv":
+        raise SystemExit(f"oscar-eval: --quantizer {a.quantizer} needs --int2-parts kv-fake, k or v "
+                         "(the server's kernels store minmax)")
+    if a.quantizer == "per-channel-keys" and a.recent < a.page_size:
+        raise SystemExit(f"oscar-eval: --quantizer per-channel-keys needs --recent ({a.recent}) >= "
+                         f"--page-size ({a.page_size}): the ring holds the page being filled")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -208,6 +239,9 @@ def main(argv=None) -> int:
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "int2_parts": a.int2_parts,
+            "quantizer": a.quantizer,
+            **({"lloyd_max_span": {"keys": a.lloyd_max_span[0], "values": a.lloyd_max_span[1]}}
+               if a.quantizer == "lloyd-max" else {}),
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
@@ -239,7 +273,9 @@ def main(argv=None) -> int:
             sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                                 a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
                                 value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
-                                value_scale_dtype=a.value_groups[1] if a.value_groups else None)
+                                value_scale_dtype=a.value_groups[1] if a.value_groups else None,
+                                quantizer=a.quantizer, key_span=a.lloyd_max_span[0],
+                                value_span=a.lloyd_max_span[1], page_tokens=a.page_size)
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,

@@ -47,6 +47,7 @@ def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk:
     starts = tasks.ppl_window_starts(len(stream), length, windows)
     dev = next(model.parameters()).device
     nll_sum = torch.zeros(length, dtype=torch.float64, device=dev)
+    nll_windows = []  # mean NLL of each window, in window order (paired comparisons)
     split = length - decode_tail
     bar = tqdm(total=len(starts), desc=desc, unit="win", leave=False)
     for b0 in range(0, len(starts), batch):
@@ -54,15 +55,19 @@ def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk:
         ids = torch.from_numpy(rows).to(dev)
         sim.begin(ids.shape[0])
         steps = chunk_bounds(split, chunk) + [(j, j + 1) for j in range(split, length)]
+        win_sum = torch.zeros(ids.shape[0], dtype=torch.float64, device=dev)
         for lo, hi in steps:
             logits = forward_step(model, sim, ids[:, lo:hi])
             nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, lo + 1:hi + 1], reduction="none")
             nll_sum[lo:hi] += nll.double().sum(0)
+            win_sum += nll.double().sum(1)
+        nll_windows += [round(x, 6) for x in (win_sum / length).tolist()]
         bar.update(ids.shape[0])
     bar.close()
     per_pos = nll_sum / len(starts)
     mean = per_pos.mean().item()
     out = {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
+           "nll_by_window": nll_windows,
            "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
                                for lo, hi in position_buckets(length)}}
     if decode_tail:

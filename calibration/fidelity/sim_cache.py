@@ -13,7 +13,8 @@ function registered in transformers' AttentionInterface):
   BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
 - :class:`FakeInt2KVSim` (ablation): Bf16KVSim whose history positions read fake-quantised
   keys, values or both (rotate, clip, INT2, dequantise, rotate back, in PyTorch), so the
-  INT2 error can be attributed to K or V; with both it approximates HybridKVSim.
+  INT2 error can be attributed to K or V; with both it approximates HybridKVSim. It also
+  runs the quantiser candidates of :mod:`calibration.fidelity.quantizers` (``quantizer``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
-from oscar_kernels.int2 import fake_quantise
+from oscar_kernels.int2 import clip
+
+from . import quantizers
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -102,14 +105,20 @@ class FakeInt2KVSim(Bf16KVSim):
     ring_lo = max(n - W, S) when decoding (the new token is in the ring) and max(n0 - W, S)
     for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend).
     ``value_group_size`` / ``value_scale_dtype``: the values' own INT2 groups (default: the
-    keys'), to try layouts with a group size per tensor."""
+    keys'), to try layouts with a group size per tensor. ``quantizer``: a candidate of
+    :mod:`calibration.fidelity.quantizers` (``minmax``, the server's, by default);
+    ``lloyd-max`` takes ``key_span`` / ``value_span`` (outer level in sigma);
+    ``per-channel-keys`` quantises a page of ``page_tokens`` keys once it is complete (the ring
+    must hold the page being filled: W >= page_tokens)."""
 
     name = "fake-int2"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
-                 value_scale_dtype: str | None = None):
+                 value_scale_dtype: str | None = None, quantizer: str = quantizers.DEFAULT_QUANTIZER,
+                 key_span: float | None = None, value_span: float | None = None,
+                 page_tokens: int = quantizers.PAGE_TOKENS):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
@@ -121,24 +130,59 @@ class FakeInt2KVSim(Bf16KVSim):
         self.scale_dtype = torch_scale_dtype(scale_dtype)
         self.value_scale_dtype = torch_scale_dtype(value_scale_dtype or scale_dtype)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
+        self.quantizer = quantizers.check_quantizer(quantizer)
+        if quantizer == "lloyd-max":
+            self.key_span = quantizers.UPSTREAM_SPAN if key_span is None else key_span
+            self.value_span = quantizers.UPSTREAM_SPAN if value_span is None else value_span
+            if not (self.key_span > 0 and self.value_span > 0):
+                raise ValueError(f"lloyd-max spans must be > 0, got {self.key_span}, {self.value_span}")
+        else:
+            self.key_span = self.value_span = None
+        self.page_tokens = page_tokens
+        if quantizer == "per-channel-keys" and recent_window < page_tokens:
+            raise ValueError(f"per-channel-keys needs the recent window ({recent_window}) to hold a page "
+                             f"being filled ({page_tokens} tokens)")
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
-    @staticmethod
-    def _fake(x, rot, clip_min, clip_max, group_size, scale_dtype):
-        x_rot = torch.einsum("bthd,hde->bthe", x.float(), rot)
-        x_hat = fake_quantise(x_rot, group_size, clip_min, clip_max, scale_dtype)
+    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype, span=None):
+        """Per-token candidates (minmax, lloyd-max) on x [B, T, H, D]: rotate, clip, fake INT2, rotate back."""
+        x_rot = clip(torch.einsum("bthd,hde->bthe", x.float(), rot), clip_min, clip_max)
+        quantizer = "lloyd-max" if span is not None else "minmax"
+        x_hat = quantizers.fake_tokens(x_rot, quantizer, group_size, scale_dtype, span)
         return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
+
+    def _fake_key_pages(self, layer_idx, b, n0, n):
+        """per-channel-keys: fake-quantise the key pages that position n completes."""
+        p = self.page_tokens
+        first, last = n0 // p, n // p
+        if last <= first:
+            return
+        r = self.rotations[layer_idx]
+        lo, hi = first * p, last * p
+        x = self.k[layer_idx][:b, lo:hi].float()
+        x_rot = clip(torch.einsum("bthd,hde->bthe", x, r.k_rot), r.k_clip_min, r.k_clip_max)
+        pages = x_rot.reshape(b, last - first, p, *x_rot.shape[2:]).transpose(2, 3)  # [B, pages, H, P, D]
+        exact = (torch.arange(lo, hi, device=x.device) < self.sink_tokens).view(last - first, p)
+        out = torch.empty_like(pages)
+        for i in range(last - first):
+            out[:, i] = quantizers.fake_per_channel(pages[:, i], self.scale_dtype, exact[i])
+        x_hat = out.transpose(2, 3).reshape(x_rot.shape)
+        self.kq[layer_idx][:b, lo:hi] = torch.einsum("bthe,hde->bthd", x_hat, r.k_rot).to(CACHE_DTYPE)
 
     def _store(self, layer_idx, b, n0, n, k, v):
         super()._store(layer_idx, b, n0, n, k, v)
         r = self.rotations[layer_idx]
         if self.kq is not None:
-            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                                                      self.group_size, self.scale_dtype)
+            if self.quantizer == "per-channel-keys":
+                self._fake_key_pages(layer_idx, b, n0, n)
+            else:
+                self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
+                                                          self.group_size, self.scale_dtype, self.key_span)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
-                                                      self.value_group_size, self.value_scale_dtype)
+                                                      self.value_group_size, self.value_scale_dtype,
+                                                      self.value_span)
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
