@@ -3,7 +3,8 @@ calibration.fidelity.quantizers on one model, through oscar-eval's fake-quantisa
 
     python -m benchmarks.quantizer_study --model /work/shared/models/tinylm-A \\
         --rotations /tmp/q29/tinylm-A.oscar.safetensors --device cpu --threads 2 \\
-        --ppl-windows 8 --short-passkey-trials 4 --passkey-trials 20
+        --ppl-windows 8 --short-passkey-trials 4 --passkey-trials 20      # the CPU run recorded
+    python -m benchmarks.quantizer_study ... --device cuda --ppl-windows 16 --passkey-trials 100   # GPU
 
 1. Span of lloyd-max, tuned on calibration data only (rotated, clipped q, K, V of the model on
    stdlib windows: calibration.calibrate's text, file order seed ``--tune-seed``), keys and
@@ -19,8 +20,8 @@ calibration.fidelity.quantizers on one model, through oscar-eval's fake-quantisa
 3. One JSON (``--out``): per candidate bytes per token and KV head, ppl, passkey, and paired
    comparisons (per-window NLL, per-prompt hits and first-token log-probabilities) against
    minmax (the default) and against bf16; written after every run, ``partial`` naming what is
-   still missing. A ``conclusion`` already in ``--out`` is kept; ``--resume`` keeps its runs too
-   and does only the missing ones.
+   still missing. ``conclusion``, ``not_run`` and ``run_history`` notes already in ``--out`` are kept;
+   ``--resume`` keeps its runs too and does only the missing ones.
 """
 from __future__ import annotations
 
@@ -283,6 +284,11 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated subset")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in --out (same settings assumed) and do only the missing ones")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="with --resume: also keep the runs of this earlier output of the same study "
+                         "(repeatable; a study split over several invocations)")
+    ap.add_argument("--summarise-only", action="store_true",
+                    help="with --resume: run nothing, rewrite --out from the stored runs")
     ap.add_argument("--tune", action="store_true",
                     help="with --resume: tune the spans again even when every lloyd-max run is in --out")
     ap.add_argument("--tune-tokens", type=int, default=16384, help="calibration tokens for the span tuning")
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
             old = json.load(open(a.out))
         except (OSError, ValueError):
             old = {}
-    keep = {k: v for k, v in old.items() if k == "conclusion"}
+    keep = {k: v for k, v in old.items() if k in ("conclusion", "not_run", "run_history")}
     t0 = time.time()
     # on --resume the stored tuning stands when every lloyd-max run is stored in both passes
     spans = old.get("span_tuning") if a.resume else None
@@ -319,7 +325,7 @@ def main(argv=None) -> int:
     stored = [set(r["methods"]) for r in old.get("runs", {}).values()] if a.resume else []
     reuse = (spans is not None and len(stored) == 2 and all(c in m for c in lloyd for m in stored)
              and ("attention" in spans or "lloyd-max-attn" not in lloyd))
-    if lloyd and (a.tune or not reuse):
+    if lloyd and (a.tune or not (reuse or (a.summarise_only and spans is not None))):
         spans = tune_spans(a, rot)
         print(f"quantizer_study: lloyd-max spans (keys, values): mse {run_spans(spans, 'mse')}, attention "
               f"{run_spans(spans, 'attention')} ({spans['wall_s']} s)", file=sys.stderr, flush=True)
@@ -328,8 +334,16 @@ def main(argv=None) -> int:
     todo = [(p, q) for p in passes for q in cands]
     runs: dict = {}
     done = set()
-    if a.resume:
-        for p, r in old.get("runs", {}).items():
+    if (a.merge or a.summarise_only) and not a.resume:
+        raise SystemExit("quantizer_study: --merge and --summarise-only need --resume")
+    stored_runs = [old.get("runs", {})]
+    for path in a.merge:
+        try:
+            stored_runs.append(json.load(open(path)).get("runs", {}))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"quantizer_study: --merge {path}: {e}")
+    for path_runs in stored_runs if a.resume else []:
+        for p, r in path_runs.items():
             for name, m in r["methods"].items():
                 argv_used = r.get("per_method_argv", {}).get(name)
                 if name in RUNS and RUNS[name][1]:
@@ -388,7 +402,7 @@ def main(argv=None) -> int:
                                     "minmax"},
             "verdict_vs_minmax": verdict(cand_rows),
             "partial": missing,
-            "wall_s": round(time.time() - t0, 1),
+            "wall_s_this_invocation": round(time.time() - t0, 1),
             **keep,
             "runs": runs,
         })
@@ -396,7 +410,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         for p, name in todo:
-            if (p, name) in done:
+            if (p, name) in done or a.summarise_only:
                 continue
             windows, trials, lengths = passes[p]
             q, objective = RUNS[name]
