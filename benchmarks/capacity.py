@@ -63,6 +63,18 @@ def write_shape_rotations(model_dir: str, out: str, group_size: int, value_group
     return out
 
 
+def write_generated_rotations(args, model_name: str) -> str:
+    """The data-free hadamard file of args.model at the layout of ``args`` (resolve_layout
+    first), written under the temp folder with its shape_rotations_name."""
+    import tempfile
+
+    out = os.path.join(tempfile.gettempdir(), "oscar-capacity",
+                       shape_rotations_name(model_name, args.group_size, args.value_group_size, args.scale_dtype))
+    write_shape_rotations(args.model, out, args.group_size, args.value_group_size, args.scale_dtype)
+    log(f"wrote the data-free hadamard rotations {out}")
+    return out
+
+
 def add_layout_args(ap: argparse.ArgumentParser) -> None:
     """--group-size / --value-group-size / --scale-dtype: the INT2 layout of the data-free file
     written when --rotations is not given (resolve_layout fills in what is left open)."""
@@ -124,15 +136,8 @@ def main(argv=None) -> int:
     rotations = args.rotations
     if rotations is None:
         resolve_layout(args)
-    if "oscar_int2" in dtypes and rotations is None:
-        import tempfile
-
-        rotations = write_shape_rotations(
-            args.model, os.path.join(tempfile.gettempdir(), "oscar-capacity",
-                                     shape_rotations_name(name, args.group_size, args.value_group_size,
-                                                          args.scale_dtype)),
-            args.group_size, args.value_group_size, args.scale_dtype)
-        log(f"wrote the data-free hadamard rotations {rotations}")
+        if "oscar_int2" in dtypes:
+            rotations = write_generated_rotations(args, name)
     common = ["--model-path", args.model, "--load-format", "dummy",
               "--mem-fraction-static", str(args.mem_fraction_static), "--page-size", str(args.page_size),
               *shlex.split(args.server_args)]

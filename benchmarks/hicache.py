@@ -37,11 +37,10 @@ import random
 import re
 import shlex
 import statistics
-import tempfile
 import time
 
 from benchmarks.capacity import (add_layout_args, default_shape, resolve_layout, rotations_meta,
-                                 shape_rotations_name, write_shape_rotations)
+                                 write_generated_rotations)
 from benchmarks.server_harness import ROOT, Server, log, previous_entries, run_script, save_json
 
 CONFIGS = ("bf16", "oscar_int2")
@@ -148,13 +147,8 @@ def main(argv=None) -> int:
     rotations = args.rotations
     if rotations is None:
         resolve_layout(args)
-    if "oscar_int2" in configs and rotations is None:
-        rotations = write_shape_rotations(
-            args.model, os.path.join(tempfile.gettempdir(), "oscar-capacity",
-                                     shape_rotations_name(name, args.group_size, args.value_group_size,
-                                                          args.scale_dtype)),
-            args.group_size, args.value_group_size, args.scale_dtype)
-        log(f"wrote the data-free hadamard rotations {rotations}")
+        if "oscar_int2" in configs:
+            rotations = write_generated_rotations(args, name)
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         vocab = int(json.load(f)["vocab_size"])
     common = ["--model-path", args.model, "--load-format", "dummy", "--page-size", str(page),

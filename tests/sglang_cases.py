@@ -52,3 +52,20 @@ def write_hadamard_file(path, config, group_size: int = 32) -> str:
     """A valid rotations file for the model described by ``config`` (dict or HF config)."""
     save_rotations(str(path), hadamard_rotations(ModelShape.from_hf_config(config), group_size))
     return str(path)
+
+
+def calibrate_tinylm_rotations(model_dir, out) -> str:
+    """oscar-calibrate (recipe oscar, 8k tokens) on the checkout's own Python sources into
+    ``out``, as the GPU server tests use it; the CLI's last lines on failure."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = [str(root / d) for d in ("calibration", "oscar_kernels", "sglang_ext")]
+    cmd = [sys.executable, "-m", "calibration.cli", "--model", str(model_dir), "--out", str(out),
+           "--recipe", "oscar", "--tokens", "8192", "--seq-len", "1024", "--clip-sample", "2048",
+           "--quiet", "--data", *data]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"oscar-calibrate failed:\n{done.stderr[-3000:]}"
+    return str(out)

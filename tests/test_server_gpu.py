@@ -21,13 +21,12 @@ provided OSCAR picked one of BF16's top TOP_LOGPROBS there within NEAR_TIE of it
 anything else fails.
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import TINYLM
+from sglang_cases import calibrate_tinylm_rotations
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -122,14 +121,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def rotations(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors"
-    data = [str(ROOT / d) for d in ("calibration", "oscar_kernels", "sglang_ext")]
-    cmd = [sys.executable, "-m", "calibration.cli", "--model", str(model_dir), "--out", str(out),
-           "--recipe", "oscar", "--tokens", "8192", "--seq-len", "1024", "--clip-sample", "2048",
-           "--quiet", "--data", *data]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"oscar-calibrate failed:\n{done.stderr[-3000:]}"
-    return str(out)
+    return calibrate_tinylm_rotations(model_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
 
 
 @pytest.fixture(scope="module")

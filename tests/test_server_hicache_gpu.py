@@ -26,16 +26,14 @@ to their start value, and SGLang's idle leak check (strict: SGLANG_ENABLE_STRICT
 DURING_IDLE=1 makes a leak stop the scheduler) never fired.
 """
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import TINYLM
+from sglang_cases import calibrate_tinylm_rotations
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 PAGE = 64
@@ -69,14 +67,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def rotations(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors"
-    data = [str(ROOT / d) for d in ("calibration", "oscar_kernels", "sglang_ext")]
-    cmd = [sys.executable, "-m", "calibration.cli", "--model", str(model_dir), "--out", str(out),
-           "--recipe", "oscar", "--tokens", "8192", "--seq-len", "1024", "--clip-sample", "2048",
-           "--quiet", "--data", *data]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"oscar-calibrate failed:\n{done.stderr[-3000:]}"
-    return str(out)
+    return calibrate_tinylm_rotations(model_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
 
 
 @pytest.fixture(scope="module")
