@@ -36,6 +36,8 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from transformers import AutoTokenizer  # here, not in the row threads: its lazy import races
+
 from benchmarks import server_harness as h
 from calibration import architectures as archs
 
@@ -56,8 +58,6 @@ def build(name: str, root: str) -> str:
 
 
 def text_ids(model_dir: str, tokens: int) -> list[int]:
-    from transformers import AutoTokenizer
-
     from calibration.text_sources import read_texts, shuffled, stdlib_test_files
 
     tok = AutoTokenizer.from_pretrained(model_dir)
