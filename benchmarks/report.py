@@ -613,6 +613,7 @@ HEADLINE_KERNELS = "kernels_h200.json"
 HEADLINE_SERVER = "server_tinylm-A.json"
 HEADLINE_PASSKEY = ("server_passkey8k_k32_v128_fp8_tinylm-A.json", "oscar-k32-v128-fp8")
 HEADLINE_LONG = 65536  # the decode row's shortest context
+HEADLINE_HICACHE = "hicache_qwen3-8b-shape.json"
 
 
 def _link(text: str, name: str) -> str:
@@ -685,8 +686,24 @@ def _headline_server(results_dir: str) -> list[list[str]]:
     return rows
 
 
+def _headline_hicache(results_dir: str) -> list[list[str]]:
+    data = _maybe_load(results_dir, HEADLINE_HICACHE)
+    osc, bf = (data.get("configs", {}).get(c, {}) for c in ("oscar_int2", "bf16"))
+    if not osc.get("host_pool") or not bf.get("host_pool"):
+        return []
+    size, tokens = _hicache_size(data), data.get("settings", {}).get("prefix_tokens", 0)
+    ttft = lambda c: f"{c['host_median_s']:.3f} s (recomputed: {c['recompute_median_s']:.2f} s)"
+    return [[f"HiCache host tier at `--hicache-size {size}` (GB), {data.get('model', '?')}: prefix tokens held",
+             _link(f"{fmt(osc['host_pool']['tokens'])} ({osc['host_pool']['tokens'] / bf['host_pool']['tokens']:.2f}x)",
+                   HEADLINE_HICACHE), _link(fmt(bf["host_pool"]["tokens"]), HEADLINE_HICACHE)],
+            [f"time to first token, a {tokens // 1000}k-token prefix loaded back from the host tier "
+             f"({data.get('gpu', '?')}; BF16 on SGLang's triton attention)",
+             _link(ttft(osc), HEADLINE_HICACHE), _link(ttft(bf), HEADLINE_HICACHE)]]
+
+
 def render_headline(results_dir: str) -> str:
-    rows = _headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_server(results_dir)
+    rows = (_headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_server(results_dir)
+            + _headline_hicache(results_dir))
     if not rows:
         return none_yet("python3 -m benchmarks.capacity", "one GPU; see benchmarks/RESULTS.md")
     return table(["measured", "oscar_int2", "BF16"], rows)
@@ -697,7 +714,66 @@ def render_targets(results_dir: str) -> str:
     return table(["target", "measured", "verdict"], rows)
 
 
+def _hicache_size(data: dict) -> str:
+    args = data.get("settings", {}).get("server_args", [])
+    return args[args.index("--hicache-size") + 1] if "--hicache-size" in args else "?"
+
+
+@per_results_file("hicache_*.json", "python3 -m benchmarks.hicache", "one GPU, 8 min")
+def render_hicache(path: str, data: dict) -> list[str]:
+    st = data.get("settings", {})
+    rows = []
+    for name, c in data.get("configs", {}).items():
+        pool = c.get("host_pool", {})
+        hit = [t.get("host") for t in c.get("ttft", {}).get("host", [])]
+        rows.append([name, fmt(pool.get("tokens")), fmt(pool.get("bytes_per_token")), fmt(c.get("max_total_num_tokens")),
+                     fmt(c.get("recompute_median_s"), 3), fmt(c.get("host_median_s"), 3),
+                     " / ".join(fmt(h) for h in hit) or "-", fmt(c.get("device_median_s"), 3)])
+    parts = [f"`{_rel(path)}` ({data.get('gpu', '?')}, code {data.get('code', '?')}): {data.get('model', '?')} with "
+             f"`--load-format dummy`, `--hicache-size {_hicache_size(data)}` GB of host memory for each configuration, a "
+             f"device pool of `--max-total-tokens` tokens; time to first token of a {fmt(st.get('prefix_tokens'))}-token "
+             f"prefix + {st.get('suffix_tokens')} new tokens, medians over {st.get('reps')} reps; bf16 with io backend "
+             f"`{st.get('bf16_io_backend')}` and layout `{st.get('bf16_mem_layout')}`, oscar_int2 with io backend `direct` "
+             f"and layout `{st.get('oscar_mem_layout')}`.",
+             table(["config", "host tier tokens", "bytes per token", "device pool tokens", "TTFT recomputed (s)",
+                    "TTFT host hit (s)", "tokens loaded from host (per rep)", "TTFT device hit (s)"], rows)]
+    if data.get("notes"):
+        parts.append("\n".join(f"- {n}" for n in data["notes"]))
+    return parts
+
+
+def _serve_cell(row: dict) -> str:
+    verdict = row.get("verdict", "-")
+    if verdict.startswith("refused"):
+        return "refused at start-up: " + verdict.split("cannot serve ", 1)[-1].split(": ", 1)[-1]
+    return verdict
+
+
+def render_architectures(results_dir: str) -> str:
+    """README's model table: each calibration/architectures.py row, calibrated on the CPU and served on a GPU."""
+    calib = {r["name"]: r for r in _maybe_load(results_dir, "calibration_architectures.json").get("rows", [])}
+    serve = _maybe_load(results_dir, "architectures_serving.json")
+    if not calib or not serve.get("rows"):
+        return none_yet("python3 -m benchmarks.architectures_serving", "one GPU, 6 min")
+    rows = []
+    for r in serve["rows"]:
+        g, c = r.get("geometry", {}), calib.get(r["name"], {})
+        features = ", ".join(f for f in r.get("features", []) if not f.startswith("head_dim"))
+        rows.append([f"{r.get('source', r['name'])} (`{r.get('architecture', '?')}`)",
+                     f"{g.get('num_q_heads')}q / {g.get('num_kv_heads')}kv, head_dim {g.get('head_dim')}"
+                     + (f"; {features}" if features else ""),
+                     _link("ok" if c.get("calibrate_ok") and c.get("file_ok") else "fail", "calibration_architectures.json"),
+                     _link(_serve_cell(r), "architectures_serving.json")])
+    checks = serve.get("checks", {})
+    caption = (f"Served on one {serve.get('device', 'GPU')} (2 layers of the real attention geometry, seeded random "
+               f"weights; `oscar_int2` against BF16, chunked prefill 1024): a pass is {checks.get('windows')}; a "
+               f"{checks.get('long')}; {checks.get('concurrent')}; {checks.get('graphs')}. Calibrated on the CPU.")
+    return caption + "\n\n" + table(["model", "attention geometry", "calibrate", "serve"], rows)
+
+
 SECTIONS = {
+    "architectures": render_architectures,
+    "hicache": render_hicache,
     "headline": render_headline,
     "targets": render_targets,
     "e2e": render_e2e,

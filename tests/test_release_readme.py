@@ -29,10 +29,26 @@ def _section(title: str) -> str:
     return rest[:nxt.start()] if nxt else rest
 
 
+def test_model_table_shows_each_served_row_and_the_refusal_reason(tmp_path):
+    assert report.render_architectures(str(tmp_path)).startswith("_No results yet: run `python3 -m benchmarks.architectures_serving")
+    geometry = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 96}
+    (tmp_path / "calibration_architectures.json").write_text(json.dumps(
+        {"rows": [{"name": "a", "calibrate_ok": True, "file_ok": True}, {"name": "b", "calibrate_ok": True, "file_ok": False}]}))
+    (tmp_path / "architectures_serving.json").write_text(json.dumps({"device": "GPU X", "checks": {}, "rows": [
+        {"name": "a", "source": "org/A", "architecture": "AForCausalLM", "geometry": geometry,
+         "features": ["head_dim 96", "q/k/v bias"], "verdict": "refused: oscar-sglang: --kv-cache-dtype oscar_int2 "
+         "cannot serve AForCausalLM: head_dim 96 (why)"},
+        {"name": "b", "geometry": geometry, "verdict": "fail: long prompt incomplete"}]}))
+    rows = [r for r in report.render_architectures(str(tmp_path)).splitlines() if r.startswith("| ")][2:]
+    assert rows[0].startswith("| org/A (`AForCausalLM`) | 32q / 8kv, head_dim 96; q/k/v bias | [ok]")
+    assert "[refused at start-up: head_dim 96 (why)]" in rows[0]
+    assert "| [fail](" in rows[1] and "[fail: long prompt incomplete]" in rows[1]
+
+
 def test_result_tables_are_generated_from_the_results_files():
-    # the README holds the headline, RESULTS.md every other table, each exactly once
-    assert report.sections_in(README) == ["headline"]
-    assert sorted(report.sections_in(RESULTS_TEXT)) == sorted(set(report.SECTIONS) - {"headline"})
+    # the README holds the headline and the model table, RESULTS.md every other table, each exactly once
+    assert report.sections_in(README) == ["headline", "architectures"]
+    assert sorted(report.sections_in(RESULTS_TEXT)) == sorted(set(report.SECTIONS) - {"headline", "architectures"})
     assert [str(ROOT / "README.md"), str(RESULTS_MD)] == [str(d) for d in report.DOCUMENTS]
     r = subprocess.run([*REPORT, "--check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
