@@ -52,8 +52,9 @@ def stdlib_test_files() -> list[str]:
     return sorted(files)
 
 
-def _read_file(path: str) -> str | None:
-    """A text file's contents, or None for binary / unreadable / generated-looking files."""
+def read_text_file(path: str, max_mean_line: int | None = None) -> str | None:
+    """A text file's contents, or None for binary / unreadable / generated-looking files (a line
+    over MAX_LINE_CHARS, or lines longer than ``max_mean_line`` on average: minified)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -62,6 +63,8 @@ def _read_file(path: str) -> str | None:
     if not raw or b"\x00" in raw:
         return None
     text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+    if max_mean_line is not None and len(text) / (text.count("\n") + 1) > max_mean_line:
+        return None
     if max(map(len, text.split("\n"))) > MAX_LINE_CHARS:
         return None
     return text
@@ -101,7 +104,7 @@ def read_texts(paths: Iterable[str]) -> Iterator[str]:
         if path.endswith(".jsonl"):
             yield from _read_jsonl(path)
         else:
-            text = _read_file(path)
+            text = read_text_file(path)
             if text is not None:
                 yield text
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from calibration.text_sources import read_text_file
+
 EOT = "<|endoftext|>"
 HELDOUT_PACKAGES = ("sympy", "networkx")
 HELDOUT_SHUFFLE_SEED = 12345
@@ -198,23 +200,6 @@ def heldout_files(packages=HELDOUT_PACKAGES, roots: list[str] | None = None) -> 
     return files
 
 
-def read_code_file(path: str) -> str | None:
-    """tinylm's reader: None for binary, minified or generated files."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    if not raw or b"\x00" in raw:
-        return None
-    text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
-    if len(text) / (text.count("\n") + 1) > 200:
-        return None
-    if max(len(ln) for ln in text.split("\n")) > 5000:
-        return None
-    return text
-
-
 @dataclass
 class HeldoutStream:
     tokens: np.ndarray  # int64 [N]
@@ -245,7 +230,7 @@ def load_heldout_stream(tokenizer, packages=HELDOUT_PACKAGES, corpus_mb: float =
     eot = token_id(tokenizer, EOT)
     texts, hashes = [], set()
     for p in taken:
-        t = read_code_file(p)
+        t = read_text_file(p, max_mean_line=200)  # tinylm's reader: minified files out
         if t is None:
             continue
         h = hashlib.md5(t.encode("utf-8", errors="replace")).digest()
