@@ -330,7 +330,8 @@ def main(argv=None) -> int:
         print(f"quantizer_study: lloyd-max spans (keys, values): mse {run_spans(spans, 'mse')}, attention "
               f"{run_spans(spans, 'attention')} ({spans['wall_s']} s)", file=sys.stderr, flush=True)
     short = a.passkey_trials if a.short_passkey_trials is None else a.short_passkey_trials
-    passes = {"ppl_and_short": (a.ppl_windows, short, SHORT_LENGTHS), "long": (0, a.passkey_trials, LONG_LENGTHS)}
+    # the 8k pass first: it decides, and a run cut by its time limit keeps it
+    passes = {"long": (0, a.passkey_trials, LONG_LENGTHS), "ppl_and_short": (a.ppl_windows, short, SHORT_LENGTHS)}
     todo = [(p, q) for p in passes for q in cands]
     runs: dict = {}
     done = set()
