@@ -86,6 +86,7 @@ from datetime import datetime, timezone
 from benchmarks.capacity import (add_layout_args, resolve_layout, rotations_meta,
                                  shape_rotations_name, write_shape_rotations)  # the data-free file capacity.py uses
 from benchmarks.server_harness import ROOT, Server, ServerDied, log
+from benchmarks.targets import E2E_STEADY_DECODE_RATIO
 from benchmarks.steady_decode import metrics_sample, parse_scheduler_log, steady_state, tokens_by, window_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,7 +111,7 @@ WORKLOADS = {
 }
 STEADY_CONFIGS = ("bf16_flashinfer", "fp8_e4m3", "oscar_int2")
 STEADY_REFERENCE = "bf16_flashinfer"  # the ratios' denominator
-STEADY_TARGET = 5.0  # steady-state decode tokens/s of oscar_int2 vs STEADY_REFERENCE (issue 29)
+STEADY_TARGET = E2E_STEADY_DECODE_RATIO  # steady-state decode tokens/s of oscar_int2 vs STEADY_REFERENCE
 
 
 @dataclass(frozen=True)
@@ -439,9 +440,10 @@ def steady_server_args(args, plan: dict) -> tuple[str, ...]:
 
 def common_window(entries: list[dict]) -> float | None:
     """The longest window every measured configuration of a workload covers (seconds from its
-    first request), so that their end-to-end rates compare over the same time."""
-    spans = [e["window_s"] for e in entries if e.get("window_s") and e.get("metrics_samples")
-             and e.get("metrics_start_tokens") is not None]
+    first request) and its /metrics samples reach (the last sample can precede the window's end),
+    so that their end-to-end rates compare over the same time."""
+    spans = [min(e["window_s"], e["metrics_samples"][-1]["t"]) for e in entries if e.get("window_s")
+             and e.get("metrics_samples") and e.get("metrics_start_tokens") is not None]
     return min(spans) if spans else None
 
 

@@ -614,6 +614,7 @@ HEADLINE_SERVER = "server_tinylm-A.json"
 HEADLINE_PASSKEY = ("server_passkey8k_k32_v128_fp8_tinylm-A.json", "oscar-k32-v128-fp8")
 HEADLINE_LONG = 65536  # the decode row's shortest context
 HEADLINE_HICACHE = "hicache_qwen3-8b-shape.json"
+HEADLINE_STEADY = "e2e_decode_throughput_qwen3-8b-shape.json"
 
 
 def _link(text: str, name: str) -> str:
@@ -701,9 +702,24 @@ def _headline_hicache(results_dir: str) -> list[list[str]]:
              _link(ttft(osc), HEADLINE_HICACHE), _link(ttft(bf), HEADLINE_HICACHE)]]
 
 
+def _headline_steady(results_dir: str) -> list[list[str]]:
+    data = _maybe_load(results_dir, HEADLINE_STEADY)
+    rows = []
+    for workload, w in data.get("settings", {}).get("workloads", {}).items():
+        osc, bf = (data.get("configs", {}).get(c, {}).get(workload) or {} for c in ("oscar_int2", "bf16_flashinfer"))
+        if not osc.get("decode_tok_s") or not bf.get("decode_tok_s"):
+            continue
+        cell = lambda r: f"{fmt(r['decode_tok_s'], 0)} tok/s, {fmt(r.get('in_flight'))} requests in flight"
+        rows.append([f"decode tokens/s with the pool full, {w['input_len'] // 1000}k in / {w['output_len'] // 1024}k "
+                     f"out, {data.get('model', '?')} ({data.get('environment', {}).get('gpu') or 'GPU'}; BF16 on FlashInfer)",
+                     _link(f"{cell(osc)} ({osc['decode_tok_s'] / bf['decode_tok_s']:.2f}x)", HEADLINE_STEADY),
+                     _link(cell(bf), HEADLINE_STEADY)])
+    return rows
+
+
 def render_headline(results_dir: str) -> str:
-    rows = (_headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_server(results_dir)
-            + _headline_hicache(results_dir))
+    rows = (_headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_steady(results_dir)
+            + _headline_server(results_dir) + _headline_hicache(results_dir))
     if not rows:
         return none_yet("python3 -m benchmarks.capacity", "one GPU; see benchmarks/RESULTS.md")
     return table(["measured", "oscar_int2", "BF16"], rows)
@@ -742,6 +758,32 @@ def render_hicache(path: str, data: dict) -> list[str]:
     return parts
 
 
+def _paired(p: dict | None, digits: int = 3) -> str:
+    return f"{p['gap']:+.{digits}f} ± {p['half_width_95']:.{digits}f}" if p else "-"
+
+
+@per_results_file("quantizer_study_*.json", "python3 -m benchmarks.quantizer_study --model DIR --rotations FILE",
+                  "one GPU, 5 min, or CPU")
+def render_quantizer_study(path: str, data: dict) -> list[str]:
+    st, cands = data.get("settings", {}), data.get("candidates", {})
+    lengths = sorted({n for r in cands.values() for n in r.get("passkey", {})}, key=int)
+    rows = []
+    for name, r in cands.items():
+        pk, vs_m, vs_b = r.get("passkey", {}), r.get("passkey_paired_vs_minmax", {}), r.get("passkey_paired_vs_bf16", {})
+        rows.append([name, fmt((r.get("bytes_per_token_per_head") or {}).get("total")), fmt(r.get("ppl_8k"), 4),
+                     fmt(r.get("ppl_ratio_vs_bf16"), 4), _paired(r.get("nll_paired_vs_minmax"), 4)]
+                    + [fmt(pk.get(n), 3) for n in lengths]
+                    + [_paired(vs_m.get(lengths[-1])), _paired(vs_b.get(lengths[-1]))])
+    prompts = st.get("passkey_prompts_per_length", {})
+    parts = [f"`{_rel(path)}`: {data.get('model', '?')}, {data.get('path', '')}; {st.get('ppl', '')}; passkey prompts "
+             + ", ".join(f"{n}: {prompts[n]}" for n in sorted(prompts, key=int)) + f"; {st.get('device', '?')}.",
+             table(["candidate", "bytes / token / KV head", "ppl_8k", "vs bf16", "NLL vs minmax (paired)"]
+                   + [f"passkey {n}" for n in lengths]
+                   + [f"passkey {lengths[-1]} vs minmax", f"passkey {lengths[-1]} vs bf16"], rows)]
+    parts += [data[k] for k in ("conclusion", "not_run") if data.get(k)]
+    return parts
+
+
 def _serve_cell(row: dict) -> str:
     verdict = row.get("verdict", "-")
     if verdict.startswith("refused"):
@@ -774,6 +816,7 @@ def render_architectures(results_dir: str) -> str:
 SECTIONS = {
     "architectures": render_architectures,
     "hicache": render_hicache,
+    "quantizer-study": render_quantizer_study,
     "headline": render_headline,
     "targets": render_targets,
     "e2e": render_e2e,

@@ -153,6 +153,14 @@ EXTEND_TILES = {"int2": ExtendTiles(block_rows=64, block_n=32, block_n_bf16=32, 
                 "bf16": ExtendTiles(block_rows=128, block_n=32, block_n_bf16=64, num_stages=3)}
 PREFIX_READS = tuple(EXTEND_TILES)
 EXTEND_WARPS = 8  # both reads
+# the BF16 read's 3-stage 128-row tiles need 256 KiB of shared memory at D = 256 (sm_90 has 227)
+MAX_BF16_TILE_HEAD_DIM = 128
+
+
+def extend_tiles(bf16_prefix: bool, head_dim: int) -> ExtendTiles:
+    """The tiles of one extend launch: the BF16 read's own up to MAX_BF16_TILE_HEAD_DIM, else the
+    INT2 read's (they fit sm_90's shared memory at D = 256)."""
+    return EXTEND_TILES["bf16" if bf16_prefix and head_dim <= MAX_BF16_TILE_HEAD_DIM else "int2"]
 
 
 def check_prefix_read(prefix_read: str) -> None:
@@ -198,7 +206,7 @@ def plan_extend_launch(prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int
         v_pre = torch.empty_like(k_pre)
         offsets = prefix_offsets(prefix_lens)
     return ExtendLaunch(
-        bf16_prefix=bf16_prefix, tiles=EXTEND_TILES["bf16" if bf16_prefix else "int2"],
+        bf16_prefix=bf16_prefix, tiles=extend_tiles(bf16_prefix, d),
         max_extend_len=int(max_extend_len), prefix_lens_host=tuple(int(n) for n in host or ()),
         prefix_offsets=offsets, q_rot=torch.empty(t, hq, d, dtype=torch.bfloat16, device=dev),
         o_rot=torch.empty(t, hq, d, dtype=torch.float32, device=dev), k_prefix=k_pre, v_prefix=v_pre)

@@ -488,6 +488,17 @@ def test_extend_runs_each_reads_tiles_and_the_fallback_the_int2_tiles(monkeypatc
                                                                           tiles.num_stages)
 
 
+def test_bf16_read_at_head_dim_256_launches_the_int2_tiles():
+    """The BF16 read's tiles need 256 KiB of shared memory at D = 256 (sm_90 has 227; the
+    geometry GPU test failed to compile there): past MAX_BF16_TILE_HEAD_DIM it takes the INT2 tiles."""
+    ext = triton_extend_mod
+    lens = torch.tensor([5, 3])
+    for d, tiles in ((128, ext.EXTEND_TILES["bf16"]), (256, ext.EXTEND_TILES["int2"])):
+        launch = ext.plan_extend_launch(lens, [5, 3], 4, 8, 8, 1, d, prefix_read="bf16")
+        assert launch.bf16_prefix and launch.tiles == tiles
+    assert ext.plan_extend_launch(lens, [5, 3], 4, 8, 8, 1, 256, prefix_read="int2").tiles == ext.EXTEND_TILES["int2"]
+
+
 def test_int2_read_extend_plans_a_request_the_same_alone_and_batched(monkeypatch):
     """The INT2 prefix read (what deterministic inference runs): a request's prefill output
     is launched with the same tiles alone and in a batch, and its output agrees (bitwise on

@@ -72,3 +72,15 @@ def test_fidelity_table_shows_deltas_and_first_token_logprob():
     text = report.fidelity_table({"bf16": ref, "oscar": osc})
     assert "| oscar | 5.1000 | 1.0200 | 1.000 (+0.000) | 0.850 (-0.050) | -0.200 / -0.900 |" in text
     assert "log p(first answer token) 2048 / 8192" in text
+
+
+def test_steady_decode_verdict(tmp_path):
+    label = next(k for k in _verdicts(tmp_path) if k.startswith("steady-state decode at a full pool"))
+    assert _verdicts(tmp_path)[label] == "not measured"
+    _write(tmp_path, "e2e_decode_throughput_qwen3-8b-shape.json",
+           {"target": {"ratio": 5.0, "steady_8k": {"measured": 3.37, "met": False},
+                       "steady_32k": {"measured": None, "met": None}}})
+    assert _verdicts(tmp_path)[label] == "missed"
+    _write(tmp_path, "e2e_decode_throughput_qwen3-8b-shape.json",
+           {"target": {"steady_8k": {"measured": 5.2}, "steady_32k": {"measured": 6.0}}})
+    assert _verdicts(tmp_path)[label] == "met"
