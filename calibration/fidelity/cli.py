@@ -14,8 +14,7 @@ tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
 ``--quantizer`` picks the INT2 quantiser candidate of a fake run (calibration.fidelity.quantizers):
-``minmax`` (the server's), ``lloyd-max`` (Gaussian Lloyd-Max codes on a uniform grid with outer
-levels at +-``--lloyd-max-span`` sigma) or ``per-channel-keys`` (keys per channel over pages of
+``minmax`` (the server's) or ``per-channel-keys`` (keys per channel over pages of
 ``--page-size`` tokens, values per token as minmax).
 """
 from __future__ import annotations
@@ -70,16 +69,6 @@ def _value_groups(s: str) -> tuple[int, str]:
     return int(g), dtype
 
 
-def _spans(s: str) -> tuple[float, float]:
-    try:
-        vals = [float(x) for x in s.split(",")]
-    except ValueError:
-        vals = []
-    if len(vals) not in (1, 2) or not all(v > 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"--lloyd-max-span wants K_SPAN[,V_SPAN] > 0 (sigma), got {s!r}")
-    return vals[0], vals[-1]
-
-
 def _method(s: str) -> tuple[str, str]:
     name, eq, path = s.partition("=")
     if not eq or not name or not path:
@@ -125,15 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "scale_dtype)")
     ap.add_argument("--quantizer", choices=quantizers.QUANTIZERS, default=quantizers.DEFAULT_QUANTIZER,
                     help="INT2 quantiser of a fake run (--int2-parts kv-fake, k or v): minmax = the server's "
-                         "(default); lloyd-max = per token and group, codes by the Gaussian Lloyd-Max "
-                         "thresholds (0, +-0.98 sigma) on the stored uniform grid of outer levels +-span "
-                         "sigma; per-channel-keys = keys per channel over a page of --page-size tokens, "
+                         "(default); per-channel-keys = keys per channel over a page of --page-size tokens, "
                          "quantised once the page is complete (needs --recent >= --page-size), values as "
-                         "minmax. Bytes per token and KV head at D=128 with float8 scales: 74, 74, 70")
-    ap.add_argument("--lloyd-max-span", type=_spans, default=(quantizers.UPSTREAM_SPAN,) * 2, metavar="K[,V]",
-                    help="lloyd-max: the grid's outer level in sigma for keys[,values] (default "
-                         f"{quantizers.UPSTREAM_SPAN}, the public upstream's 1.16 x the Lloyd-Max outer "
-                         "level 1.510; tune it on calibration data, see benchmarks/quantizer_study.py)")
+                         "minmax. Bytes per token and KV head at D=128 with float8 scales: 74, 70")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -240,8 +223,6 @@ def main(argv=None) -> int:
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "int2_parts": a.int2_parts,
             "quantizer": a.quantizer,
-            **({"lloyd_max_span": {"keys": a.lloyd_max_span[0], "values": a.lloyd_max_span[1]}}
-               if a.quantizer == "lloyd-max" else {}),
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
@@ -274,8 +255,7 @@ def main(argv=None) -> int:
                                 a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
                                 value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
                                 value_scale_dtype=a.value_groups[1] if a.value_groups else None,
-                                quantizer=a.quantizer, key_span=a.lloyd_max_span[0],
-                                value_span=a.lloyd_max_span[1], page_tokens=a.page_size)
+                                quantizer=a.quantizer, page_tokens=a.page_size)
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
-from oscar_kernels.int2 import clip
+from oscar_kernels.int2 import clip, fake_quantise
 
 from . import quantizers
 
@@ -107,7 +107,6 @@ class FakeInt2KVSim(Bf16KVSim):
     ``value_group_size`` / ``value_scale_dtype``: the values' own INT2 groups (default: the
     keys'), to try layouts with a group size per tensor. ``quantizer``: a candidate of
     :mod:`calibration.fidelity.quantizers` (``minmax``, the server's, by default);
-    ``lloyd-max`` takes ``key_span`` / ``value_span`` (outer level in sigma);
     ``per-channel-keys`` quantises a page of ``page_tokens`` keys once it is complete (the ring
     must hold the page being filled: W >= page_tokens)."""
 
@@ -117,7 +116,6 @@ class FakeInt2KVSim(Bf16KVSim):
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
                  value_scale_dtype: str | None = None, quantizer: str = quantizers.DEFAULT_QUANTIZER,
-                 key_span: float | None = None, value_span: float | None = None,
                  page_tokens: int = quantizers.PAGE_TOKENS):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
@@ -131,13 +129,6 @@ class FakeInt2KVSim(Bf16KVSim):
         self.value_scale_dtype = torch_scale_dtype(value_scale_dtype or scale_dtype)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
         self.quantizer = quantizers.check_quantizer(quantizer)
-        if quantizer == "lloyd-max":
-            self.key_span = quantizers.UPSTREAM_SPAN if key_span is None else key_span
-            self.value_span = quantizers.UPSTREAM_SPAN if value_span is None else value_span
-            if not (self.key_span > 0 and self.value_span > 0):
-                raise ValueError(f"lloyd-max spans must be > 0, got {self.key_span}, {self.value_span}")
-        else:
-            self.key_span = self.value_span = None
         self.page_tokens = page_tokens
         if quantizer == "per-channel-keys" and recent_window < page_tokens:
             raise ValueError(f"per-channel-keys needs the recent window ({recent_window}) to hold a page "
@@ -145,11 +136,10 @@ class FakeInt2KVSim(Bf16KVSim):
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
-    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype, span=None):
-        """Per-token candidates (minmax, lloyd-max) on x [B, T, H, D]: rotate, clip, fake INT2, rotate back."""
+    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype):
+        """Per-token minmax on x [B, T, H, D]: rotate, clip, fake INT2, rotate back."""
         x_rot = clip(torch.einsum("bthd,hde->bthe", x.float(), rot), clip_min, clip_max)
-        quantizer = "lloyd-max" if span is not None else "minmax"
-        x_hat = quantizers.fake_tokens(x_rot, quantizer, group_size, scale_dtype, span)
+        x_hat = fake_quantise(x_rot, group_size, None, None, scale_dtype)
         return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
 
     def _fake_key_pages(self, layer_idx, b, n0, n):
@@ -178,11 +168,10 @@ class FakeInt2KVSim(Bf16KVSim):
                 self._fake_key_pages(layer_idx, b, n0, n)
             else:
                 self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                                                          self.group_size, self.scale_dtype, self.key_span)
+                                                          self.group_size, self.scale_dtype)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
-                                                      self.value_group_size, self.value_scale_dtype,
-                                                      self.value_span)
+                                                      self.value_group_size, self.value_scale_dtype)
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
