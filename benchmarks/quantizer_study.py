@@ -73,7 +73,6 @@ def summarise(runs: dict, bytes_table: dict) -> dict:
             continue
         row: dict = {}
         if name != "bf16":
-            row["quantizer"] = name
             row["bytes_per_token_per_head"] = bytes_table[name]
         if "ppl_8k" in r:
             row["ppl_8k"] = round(r["ppl_8k"], 5)

@@ -278,14 +278,18 @@ def _flatten(entry: dict) -> dict:
     return out
 
 
+def _gap(gap: float, half: float, digits: int = 3) -> str:
+    """A paired difference and its 95% half-width: '-0.023 ± 0.028'."""
+    return f"{gap:+.{digits}f} ± {half:.{digits}f}"
+
+
 def _passkey_cell(m: dict, ref: dict, n: str, is_ref: bool) -> str:
     a, ra = m.get("passkey", {}).get(n), ref.get("passkey", {}).get(n)
     if a is None or ra is None or is_ref:
         return fmt(a, 3)
     h, rh = m.get("passkey_hits", {}).get(n), ref.get("passkey_hits", {}).get(n)
     if h and rh and len(h) == len(rh):
-        gap, half = targets.paired_gap(h, rh)
-        return f"{a:.3f} ({gap:+.3f} ± {half:.3f})"
+        return f"{a:.3f} ({_gap(*targets.paired_gap(h, rh))})"
     return f"{a:.3f} ({a - ra:+.3f})"
 
 
@@ -759,7 +763,7 @@ def render_hicache(path: str, data: dict) -> list[str]:
 
 
 def _paired(p: dict | None, digits: int = 3) -> str:
-    return f"{p['gap']:+.{digits}f} ± {p['half_width_95']:.{digits}f}" if p else "-"
+    return _gap(p["gap"], p["half_width_95"], digits) if p else "-"
 
 
 @per_results_file("quantizer_study_*.json", "python3 -m benchmarks.quantizer_study --model DIR --rotations FILE",

@@ -115,7 +115,8 @@ def e2e(results_dir: str) -> list[tuple[str, str, str]]:
 
 
 def steady_decode(results_dir: str) -> list[tuple[str, str, str]]:
-    """Steady-state decode at a full pool (e2e.py --phases steady_*): the verdict e2e.py wrote."""
+    """Steady-state decode at a full pool (e2e.py --phases steady_*): the ratios e2e.py wrote, judged
+    against E2E_STEADY_DECODE_RATIO."""
     target = (_load(results_dir, "e2e_decode_throughput_qwen3-8b-shape.json") or {}).get("target", {})
     label = f"steady-state decode at a full pool: tok/s >= {E2E_STEADY_DECODE_RATIO:g} x bf16_flashinfer"
     measured = {w: t["measured"] for w, t in target.items() if isinstance(t, dict) and t.get("measured")}

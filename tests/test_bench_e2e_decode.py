@@ -187,15 +187,20 @@ def test_ratios_to_bf16_flashinfer_and_the_merge(tmp_path):
     assert back["configs"]["bf16_flashinfer"]["steady_32k"]["vs_bf16_flashinfer"]["decode_tok_s"] == 1.0
     assert back["target"]["steady_32k"] == {"measured": 6.0, "met": True}
     assert back["target"]["steady_8k"] == {"measured": None, "met": None} and back["target"]["ratio"] == 5.0
-    # a last /metrics sample just before the window's end bounds the common window (it had no rate)
+    e2e.record(path, data, "bf16_flashinfer", {"steady_32k": {"decode_tok_s": 1000.0}}, finish=e2e.add_ratios)
+    assert data["target"]["steady_32k"] == {"measured": 3.0, "met": False}
+
+
+def test_common_window_ends_at_the_last_metrics_sample(tmp_path):
+    """A last /metrics sample just before the window's end bounds the common window (past it
+    there is no rate to read)."""
+    path = str(tmp_path / "dt.json")
+    data = e2e.load_results(path)
     e2e.record(path, data, "fp8_e4m3", {"steady_32k": {
         "decode_tok_s": 900.0, "window_s": 30.1, "metrics_start_tokens": 10.0,
         "metrics_samples": [{"t": 10.0, "decode_tokens": 110.0}, {"t": 30.0, "decode_tokens": 310.0}]}},
         finish=e2e.add_ratios)
     assert data["configs"]["fp8_e4m3"]["steady_32k"]["e2e_common_window"] == {"window_s": 30.0, "output_tok_s": 10.0}
-    del data["configs"]["fp8_e4m3"]
-    e2e.record(path, data, "bf16_flashinfer", {"steady_32k": {"decode_tok_s": 1000.0}}, finish=e2e.add_ratios)
-    assert data["target"]["steady_32k"] == {"measured": 3.0, "met": False}
 
 
 # a stand-in server that logs like SGLang's scheduler once the stand-in client posts its load

@@ -126,25 +126,3 @@ def test_oscar_eval_quantizer_needs_a_fake_run(tmp_path):
     with pytest.raises(SystemExit, match="recent"):
         cli.main(["--model", str(tmp_path), "--int2-parts", "kv-fake", "--quantizer", "per-channel-keys",
                   "--recent", "32"])
-
-
-def test_study_summary_pairs_every_candidate_with_minmax_and_bf16():
-    from benchmarks import quantizer_study as qs
-
-    def method(ppl, nll, hits):
-        return {"ppl_8k": ppl, "ppl_detail": {"nll_by_window": nll}, "passkey": {"8192": sum(hits) / len(hits)},
-                "passkey_hits": {"8192": hits}, "passkey_first_token_logprobs": {"8192": [-0.1 * h for h in hits]}}
-
-    runs = {"long": {"methods": {
-        "bf16": method(5.0, [1.0, 1.0, 1.0, 1.0], [1, 1, 1, 1]),
-        "minmax": method(5.1, [1.1, 1.0, 1.2, 1.1], [1, 1, 1, 0]),
-        "per-channel-keys": method(5.2, [1.2, 1.1, 1.3, 1.2], [0, 0, 0, 0])}}}
-    table = {n: {"total": 74} for n in qs.CANDIDATES}
-    rows = qs.summarise(runs, table)
-    pck = rows["per-channel-keys"]
-    assert rows["minmax"]["ppl_ratio_vs_bf16"] == 1.02 and "nll_paired_vs_minmax" not in rows["minmax"]
-    assert pck["nll_paired_vs_minmax"]["gap"] == 0.1 and pck["nll_paired_vs_minmax"]["windows_higher"] == 4
-    assert pck["passkey_paired_vs_minmax"]["8192"]["gap"] == -0.75
-    assert pck["passkey_paired_vs_bf16"]["8192"]["gap"] == -1.0
-    verdict = qs.verdict(rows)["per-channel-keys"]
-    assert any(v.startswith("ppl worse") for v in verdict) and any(v.startswith("passkey 8192 worse") for v in verdict)

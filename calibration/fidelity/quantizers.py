@@ -2,8 +2,7 @@
 
 Every candidate stores 2-bit codes and a uniform (scale, min), dequantised as
 ``min + code * scale``; ``per-channel-keys`` moves the keys' (scale, min) from per token to per
-page. (Lloyd-Max codes on the stored grid lost at 300 prompts: benchmarks/results/
-quantizer_study_tinylm-A.json; removed after fd68a90.)
+page.
 
 - ``minmax`` (the server's default, :func:`oscar_kernels.int2.fake_quantise`): per token and
   group, ``min`` = the group's minimum, ``scale`` = (max - min) / 3, nearest code.
