@@ -109,6 +109,7 @@ WORKLOADS = {
     "steady_32k": Workload(32000, 2048, "long context: 32k input, 2048 output"),
     "steady_8k": Workload(8000, 4096, "reasoning-style: 8k input, 4k output"),
 }
+READY_LINE = "The server is fired up and ready to roll"  # SGLang 0.5.17's http_server, after its warm-up
 STEADY_CONFIGS = ("bf16_flashinfer", "fp8_e4m3", "oscar_int2")
 STEADY_REFERENCE = "bf16_flashinfer"  # the ratios' denominator
 
@@ -605,6 +606,39 @@ def run_steady(cfg: ServeConfig, workload: str, args, deadline: Deadline, data: 
         record_here({workload: {"wall_s": round(time.monotonic() - t0, 1)}, "errors": {workload: error}})
 
 
+def recover_steady(args) -> int:
+    """Record the steady figures of one configuration and workload from its server log, for a run
+    whose process was lost before it wrote them: the scheduler's lines after the server was ready
+    give the steady figures; the /metrics window lived in the lost process, so the end-to-end
+    rates stay None."""
+    if not args.steady or len(args.phases) != 1 or len(args.configs) != 1:
+        raise SystemExit("e2e: --from-server-log takes one steady-state phase and one configuration")
+    try:
+        text = open(args.from_server_log, encoding="utf-8", errors="replace").read()
+    except OSError as e:
+        raise SystemExit(f"e2e: cannot read the server log {args.from_server_log}: {e.strerror}")
+    ready = text.find(READY_LINE)
+    if ready < 0:
+        raise SystemExit(f"e2e: {args.from_server_log} has no '{READY_LINE}' line: not a ready server's log")
+    steady = steady_state(parse_scheduler_log(text[ready:]), args.dt_full_fraction)
+    if not steady.get("full_intervals"):
+        raise SystemExit(f"e2e: {args.from_server_log} holds no steady decode interval at full concurrency")
+    workload, name = args.phases[0], args.configs[0]
+    w = WORKLOADS[workload]
+    data = load_results(args.out)
+    record(args.out, data, name, {"label": CONFIGS[name].label, "errors": {workload: None}, workload: {
+        "workload": {"input_len": w.input_len, "output_len": w.output_len, "label": w.label},
+        "in_flight": steady["in_flight"], "decode_tok_s": steady["decode_tok_s"],
+        "e2e_output_tok_s": None, "steady": steady,
+        "recovered_from_server_log": os.path.basename(args.from_server_log),
+        "sources": {"decode_tok_s": "scheduler log (benchmarks/steady_decode.py), recovered with --from-server-log: "
+                                    "the run's process was lost, so its /metrics window is not known"}}},
+           finish=add_ratios)
+    log(f"{name} {workload}: {steady['in_flight']} in flight, steady decode {steady['decode_tok_s']} tok/s "
+        f"({steady['full_intervals']} intervals) from {args.from_server_log}")
+    return 0
+
+
 # ------------------------------------------------------------------------- driver
 
 
@@ -794,6 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="steady-state phases: the servers' --cuda-graph-max-bs-decode (default: "
                          "--max-running-requests)")
+    ap.add_argument("--from-server-log", default=None, metavar="LOG",
+                    help="steady-state phase: record one configuration's steady figures from a server log whose "
+                         "run was lost (the device call ended before it wrote them), without starting a server")
     ap.add_argument("--dt-reference", default=None,
                     help="e2e results file whose oscar_int2 pool sizes the steady workloads before oscar_int2 "
                          "has run (default benchmarks/results/e2e_<model>.json)")
@@ -839,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
 
         log(f"plot: {plot_e2e(load_results(args.out), args.plot)}")
         return 0
+    if args.from_server_log:
+        return recover_steady(args)
     deadline = Deadline(args.deadline_s)
     data = load_results(args.out)
     data["model"] = os.path.basename(os.path.normpath(args.model))

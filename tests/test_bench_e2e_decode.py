@@ -365,3 +365,24 @@ def test_results_md_renders_the_file_or_says_none_yet(fakes, tmp_path_factory):
     assert "`steady_32k` 4.14x (missed)" in text and "steady_8k" not in text.split("Target")[0]
     # the classic e2e section leaves this file to its own section
     assert report.render_e2e(str(res)).startswith("_No results yet")
+
+
+def test_steady_figures_recovered_from_a_lost_runs_server_log(tmp_path):
+    """--from-server-log: the scheduler lines after the ready line give the entry; the warm-up's
+    lines before it do not count; the /metrics rates stay unknown; a log without them is refused."""
+    log_file = tmp_path / "oscar_int2.steady_32k.server.log"
+    warmup = [_decode(4, 9999.0), _decode(4, 9999.0)]
+    run = [_prefill(9), _decode(10, 15.0), _decode(10, 300.0), _decode(10, 320.0), _decode(10, 310.0)]
+    log_file.write_text("\n".join(warmup + [f"[2026-12-02 17:20:00] {e2e.READY_LINE}!"] + run) + "\n")
+    out = tmp_path / "dt.json"
+    argv = ["--model", str(tmp_path / "qwen3-8b-shape"), "--phases", "steady_32k", "--configs", "oscar_int2",
+            "--out", str(out), "--from-server-log", str(log_file)]
+    assert e2e.main(argv) == 0
+    entry = json.loads(out.read_text())["configs"]["oscar_int2"]["steady_32k"]
+    assert entry["in_flight"] == 10 and entry["decode_tok_s"] == 310.0 and entry["steady"]["full_intervals"] == 3
+    assert entry["e2e_output_tok_s"] is None and entry["recovered_from_server_log"] == log_file.name
+    log_file.write_text("\n".join(warmup) + "\n")
+    with pytest.raises(SystemExit, match="not a ready server's log"):
+        e2e.main(argv)
+    with pytest.raises(SystemExit, match="one steady-state phase and one configuration"):
+        e2e.main(argv[:5] + ["oscar_int2,bf16_flashinfer"] + argv[6:])
