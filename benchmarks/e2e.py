@@ -75,12 +75,13 @@ import argparse
 import copy
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from benchmarks.capacity import (add_layout_args, resolve_layout, rotations_meta,
@@ -422,6 +423,10 @@ def steady_plan(data: dict, args, workload: str) -> dict:
         n = r = requests_that_fit(ref[0], w.input_len, w.output_len, args.page_size) if ref else None
         source = (f"requests that fit in {ref[0]} tokens ({ref[2]}, --max-running-requests {ref[1]})"
                   if ref else None)
+    given = [f for f, v in (("--dt-num-prompts", args.dt_num_prompts), ("--max-running-requests",
+                                                                        args.max_running_requests)) if v]
+    if given:
+        source = f"the command line's {' and '.join(given)}" + (f"; otherwise {source}" if len(given) == 1 else "")
     n, r = args.dt_num_prompts or n, args.max_running_requests or r
     if not n or not r:
         raise ValueError(f"no oscar_int2 pool known for {workload} at this budget (neither in {args.out} nor in "
@@ -499,7 +504,7 @@ def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, wor
     pool, pool_source = server.max_total_num_tokens()
     fit = requests_that_fit(pool, w.input_len, w.output_len, args.page_size)
     n = plan["num_prompts"] if plan["num_prompts_fixed"] or not cfg.oscar else fit
-    res = {"workload": {"input_len": w.input_len, "output_len": w.output_len, "label": w.label},
+    res = {"workload": asdict(w),
            "pool_tokens": int(pool), "pool_source": pool_source, "fit_in_pool": fit, "num_prompts": n,
            "max_running_requests": plan["max_running_requests"], "cuda_graph_max_bs": plan["cuda_graph_max_bs"],
            "plan_source": plan["source"], "flag_limits_concurrency": min(n, fit) > plan["max_running_requests"]}
@@ -625,9 +630,16 @@ def recover_steady(args) -> int:
         raise SystemExit(f"e2e: {args.from_server_log} holds no steady decode interval at full concurrency")
     workload, name = args.phases[0], args.configs[0]
     w = WORKLOADS[workload]
+    # the scheduler logs its pool and request limit once at start-up
+    sizes = {k: int(m.group(1)) for k in ("max_total_num_tokens", "max_running_requests")
+             if (m := re.search(rf"\b{k}=(\d+)", text))}
+    pool = sizes.get("max_total_num_tokens")
+    fit = requests_that_fit(pool, w.input_len, w.output_len, args.page_size) if pool else None
     data = load_results(args.out)
     record(args.out, data, name, {"label": CONFIGS[name].label, "errors": {workload: None}, workload: {
-        "workload": {"input_len": w.input_len, "output_len": w.output_len, "label": w.label},
+        "workload": asdict(w), "pool_tokens": pool, "pool_source": "server log", "fit_in_pool": fit,
+        "max_running_requests": sizes.get("max_running_requests"),
+        **({"num_prompts": fit} if CONFIGS[name].oscar else {}),  # oscar_int2 sends what fits (phase_steady)
         "in_flight": steady["in_flight"], "decode_tok_s": steady["decode_tok_s"],
         "e2e_output_tok_s": None, "steady": steady,
         "recovered_from_server_log": os.path.basename(args.from_server_log),
@@ -886,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         data["settings"] = {k: getattr(args, k) for k in (
             "mem_fraction_static", "context_length", "page_size", "chunked_prefill_size", "extra_server_args",
             "dt_log_interval", "dt_poll_s", "dt_full_fraction")}
-        data["settings"]["workloads"] = {k: {"input_len": w.input_len, "output_len": w.output_len, "label": w.label}
+        data["settings"]["workloads"] = {k: asdict(w)
                                          for k, w in WORKLOADS.items()}
         data["settings"]["reference"] = STEADY_REFERENCE
     else:

@@ -144,6 +144,7 @@ def test_request_counts_come_from_the_oscar_pool(tmp_path):
                              "--max-running-requests", "200", "--dt-num-prompts", "10", "--cuda-graph-max-bs", "256"])
     p = e2e.steady_plan(e2e.load_results(str(tmp_path / "none.json")), over, "steady_32k")
     assert (p["num_prompts"], p["max_running_requests"], p["cuda_graph_max_bs"]) == (10, 200, 256)
+    assert p["source"] == "the command line's --dt-num-prompts and --max-running-requests"
     # a reference measured at another budget does not count
     other = e2e.resolve_args(["--model", str(tmp_path), "--phases", "steady_32k", "--out", str(tmp_path / "x.json"),
                               "--dt-reference", str(_reference(tmp_path, mem_fraction_static=0.9))])
@@ -373,7 +374,8 @@ def test_steady_figures_recovered_from_a_lost_runs_server_log(tmp_path):
     log_file = tmp_path / "oscar_int2.steady_32k.server.log"
     warmup = [_decode(4, 9999.0), _decode(4, 9999.0)]
     run = [_prefill(9), _decode(10, 15.0), _decode(10, 300.0), _decode(10, 320.0), _decode(10, 310.0)]
-    log_file.write_text("\n".join(warmup + [f"[2026-12-02 17:20:00] {e2e.READY_LINE}!"] + run) + "\n")
+    start = "[2026-12-02 17:19:00] max_total_num_tokens=4996096, chunked_prefill_size=8192, max_running_requests=153"
+    log_file.write_text("\n".join([start] + warmup + [f"[2026-12-02 17:20:00] {e2e.READY_LINE}!"] + run) + "\n")
     out = tmp_path / "dt.json"
     argv = ["--model", str(tmp_path / "qwen3-8b-shape"), "--phases", "steady_32k", "--configs", "oscar_int2",
             "--out", str(out), "--from-server-log", str(log_file)]
@@ -381,6 +383,9 @@ def test_steady_figures_recovered_from_a_lost_runs_server_log(tmp_path):
     entry = json.loads(out.read_text())["configs"]["oscar_int2"]["steady_32k"]
     assert entry["in_flight"] == 10 and entry["decode_tok_s"] == 310.0 and entry["steady"]["full_intervals"] == 3
     assert entry["e2e_output_tok_s"] is None and entry["recovered_from_server_log"] == log_file.name
+    # 4996096 // 34048 = 146 requests of 32000 + 2048 tokens (page 64) fit; oscar_int2 sends them all
+    assert (entry["pool_tokens"], entry["fit_in_pool"], entry["num_prompts"], entry["max_running_requests"]) == (
+        4996096, 146, 146, 153)
     log_file.write_text("\n".join(warmup) + "\n")
     with pytest.raises(SystemExit, match="not a ready server's log"):
         e2e.main(argv)
