@@ -104,6 +104,18 @@ def check_store(sc: Scenario, starts, store_fn, write_int2=True, write_ring=True
     return got
 
 
+# The kernels' error is absolute, at the scale of the cached values (bf16 weights p * scale, and
+# the float32 cancellation of the codes' offset, whose rounding follows the summation order of
+# the CPU's BLAS under the interpreter): up to 0.041 over the decode geometries on an AMD EPYC
+# (2026-12-03), where atol 0.03 failed one near-zero output; a wrong read is off by >= 0.5.
+ATTENTION_ATOL = 0.05
+
+
+def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A kernel's attention output (bf16) against its float32 reference."""
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=ATTENTION_ATOL)
+
+
 def decode_reference(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
     """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
     hq = q.shape[1]
@@ -119,7 +131,7 @@ def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
     got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                     torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
-    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    assert_attention_close(got, want)
 
 
 def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2"):
@@ -138,7 +150,7 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2")
     got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
                     max(new_lens), sc.sm_scale, prefix_read=prefix_read)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    assert_attention_close(got, want)
 
 
 def attention_session(sc: Scenario, steps, hq, prefix_read="int2"):
