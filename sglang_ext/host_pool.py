@@ -1,83 +1,45 @@
 """OscarHostKVPool: SGLang's HiCache host tier (L2) holding the INT2 cells of an OscarKVPool.
 
-How SGLang 0.5.17 builds and drives the host pool of an MHA model (read from
-``mem_cache/hiradix_cache.py``, ``mem_cache/pool_host/{base,mha}.py``,
-``managers/cache_controller.py``, ``mem_cache/hicache_storage.py``):
+How SGLang 0.5.17 drives a host pool (``mem_cache/hiradix_cache.py``,
+``mem_cache/pool_host/base.py``, ``managers/cache_controller.py``, ``mem_cache/hicache_storage.py``):
 
-- ``HiRadixCache.__init__``: ``isinstance(kv_cache, MHATokenToKVPool)`` (an OscarKVPool is one)
-  -> ``get_mha_host_pool_cls(kv_cache)(kv_cache, hicache_ratio, hicache_size, page_size,
-  hicache_mem_layout, allocator_type=...)``; the name is looked up in ``hiradix_cache``'s module
-  globals, so an AROUND hook on ``sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls``
-  (:func:`get_mha_host_pool_cls_hook`) picks this class for an OscarKVPool.
-- ``HostKVCache.__init__`` (pool_host/base.py): ``dtype = device_pool.store_dtype`` (uint8 here),
-  ``size_per_token = get_size_per_token()`` in bytes; ``size = hicache_size GB * 1e9 //
-  size_per_token`` if ``--hicache-size`` > 0, else ``device_pool.size * hicache_ratio``, then
-  ``page_num = size // page_size + 1`` and ``size = page_num * page_size``; it checks free host
-  RAM, calls ``init_kv_buffer()`` and builds the slot allocator (``alloc``/``free`` of whole
-  pages, ``available_size``, ``clear``; used unchanged). So giving ``get_size_per_token`` the true
-  INT2 bytes makes ``--hicache-ratio`` / ``--hicache-size`` mean what they mean for BF16.
-- ``HiCacheController`` (managers/cache_controller.py), per ``--hicache-io-backend``:
-  ``write()`` -> ``start_writing()``: ``backup_from_device_all_layer(device_pool, host_indices,
-  device_indices, io_backend)`` on its write stream (all layers at once; write_through /
-  write_through_selective / write_back only change *when* the radix cache calls ``write``);
-  ``load()`` -> ``start_loading()``: for each local layer i, ``load_to_device_per_layer(
-  device_pool, host_indices, device_indices, i, io_backend)`` on its load stream, then
-  ``producer_event.complete(i)``; the attention of layer i waits for that event through
-  ``device_pool.layer_transfer_counter.wait_until(i)`` (MHATokenToKVPool.get_key_buffer does it;
-  the oscar backend reads ``pool.cache`` directly, so it must make that call itself before a
-  layer's attention, or a hit reads cells the load stream has not written yet).
-  ``move_indices``: io 'direct' + layer_first: host indices sorted, device indices permuted
-  alike and moved to the CPU; 'direct' + page_first_direct: device indices to the CPU; other
-  layouts with 'direct' raise. io 'kernel': host indices moved to the device, for sgl_kernel's
-  ``transfer_kv_per_layer*`` / JIT ``transfer_hicache_*``, which copy one contiguous token row
-  of ``item_size`` bytes per buffer from ``k_buffer``/``v_buffer`` (or ``k_data_ptrs`` tables).
-- Storage (L3): backends 'hf3fs', 'mooncake', 'eic', 'nixl', 'simm', 'mori' (and 'dynamic' with
-  interface_v1) are zero-copy: ``get_page_buffer_meta`` pointer lists of BF16 K and V pages
-  (and ``get_ksize_per_token``, ``kv_buffer`` of shape (2, ...)). 'file' (HiCacheFile) goes
-  through ``get_data_page(host_index)`` (a flat page written as raw bytes) and
-  ``get_dummy_flat_data_page`` + ``set_from_flat_data_page(host_index, page)`` on a hit; the
-  file key is ``<hash>_<model_name>_<tp_rank>_<tp_size>``, which says nothing of the KV dtype
-  or the rotations (:func:`storage_config_hook` adds both).
+- ``HiRadixCache`` picks the class with ``get_mha_host_pool_cls(kv_cache)``, looked up in
+  ``hiradix_cache``'s module globals: :func:`get_mha_host_pool_cls_hook` returns this one.
+- ``HostKVCache.__init__`` sizes the pool in tokens from ``get_size_per_token()`` (the true
+  INT2 bytes here, so ``--hicache-ratio`` / ``--hicache-size`` mean what they mean for BF16),
+  calls ``init_kv_buffer()`` and builds its page allocator (used unchanged).
+- ``HiCacheController`` calls ``backup_from_device_all_layer`` on its write stream and
+  ``load_to_device_per_layer`` layer by layer on its load stream; layer i's attention must wait
+  through ``device_pool.layer_transfer_counter.wait_until(i)``, which the oscar backend calls
+  itself (it reads ``pool.cache``, not ``get_key_buffer``). Its io backend 'kernel' copies one
+  contiguous BF16 token row per K/V buffer, which the head-major cells are not.
+- Storage (L3) 'file' goes through ``get_data_page`` / ``get_dummy_flat_data_page`` /
+  ``set_from_flat_data_page``; its key ``<hash>_<model_name>_<tp_rank>_<tp_size>`` says nothing
+  of the KV dtype or the rotations (:func:`storage_config_hook` adds both). The zero-copy
+  backends address BF16 K/V pages.
 
 What this pool holds, per local layer and token (uint8 bytes, the device cell's content):
 
     [ k codes H*D/4 | v codes H*D/4 | k (scale, min) H*D/G_K*2*e | v (scale, min) H*D/G_V*2*e ]
 
-(head-major on the device, token-major here: per token, head h's codes/scales are the h-th
-chunk of each segment). Only the INT2 cells: the BF16 sinks and rings stay on the device (the
-ring is per running request; a sink is a side copy). ``size_per_token`` = layers x that row =
-``OscarMemoryPlan.bytes_per_token``. Layouts (one uint8 tensor ``kv_buffer``, pinned by SGLang's
+(head-major on the device, token-major here). Only the INT2 cells: the BF16 sinks and rings
+stay on the device. Layouts (one uint8 tensor ``kv_buffer``, pinned by SGLang's
 ``ALLOC_MEMORY_FUNCS`` when the device pool is on an accelerator):
 
     layer_first        [L, size, B]          B = bytes of one token in one layer
     page_first_direct  [page_num, L, P, B]   a page of all layers is one contiguous block
 
-Transfers ('direct' io backend): per layer, the device cells are gathered (index_select on
-the byte views of codes and scales) into one [n, B] staging tensor on the device and copied
-to contiguous host runs (non_blocking, from pinned memory), and the reverse for a load
-(host runs -> staging -> index_copy_ into the device views). Everything moves as bytes, so
-float8/float16 scales come back bit-exact.
+Transfers ('direct' io backend): per layer, the device cells are gathered into one [n, B]
+staging tensor and copied to contiguous host runs, and back by index_copy_; everything moves
+as bytes, so float8/float16 scales come back bit-exact.
 
-Sinks (the rule of a radix hit: BF16 sinks while the sequence's sink slot still holds them,
-else INT2). The BF16 sinks stay on the device; what the host keeps per host page is the sink
-slot its backup found valid for the device page (``sink_of_host_page``, -1: none) and, per
-sink slot, which host page claimed it at which ``index.sink_generation`` (the count of
-times the slot was handed out). A backup claims slot c only once per generation: a device
-page keeps its stale mapping after SGLang frees it, so a later page there (a middle page of
-another sequence) would otherwise claim the sinks of the first page that held it. A load
-maps a loaded page back to its slot when the claim is its own and the generation unchanged
-(nobody was given the slot since: it still holds that page's sinks), and unmaps every other
-loaded page (``sink_slot_of_page = -1``: a mapping left there names another sequence's
-sinks), so positions < S read INT2. A freed host page forgets its slot (storage may refill
-it). All of it is device ops on the transfer's stream (no host sync); a slot handed out
-while a load maps it back leaves one of the two reading INT2, never another sequence's
-sinks (a sequence writes sinks only where the mapping is valid for its first page).
-
-Refused in one line: io backend 'kernel' (its
-kernels copy one contiguous row per token of k_buffer/v_buffer; the cells are three
-head-major buffers per layer, so it would need a per-head, per-buffer item copy or a gather
-kernel; use --hicache-io-backend direct), layouts page_first (needs 'kernel'),
-page_first_kv_split and page_head, zero-copy storage backends.
+Sinks (a radix hit reads BF16 sinks while the sequence's sink slot still holds them, else
+INT2): a backup notes per host page the sink slot valid for its device page
+(``sink_of_host_page``) and claims slot c only once per ``index.sink_generation`` (a device
+page keeps its stale mapping after SGLang frees it, so a later page there would otherwise
+claim the first page's sinks). A load maps a page back to its slot when the claim is its own
+and the generation unchanged, and unmaps every other loaded page, so positions < S read INT2,
+never another sequence's sinks. All of it is device ops on the transfer's stream (no host sync).
 """
 from __future__ import annotations
 
