@@ -1,22 +1,16 @@
 """OscarAttnBackend: SGLang attention over OscarKVPool's hybrid INT2/BF16 cache.
 
-A thin caller of :class:`oscar_kernels.hybrid_attention.HybridAttention`, built once per
-model runner over the pool's cache: ``init_forward_metadata`` plans each forward batch
-(``plan_extend`` / ``plan_decode``), ``forward_extend`` / ``forward_decode`` run one layer
-(store -> attend -> ring, the protocol lives there). What this module adds is SGLang's side:
+A thin caller of :class:`oscar_kernels.hybrid_attention.HybridAttention` (where the store ->
+attend -> ring protocol lives): ``init_forward_metadata`` plans each forward batch,
+``forward_extend`` / ``forward_decode`` run one layer. What it adds is SGLang's side: the
+live requests' rows, whose sink slots new sequences must not take (a long request keeps its
+BF16 sinks however many start after it; page 0, SGLang's padding page, never gets sinks);
+each request's rid hash as the ring owner (hybrid_cache.update_ring_validity); and the one
+attention scale of the model's RadixAttention layers.
 
-- the live requests' rows (SGLang's req_to_token pool hands out rows from a host free
-  list), whose sink slots new sequences must not take, so a long request keeps its BF16
-  sinks however many start after it; page 0, SGLang's padding page, never gets sinks;
-- each request's id (a hash of its rid) as the ring owner: a chunked-prefill continuation
-  keeps its ring, a new request in a reused row, a re-admitted or a radix-hit request
-  restarts it at its prefix length (the shared slots are then read as INT2 and sinks);
-- the one attention scale of the model's RadixAttention layers, read at construction.
-
-Decode uses only the batch's static tensors (``req_pool_indices``, ``seq_lens``,
-``positions``, ``out_cache_loc``); its plan runs in ``init_forward_metadata_in_graph`` and
-only records device ops, so a CUDA-graph decode needs no host synchronisation and
-allocates nothing outside the graph.
+Decode plans from the batch's static tensors only, in ``init_forward_metadata_in_graph``,
+as device ops: a CUDA-graph decode needs no host synchronisation and allocates nothing
+outside the graph.
 """
 from __future__ import annotations
 

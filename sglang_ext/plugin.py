@@ -10,30 +10,16 @@ only on ``PYTHONPATH`` needs its ``*.egg-info``/``*.dist-info`` there too, see
 :func:`write_entry_point_metadata`).
 
 ``register()`` (idempotent) adds the --oscar-* ServerArgs fields, registers the ``oscar``
-attention backend (also among SGLang's deterministic backends) and installs, through
-:mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry, AROUND/AFTER):
-
-1. ``kv_cache_dtype.configure_kv_cache_dtype``: ``oscar_int2`` -> (``"oscar_int2"``, bf16);
-2. ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token;
-3. ``KVCacheConfigurator._profile_available_bytes``: minus the fixed reserve (rings,
-   sink store, rotations) and the sink index, so ``max_total_num_tokens`` is what fits;
-4. ``KVCacheConfigurator.resolve_max_num_reqs``: at most the request rows reserved;
-5. ``KVCacheConfigurator._build_token_to_kv_pool``: builds :class:`OscarKVPool`;
-6. ``models.utils.enable_fused_set_kv_buffer``: False for an OscarKVPool (the fused
-   RoPE+store kernel would write BF16 into the packed buffers);
-7. ``Scheduler.init_deterministic_inference_config``: with --enable-deterministic-inference,
-   prompts are chunked at multiples of --chunked-prefill-size only;
-8. ``PrefillAdder.add_one_req_ignore_eos`` / ``add_chunked_req``: the same alignment on the
-   two chunking paths SGLang leaves unaligned (:mod:`sglang_ext.chunk_alignment`);
-9. ``ServerArgs.add_cli_args`` / ``__init__`` / ``__post_init__`` / ``check_server_args``:
-   the flags and the start-up defaults and refusals (:mod:`sglang_ext.server_args_hooks`);
-10. ``hiradix_cache.get_mha_host_pool_cls`` / ``HiCacheController._generate_storage_config``:
-   the INT2 host tier (:mod:`sglang_ext.host_pool`; the start-up refusals keep the io
-   backends, layouts and storage backends it cannot carry, host_pool.hicache_refusal).
-
-It also registers the ``--warmups`` function ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`),
-which the oscar_int2 defaults add to the server's warm-ups.
-Every hook passes through unchanged when the server is not serving ``oscar_int2``.
+attention backend (also among SGLang's deterministic backends) and the ``--warmups`` function
+``oscar_prefix_read`` (:mod:`sglang_ext.warmup`, which the oscar_int2 defaults add), and
+installs :func:`hooks` through :mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry): the KV
+dtype and its INT2 bytes per token; the KV budget less the fixed reserve (rings, sink store,
+rotations, sink index) and at most the reserved request rows; the :class:`OscarKVPool`; no
+fused RoPE+store kernel (it would write BF16 into the packed buffers); prompt chunks aligned
+under --enable-deterministic-inference (:mod:`sglang_ext.chunk_alignment`); the flags,
+defaults and refusals (:mod:`sglang_ext.server_args_hooks`); the INT2 HiCache host tier
+(:mod:`sglang_ext.host_pool`). Every hook passes through unchanged when the server is not
+serving ``oscar_int2``.
 """
 from __future__ import annotations
 
@@ -139,11 +125,8 @@ def enable_fused_set_kv_buffer_hook(original, *args, **kwargs):
 
 def deterministic_truncation_hook(result, scheduler, *args, **kwargs):
     """Scheduler.init_deterministic_inference_config, after: for oscar_int2, cut prompts into
-    chunks only at multiples of --chunked-prefill-size (page-aligned), as SGLang does for its
-    own backends' split sizes. Inside a chunk attention reads fresh BF16 keys, across chunks
-    the cache; with the cut points fixed per request (and the radix cache off, which SGLang
-    does for backends without deterministic radix support) no prompt is split differently
-    under load."""
+    chunks only at multiples of --chunked-prefill-size (page-aligned), so no prompt is split
+    differently under load (why: sglang_ext.chunk_alignment)."""
     sa = scheduler.server_args
     if not (getattr(sa, "enable_deterministic_inference", False) and is_oscar(sa)):
         chunk_alignment.set_alignment(None)
@@ -181,11 +164,8 @@ def hooks() -> list[Hook]:
 def register() -> None:
     """Entry point: the oscar ServerArgs fields, the ``oscar`` backend and the hooks
     (idempotent; a hook target missing from the installed SGLang raises SglangBridgeError
-    before anything is registered).
-
-    The hooks take effect when ``HookRegistry.apply_hooks()`` runs, which
-    ``load_plugins()`` does right after all plugins registered; code that calls this
-    outside ``load_plugins()`` uses :func:`activate`."""
+    before anything is registered). The hooks take effect when ``load_plugins()`` applies
+    them after all plugins registered; outside it, use :func:`activate`."""
     global _registered
     if _registered:
         return

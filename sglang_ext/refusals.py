@@ -1,12 +1,8 @@
 """Start-up defaults and refusals for ``--kv-cache-dtype oscar_int2`` (SGLang 0.5.17).
 
 Every SGLang feature that cannot carry the hybrid INT2/BF16 pool is refused with one line
-that names the flag (OscarConfigError), never run with a silently corrupted cache.
-Why each one breaks: /work/shared/SGLANG_0.5.17_MAP.md section 7 (SGLang's host pools copy
-only k/v buffers, so HiCache runs on the INT2 host tier of sglang_ext.host_pool, refused
-where that tier cannot go; PD transfer and CPU offload use get_contiguous_buf_infos /
-get_cpu_copy; speculative decoding moves KV without the ring; the other layouts and
-pools assume one uniform KV dtype).
+that names the flag (OscarConfigError), never run with a silently corrupted cache (the
+README's table of refused features says why each one breaks).
 
 :func:`apply_oscar_defaults` runs before ``ServerArgs.__post_init__`` resolves anything;
 :func:`check_oscar_server_args` runs on the resolved ServerArgs (after ``__post_init__``
