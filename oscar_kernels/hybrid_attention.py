@@ -9,14 +9,11 @@ In the style of FlashInfer's wrappers::
                      prefix_lens_host=..., extend_lens_host=..., owners=...)  # per extend batch
     o = attn.extend(layer, q, k, v)                           # per layer
 
-Built once: the decode workspace (for ``max_batch`` requests), FlashInfer's prefill wrappers
-(``prefix_read="flashinfer"`` on CUDA). A plan resolves everything a batch's layers share:
-decode splits, stage-1 tiles and merge (triton_decode.DecodeLaunch); the extend prefix read,
-its tiles and scratch (triton_extend.ExtendLaunch, or FlashInfer's plan); per-token store
-metadata; and it applies the batch's bookkeeping to the cache index: sink slots for the
-sequences that start at position 0 (never one a live request reads, never on
-``padding_page``) and ring validity (hybrid_cache.update_ring_validity). A layer call then
-runs the whole protocol:
+A plan resolves what a batch's layers share (triton_decode.DecodeLaunch,
+triton_extend.ExtendLaunch or FlashInfer's plan, the store's per-token metadata) and applies
+the batch's bookkeeping to the cache index: sink slots for the sequences that start at
+position 0 (never one a live request reads, never on ``padding_page``) and ring validity
+(hybrid_cache.update_ring_validity). A layer call then runs the whole protocol:
 
     decode: store (INT2 + sinks + ring) -> attention over n = seq_len positions
     extend: store (INT2 + sinks, keeping the rotated BF16 k', v') -> attention over the

@@ -15,12 +15,9 @@ caches:
   page means identical tokens < S). ``sink_generation[c]`` counts the times slot ``c`` was
   handed out: a copy of a first page that noted (c, generation) finds its sinks still in
   slot ``c`` while the count is unchanged (the HiCache host tier, sglang_ext.host_pool).
-- **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``,
-  valid for positions ``p >= ring_valid_from[row]`` (where the request began computing).
-  ``ring_owner[row]`` (the caller's id of the request that wrote the ring) and
-  ``ring_end[row]`` (the length its last batch reached) tell a continuation, which keeps
-  ``ring_valid_from``, from a new or re-admitted request, which restarts it
-  (:func:`update_ring_validity`).
+- **recent ring**, per request row: ``k_ring/v_ring [R, W, H, D]``, cell ``p % W``, valid
+  for positions ``p >= ring_valid_from[row]`` (where the request began computing); a
+  continuation keeps it, a new or re-admitted request restarts it (:func:`update_ring_validity`).
 
 Read rule for position j of a sequence of cached length n (row r, first page f):
     j < S and sink valid for f      -> sink[c, j]
@@ -112,16 +109,12 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
                    scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE, device="cpu", *,
                    value_group_size: int | None = None) -> HybridLayerCache:
     """Zeroed buffers of one layer. ``group_size`` is the keys' INT2 group size and, unless
-    ``value_group_size`` says otherwise, the values'. The scales of a token's K and V groups
-    are one [num_slots, H, D/G_K + D/G_V, 2] tensor (k_scales and v_scales are views of it),
-    so both read with one set of strides and sit in the same cache line.
+    ``value_group_size`` says otherwise, the values'. k_scales and v_scales are views of one
+    [num_slots, H, D/G_K + D/G_V, 2] tensor: one set of strides, one cache line per token.
 
-    The INT2 buffers are stored head-major: [H, num_slots, ...] in memory, exposed as
-    [num_slots, H, ...] views (the kernels take strides). A KV head's codes and scales of
-    consecutive slots are then contiguous, so a decode program (one KV head) reads a page
-    as whole cache lines rather than 32-byte pieces 256 bytes apart shared with the other
-    heads' programs (decode takes about 0.9 x the time of slot-major storage on the H200;
-    benchmarks/DECODE_KERNEL_LOG.md)."""
+    The INT2 buffers are stored head-major ([H, num_slots, ...] in memory, [num_slots, H, ...]
+    views): a decode program (one KV head) then reads a page as whole cache lines, not pieces
+    shared with the other heads' programs (benchmarks/DECODE_KERNEL_LOG.md, session 12)."""
     group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
     h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
     ngk = d // group_size
@@ -194,11 +187,8 @@ def assign_sink_slots(index: HybridCacheIndex, first_slots: torch.Tensor, num_si
                       in_use: torch.Tensor | None = None) -> None:
     """Give each sequence that starts at position 0 a sink slot: the next ones round-robin
     from the host cursor, skipping the slots marked in ``in_use`` (int [C], nonzero: read by a
-    live sequence, see :func:`sink_slots_in_use`) while enough others are left.
-
-    first_slots: slot of position 0 of each such sequence (any int tensor, on device).
-    Pure tensor ops + a host counter: no host synchronisation, CUDA-graph friendly.
-    """
+    live sequence, see :func:`sink_slots_in_use`) while enough others are left. first_slots:
+    slot of position 0 of each such sequence. Device ops and a host counter: no host sync."""
     k = first_slots.numel()
     if k == 0 or num_sink_slots == 0:
         return

@@ -142,11 +142,9 @@ def check_cache_layout(layer) -> None:
 
 
 def group_scale_args(layer):
-    """(k_pairs, v_pairs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales are
-    read as one int32 (scale, min) pair per token and group, float8 scales as the aligned
-    int32 word holding the pair (float8_words_view: 4-byte loads, which Triton's pipeliner
-    prefetches) or, where the layout allows no word view, as one int16 pair. Strides in pair
-    units; float32 scales (or odd strides) are read element by element (PAIR None)."""
+    """(k_pairs, v_pairs, stride_slot, stride_head, PAIR) for group_scales: 16-bit scales as one
+    int32 (scale, min) pair per token and group, float8 ones as float8_words_view's words, else
+    int16 pairs; strides in pair units. float32 scales (or odd strides): elements (PAIR None)."""
     ks, vs = layer.k_scales, layer.v_scales
     pair = {2: torch.int32, 1: torch.int16}.get(ks.element_size())
     if pair is not None and ks.stride(0) % 2 == 0 and ks.stride(1) % 2 == 0:
@@ -160,13 +158,11 @@ def group_scale_args(layer):
 
 
 def float8_words_view(scales: torch.Tensor) -> torch.Tensor | None:
-    """int32 view of a float8 (scale, min) tensor's storage from its first element, so that
-    pair i (int16 index i from the view's start) lies in word i >> 1, bits 16 (i & 1) up:
-    the kernels then load 4-byte words, which Triton's software pipeliner prefetches into
-    shared memory (it leaves 2-byte loads synchronous: one memory latency per block).
-    The extra two bytes a word reads sit in the same 32-byte sector. None when the view
-    does not start on a 4-byte boundary or the storage does not end on one (the last
-    pair's word would read past the end): the kernels then read int16 pairs."""
+    """int32 view of a float8 (scale, min) tensor's storage from its first element: pair i lies
+    in word i >> 1, bits 16 (i & 1) up. Triton's pipeliner prefetches 4-byte loads into shared
+    memory but leaves 2-byte ones synchronous (one memory latency per block). None when the
+    view does not start or the storage does not end on a 4-byte boundary (the last pair's word
+    would read past the end): the kernels then read int16 pairs."""
     start = scales.storage_offset() * scales.element_size()
     nbytes = scales.untyped_storage().nbytes()
     base = scales.untyped_storage().data_ptr()

@@ -21,9 +21,6 @@ no allocation when a :class:`DecodeWorkspace` is given):
    one program per query head (up to SPLIT_MERGE_MAX_BATCH requests: ``_decode_merge_split``,
    one program per query head and channel block, then the un-rotation by ``_rotate_q_kernel``).
 
-Stage 1's launch shape comes from STAGE1_TILES, one small tuned table per layout class
-(whether the quantisation groups span the head), by batch size.
-
 On sm_90+ launches 2 and 3 (and the split merge's un-rotation) use programmatic dependent
 launch: each may start while the kernel before it runs and waits on device
 (griddepcontrol.wait) before it reads that kernel's output; the query rotation releases

@@ -90,14 +90,11 @@ def _unpack_asm(magic: int, mask: int, shift: int = 0) -> tl.constexpr:
     return tl.constexpr(f"{{ .reg .b32 t, k; mov.b32 k, 0x{magic:08X}; {out('$0', shift)} {out('$1', 8 + shift)} }}")
 
 
-# Keys/values as bf16 (magic 0x4300): 128 + STEP_i * code, STEP = 1, 4, 16, 16 (plane 3 is
-# shifted down by 2 to stay in the 7-bit mantissa).
+# the bf16 (magic 0x4300) and float16 (HALF, magic 0x6400) unpacks of planes 0..3 (module doc)
 _PAIR_ASM_0: tl.constexpr = _unpack_asm(0x43004300, 0x00030003)
 _PAIR_ASM_1: tl.constexpr = _unpack_asm(0x43004300, 0x000C000C)
 _PAIR_ASM_2: tl.constexpr = _unpack_asm(0x43004300, 0x00300030)
 _PAIR_ASM_3: tl.constexpr = _unpack_asm(0x43004300, 0x00300030, shift=2)
-# Keys as float16 (HALF): fp16 0x6400 | m = 1024 + m for a 10-bit mantissa m, so every
-# plane's field fits in place (no shift but the one to the odd bytes): 1024 + 4^i * code.
 _HALF_ASM_0: tl.constexpr = _unpack_asm(0x64006400, 0x00030003)
 _HALF_ASM_1: tl.constexpr = _unpack_asm(0x64006400, 0x000C000C)
 _HALF_ASM_2: tl.constexpr = _unpack_asm(0x64006400, 0x00300030)
@@ -206,12 +203,10 @@ def _fp8_pair_bits(x16):
 @triton.jit
 def group_scales(pairs_ptr, slot, head_off, stride_slot, g: tl.constexpr, mask, PAIR: tl.constexpr,
                  INTERP: tl.constexpr = False):
-    """(scale, min) float32 [BN] of group g of a block of slots (triton_common.group_scale_args:
-    ``pairs_ptr``, ``stride_slot`` and ``head_off`` in pair units). PAIR (tl.float16 /
-    tl.bfloat16 / tl.float8e4nv, else None): the scales are addressed as int32 (16-bit) or
-    int16 (float8) (scale, min) pairs, one load per token (strides in pair units). float8
-    through an int32 pointer (triton_common.float8_words_view): pair i is read as word
-    i >> 1 and shifted by 16 (i & 1), a 4-byte load the software pipeliner prefetches."""
+    """(scale, min) float32 [BN] of group g of a block of slots, one load per token, addressed
+    as triton_common.group_scale_args gives them (PAIR: the 16-bit or float8 dtype of int32 /
+    int16 pairs, or of float8_words_view's words: pair i in word i >> 1, bits 16 (i & 1) up;
+    None: elements)."""
     if PAIR is not None:
         if PAIR == tl.float8e4nv and pairs_ptr.dtype.element_ty == tl.int32:
             idx = slot * stride_slot + head_off + g
@@ -496,14 +491,12 @@ def int2_range(qops, qsums, st, lo, hi, slots_row, k_pairs_ptr, v_pairs_ptr, str
     """Attend R query rows to INT2 positions [lo, hi) (slots slots_row[pos], a row of
     req_to_token): full blocks of BN positions without masks, then a masked tail block.
 
-    qops / qsums: int2_query. State st (int2_state): running max m [R]; l (sum of p) and
-    per group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)) as [16, R] tiles
-    summed over rows at the end; acc: 8 tiles [D/8, R], (plane i, parity e) at 2 i + e,
-    = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). k/v_pairs: the packed
-    codes as int16 (triton_common.pair_views, int16 units); k/v_scales (element strides)
-    address the scales per channel group (G < D/4); k/v_scale_pairs per group as in
-    group_scales. ``*_head_off``: the KV head's offset in each. GK / GV: the keys' / values'
-    group size (K and V scales share strides: allocate_layer keeps them in one tensor).
+    qops / qsums: int2_query. State st (int2_state): running max m, l (sum of p), per value
+    group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)); acc (plane i, parity e
+    at 2 i + e) = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). k/v_pairs:
+    triton_common.pair_views; k/v_scales (element strides) per channel group (G < D/4);
+    k/v_scale_pairs as in group_scales; ``*_head_off``: the KV head's offset in each. GK / GV:
+    the keys' / values' group size (K and V scales share strides: allocate_layer).
 
     SLOT_AHEAD: each step loads the next block's slots, so the code and scale loads of a
     block have their addresses when its step starts (Triton's pipeliner then issues the
