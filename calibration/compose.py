@@ -13,10 +13,7 @@ Conventions (as in :mod:`calibration.transforms`): vectors are rows and a rotati
   Hadamard ``H_8 (x) Paley_12`` of :func:`calibration.transforms.hadamard_any` and, for P,
   :func:`calibration.transforms.dealing_permutation` (the bit reversal generalised); the
   identities below that name the Sylvester matrix hold for powers of two only. Chosen by the
-  proxy (benchmarks/results/calibration_architectures.json, head_dim_96): on tinylm-A's real
-  statistics cut to 96 channels, U-H-P with it gives logit_rel 0.169 / out_rel 0.432 against
-  0.226-0.236 / 0.58-0.63 for Sylvester blocks (2 x 48, 3 x 32), 0.268 / 0.731 for the
-  eigenbasis alone and 0.206 / 0.500 for R = I.
+  proxy over Sylvester blocks (benchmarks/results/calibration_architectures.json, head_dim_96).
 
 A variant name lists the factors in the order they act on a row vector, so
 ``"U-P-Hblock"`` means ``R = U @ P @ Hblock``: ``x' = ((x @ U) @ P) @ Hblock``.

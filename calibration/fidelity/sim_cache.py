@@ -11,10 +11,8 @@ function registered in transformers' AttentionInterface):
   history (positions S .. n - W), the BF16 sink (< S) and the BF16 ring (last W).
 - :class:`Bf16KVSim` is the BF16 reference with the same numerics otherwise: K/V kept in
   BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
-- :class:`FakeInt2KVSim` (ablation): Bf16KVSim whose history positions read fake-quantised
-  keys, values or both (rotate, clip, INT2, dequantise, rotate back, in PyTorch), so the
-  INT2 error can be attributed to K or V; with both it approximates HybridKVSim. It also
-  runs the quantiser candidates of :mod:`calibration.fidelity.quantizers` (``quantizer``).
+- :class:`FakeInt2KVSim` (ablation): Bf16KVSim with fake-quantised history keys, values or
+  both in PyTorch, so the INT2 error can be attributed to K or V (and quantiser candidates tried).
 """
 from __future__ import annotations
 
