@@ -15,6 +15,7 @@ import os
 import random
 import sysconfig
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 import torch
 
@@ -148,13 +149,8 @@ def token_stream(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int)
 
 def batched(windows: Iterable[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
     """Stack consecutive windows into ``[B, T]`` batches (the last one may be smaller)."""
-    batch = []
-    for w in windows:
-        batch.append(w)
-        if len(batch) == batch_size:
-            yield torch.stack(batch)
-            batch = []
-    if batch:
+    it = iter(windows)
+    while batch := list(islice(it, batch_size)):
         yield torch.stack(batch)
 
 

@@ -73,10 +73,8 @@ def ignore_eos_hook(original, adder, req, *args, **kwargs):
     batch's chunk budget is cut at a multiple of the alignment, or waits."""
     if _inactive(adder):
         return original(adder, req, *args, **kwargs)
-
-    def wait():
-        return AddReqResult.OTHER
-    return _aligned_call(original, adder, req, args, kwargs, adder.rem_chunk_tokens, wait)
+    return _aligned_call(original, adder, req, args, kwargs, adder.rem_chunk_tokens,
+                         lambda: AddReqResult.OTHER)
 
 
 def chunked_req_hook(original, adder, req, *args, **kwargs):

@@ -30,11 +30,8 @@ def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_si
     h, d = shape.num_kv_heads, shape.head_dim
     r = torch.eye(d) if recipe == "naive" else hadamard_matrix(d, torch.float32)
     r = r.expand(h, d, d).contiguous()
-    layers = []
-    for _ in range(shape.num_layers):
-        k_lo, k_hi = no_clip(h, d)
-        v_lo, v_hi = no_clip(h, d)
-        layers.append(LayerRotation(r.clone(), r.clone(), k_lo, k_hi, v_lo, v_hi))
+    layers = [LayerRotation(r.clone(), r.clone(), *no_clip(h, d), *no_clip(h, d))
+              for _ in range(shape.num_layers)]
     layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
     meta = make_meta(shape, model_name, layout, recipe,
                      recipe_detail={"rotation": "identity" if recipe == "naive" else "hadamard(head_dim)",

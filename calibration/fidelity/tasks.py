@@ -32,6 +32,7 @@ import os
 import random
 import site
 import sysconfig
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,14 +88,10 @@ def line_start_mask(tokenizer) -> np.ndarray:
 def site_roots() -> list[str]:
     """The interpreter's site-packages folders (tinylm's corpus roots)."""
     cands = []
-    try:
+    with suppress(Exception):
         cands += site.getsitepackages()
-    except Exception:
-        pass
-    try:
+    with suppress(Exception):
         cands.append(site.getusersitepackages())
-    except Exception:
-        pass
     for k in ("purelib", "platlib"):
         cands.append(sysconfig.get_paths().get(k))
     # where the held-out packages import from, when that is outside these (a .pth or PYTHONPATH)
@@ -105,13 +102,7 @@ def site_roots() -> list[str]:
             spec = None
         for loc in (spec.submodule_search_locations or []) if spec else []:
             cands.append(os.path.dirname(loc))
-    roots = []
-    for c in cands:
-        if c and os.path.isdir(c):
-            r = os.path.realpath(c)
-            if r not in roots:
-                roots.append(r)
-    return roots
+    return list(dict.fromkeys(os.path.realpath(c) for c in cands if c and os.path.isdir(c)))
 
 
 def heldout_top_names(roots: list[str], packages) -> set[str]:
@@ -128,18 +119,16 @@ def heldout_top_names(roots: list[str], packages) -> set[str]:
                 continue
             if e[: -len(".dist-info")].split("-")[0].lower().replace("-", "_") not in norm:
                 continue
-            try:
-                with open(os.path.join(r, e, "RECORD"), encoding="utf-8", errors="replace") as f:
-                    for line in f:
-                        p = line.split(",")[0]
-                        if not p or p.startswith(".."):
-                            continue
-                        top = p.split("/")[0]
-                        if top.endswith(_SKIP_TOP_SUFFIXES) or top == "__pycache__":
-                            continue
-                        names.add(top[:-3] if top.endswith(".py") else top)
-            except OSError:
-                pass
+            with (suppress(OSError),
+                  open(os.path.join(r, e, "RECORD"), encoding="utf-8", errors="replace") as f):
+                for line in f:
+                    p = line.split(",")[0]
+                    if not p or p.startswith(".."):
+                        continue
+                    top = p.split("/")[0]
+                    if top.endswith(_SKIP_TOP_SUFFIXES) or top == "__pycache__":
+                        continue
+                    names.add(top[:-3] if top.endswith(".py") else top)
     return names
 
 
