@@ -78,22 +78,20 @@ def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk:
 
 @torch.no_grad()
 def greedy_answers(model, sim, tokenizer, prompt_ids: np.ndarray, chunk: int, eos_ids: set[int],
-                   max_new_tokens: int = tasks.PASSKEY_MAX_NEW_TOKENS,
-                   first_targets: list[int] | None = None) -> tuple[list[str], list[float]]:
+                   first_targets: list[int]) -> tuple[list[str], list[float]]:
     """Chunked prefill of equal-length prompts [B, P], then greedy decoding step by step.
     Returns the answers and, per prompt, log p(first_targets[i]) after the prompt (a
-    continuous retrieval score; empty without first_targets)."""
+    continuous retrieval score)."""
     dev = next(model.parameters()).device
     ids = torch.from_numpy(np.ascontiguousarray(prompt_ids)).to(dev)
     b = ids.shape[0]
     sim.begin(b)
     for lo, hi in chunk_bounds(ids.shape[1], chunk):
         logits = forward_step(model, sim, ids[:, lo:hi], logits_to_keep=1)
-    first_lp = []
-    if first_targets is not None:
-        lp = torch.log_softmax(logits[:, -1].float(), -1)
-        first_lp = lp[torch.arange(b, device=lp.device), torch.tensor(first_targets, device=lp.device)].tolist()
+    lp = torch.log_softmax(logits[:, -1].float(), -1)
+    first_lp = lp[torch.arange(b, device=lp.device), torch.tensor(first_targets, device=lp.device)].tolist()
     gen, done = [[] for _ in range(b)], [False] * b
+    max_new_tokens = tasks.PASSKEY_MAX_NEW_TOKENS
     for step in range(max_new_tokens):
         nxt = logits[:, -1].argmax(-1)
         for i, t in enumerate(nxt.tolist()):

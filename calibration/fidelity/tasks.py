@@ -257,11 +257,10 @@ def ppl_window_starts(stream_len: int, length: int, windows: int) -> list[int]:
 class Passkey:
     """tinylm_train.py's passkey builder (eval part), token-exact."""
 
-    def __init__(self, tokenizer, stream: np.ndarray, nl_mask: np.ndarray | None = None):
+    def __init__(self, tokenizer, stream: np.ndarray):
         self.tok = tokenizer
         self.stream = np.asarray(stream)
-        nl_mask = line_start_mask(tokenizer) if nl_mask is None else nl_mask
-        self.nl_pos = np.flatnonzero(nl_mask[self.stream]).astype(np.int64)
+        self.nl_pos = np.flatnonzero(line_start_mask(tokenizer)[self.stream]).astype(np.int64)
         self.eot = token_id(tokenizer, EOT)
 
     def enc(self, s: str) -> np.ndarray:
@@ -271,27 +270,16 @@ class Passkey:
     def rand_kv(rng):
         return "".join(rng.choice(IDCH, 6)), "".join(rng.choice(HEX, 6))
 
-    def _filler_with_needles(self, rng, flen, needles, depths):
-        n = len(self.stream)
-        s = int(rng.integers(0, max(1, n - flen)))
+    def _filler_with_needle(self, rng, flen, needle, depth):
+        """flen filler tokens from a random start with ``needle`` inserted before the first
+        line-starting token at or after ``depth * flen``."""
+        s = int(rng.integers(0, max(1, len(self.stream) - flen)))
         filler = self.stream[s:s + flen].astype(np.int64)
-        ins = []
-        for nd, d in zip(needles, depths):
-            tgt = s + int(d * flen)
-            j = np.searchsorted(self.nl_pos, tgt)
-            if j < len(self.nl_pos) and self.nl_pos[j] < s + flen:
-                cut = int(self.nl_pos[j]) - s
-            else:
-                cut = tgt - s
-            ins.append((min(cut, flen), nd))
-        ins.sort(key=lambda x: x[0])
-        parts, prev = [], 0
-        for cut, nd in ins:
-            parts.append(filler[prev:cut])
-            parts.append(nd)
-            prev = cut
-        parts.append(filler[prev:])
-        return np.concatenate(parts)
+        tgt = s + int(depth * flen)
+        j = np.searchsorted(self.nl_pos, tgt)
+        cut = int(self.nl_pos[j]) - s if j < len(self.nl_pos) and self.nl_pos[j] < s + flen else tgt - s
+        cut = min(cut, flen)
+        return np.concatenate([filler[:cut], needle, filler[cut:]])
 
     def eval_prompt(self, rng, length: int, depth: float):
         """Prompt of exactly ``length`` tokens ending in ``assert PASSKEY_<id> == "``;
@@ -300,7 +288,7 @@ class Passkey:
         needle = self.enc(f'\nPASSKEY_{pid} = "{val}"')
         query = self.enc(f'\nassert PASSKEY_{pid} == "')
         flen = length - 1 - len(needle) - len(query)
-        body = self._filler_with_needles(rng, flen, [needle], [depth])
+        body = self._filler_with_needle(rng, flen, needle, depth)
         return np.concatenate([[self.eot], body, query]), val
 
 
