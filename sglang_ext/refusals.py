@@ -133,10 +133,8 @@ def _check_attention_backends(sa) -> None:
     for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         value = getattr(sa, field, None)
         if value not in (None, OSCAR_ATTENTION_BACKEND):
-            flag = "--" + field.replace("_", "-")
-            raise OscarConfigError(
-                f"{flag} {value} is not supported with --kv-cache-dtype {OSCAR_KV_DTYPE}: "
-                f"it needs --attention-backend {OSCAR_ATTENTION_BACKEND} (the default for it)")
+            raise _refuse(f"--{field.replace('_', '-')} {value}",
+                          f"it needs --attention-backend {OSCAR_ATTENTION_BACKEND} (the default for it)")
 
 
 def _phase_backend(sa, phase: str):
@@ -187,10 +185,9 @@ def _check_deterministic(sa, settings) -> None:
             f"--oscar-extend-prefix {settings.extend_prefix} is not batch-invariant: with "
             "--enable-deterministic-inference use int2 (what auto picks then)")
     if getattr(sa, "enable_mixed_chunk", False):
-        raise OscarConfigError(
-            f"--enable-mixed-chunk with --enable-deterministic-inference is not supported with "
-            f"--kv-cache-dtype {OSCAR_KV_DTYPE}: a request decoded inside a prefill batch would "
-            "give other numbers than its own decode step (drop --enable-mixed-chunk)")
+        raise _refuse("--enable-mixed-chunk with --enable-deterministic-inference",
+                      "a request decoded inside a prefill batch would give other numbers than its "
+                      "own decode step (drop --enable-mixed-chunk)")
 
 
 def _model_config(sa):
