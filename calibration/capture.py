@@ -12,11 +12,10 @@ tensors to a callback::
 
 Query head h belongs to KV head ``h // (Hq // Hkv)`` (transformers' ``repeat_kv``).
 Logits are bit-identical to ``attn_implementation="sdpa"`` (the same function runs).
-Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``; the
+Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``: the
 modules are found by what the callback needs (``layer_idx``, ``o_proj``,
-``num_key_value_groups``), not by projection names, so fused ``qkv_proj`` (Phi-3), partial
-rotary (GLM-4), q/k/v biases, qk-norm and MoE blocks need nothing special (the rows of
-:mod:`calibration.architectures` are tested in tests/test_calibration_architectures.py).
+``num_key_value_groups``), not by projection names, so fused ``qkv_proj``, partial rotary,
+q/k/v biases, qk-norm and MoE blocks need nothing special (:mod:`calibration.architectures`).
 """
 from __future__ import annotations
 

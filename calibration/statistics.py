@@ -18,11 +18,9 @@ from .capture import group_by_kv_head
 
 
 class Reservoir:
-    """Uniform sample of at most ``capacity`` rows from a stream (Vitter's algorithm R).
-
-    Rows are ``[H, D]`` tensors (one token of one layer, all KV heads); ``add`` takes a batch
-    ``[n, ...]``. Deterministic for a given seed and stream.
-    """
+    """Uniform sample of at most ``capacity`` rows from a stream (Vitter's algorithm R),
+    deterministic for a given seed and stream. Rows are ``[H, D]`` tensors (one token of one
+    layer, all KV heads); ``add`` takes a batch ``[n, ...]``."""
 
     def __init__(self, capacity: int, seed: int = 0):
         self.capacity = capacity

@@ -96,11 +96,10 @@ class HybridAttention:
     """See the module doc. ``cache``: the hybrid cache of every layer; ``num_q_heads``: query
     heads (Hq, a multiple of the cache's H); ``sm_scale``: the attention scale of every layer;
     ``max_batch``: most requests of a decode batch (default: the cache's request rows);
-    ``prefix_read``: how extend reads cached prefixes ("int2": unpacked inside the attention;
-    "bf16": materialised, then our BF16 attention; "flashinfer": materialised, then
-    FlashInfer's prefill, on CUDA; the others take "bf16"); ``decode_config``: a
-    triton_decode.DecodeConfig (e.g. batch_invariant_config); ``padding_page``: a page that
-    never gets BF16 sinks (SGLang's padding page 0, which padded batches write)."""
+    ``prefix_read``: how extend reads cached prefixes (PREFIX_READS, as --oscar-extend-prefix;
+    "flashinfer" off CUDA reads "bf16"); ``decode_config``: a triton_decode.DecodeConfig
+    (e.g. batch_invariant_config); ``padding_page``: a page that never gets BF16 sinks
+    (SGLang's padding page 0, which padded batches write)."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
                  prefix_read: str = "int2", decode_config=None, padding_page: int | None = None):
@@ -249,11 +248,10 @@ class HybridAttention:
 
     def warm_up(self) -> float:
         """Run every default kernel path once on a private cache of this cache's layout (one
-        layer, the first layer's rotation, WARM_UP_ROWS requests), so that the just-in-time
-        compiles (Triton's, FlashInfer's) happen now and not in a user's first request: a
-        prefill, a second chunk that reads its cached prefix (sinks, INT2 history, ring), a
-        decode step of every request (the large-batch merge) and of one (the small-batch
-        merge). The real cache and index are not touched. Returns the seconds it took."""
+        layer, WARM_UP_ROWS requests), so that Triton's and FlashInfer's just-in-time compiles
+        happen now, not in a user's first request: a prefill, a second chunk that reads its
+        cached prefix, a decode step of every request (the large-batch merge) and of one (the
+        small-batch merge). The real cache is not touched. Returns the seconds it took."""
         start = time.perf_counter()
         lc, index = self.cache.layers[0], self.cache.index
         page, s, w = index.page_size, lc.sink_tokens, lc.recent_window

@@ -91,12 +91,9 @@ def quantise_rotated(
     group_size: int,
     scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE,
 ):
-    """The whole write path for one of K/V.
-
-    x [T, H, D] (unrotated), rotation [H, D, D], clip_* [H, D]
-    -> (x_rot float32 [T, H, D] (exact rotated values, for BF16 side copies),
-        packed uint8 [T, H, D/4], scales [T, H, D/G, 2]).
-    """
+    """The whole write path for one of K/V: x [T, H, D] (unrotated), rotation [H, D, D],
+    clip_* [H, D] -> (x_rot float32 [T, H, D] (unclipped, for the BF16 side copies), packed
+    uint8 [T, H, D/4], scales [T, H, D/G, 2])."""
     x_rot = torch.einsum("thd,hde->the", x.float(), rotation.float())
     codes, scales = quantise(clip(x_rot, clip_min, clip_max), group_size, scale_dtype)
     return x_rot, pack(codes), scales

@@ -27,15 +27,13 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
                     req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                     seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True):
-    """Write T new tokens (k, v unrotated [T, H, D]) into the hybrid cache.
-
-    write_int2: INT2 codes+scales at ``slots`` and BF16 sinks for positions < S (when the
+    """Write T new tokens (k, v unrotated [T, H, D]) into the hybrid cache. write_int2:
+    INT2 codes+scales at ``slots`` and BF16 sinks for positions < S (when the
     sequence's first page owns a sink slot). write_ring: BF16 ring cells for positions
     ``>= seq_ends - W`` (seq_ends = the request's length after this batch). Extend must
     write the ring *after* attention (cells of the prefix window would be clobbered).
     slots/positions/rows/seq_ends: [T] integer tensors (rows = request row per token).
-    Returns the rotated (unclipped) k', v' as float32 [T, H, D].
-    """
+    Returns the rotated (unclipped) k', v' as float32 [T, H, D]."""
     gk, gv = layer.key_group_size, layer.value_group_size
     sdt = layer.k_scales.dtype
     r = rotation

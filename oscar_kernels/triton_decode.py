@@ -22,9 +22,7 @@ no allocation when a :class:`DecodeWorkspace` is given):
    one program per query head and channel block, then the un-rotation by ``_rotate_q_kernel``).
 
 On sm_90+ launches 2 and 3 (and the split merge's un-rotation) use programmatic dependent
-launch: each may start while the kernel before it runs and waits on device
-(griddepcontrol.wait) before it reads that kernel's output; the query rotation releases
-stage 1 at once, so stage 1 reads its request layout meanwhile.
+launch (triton_common.wait_for_prior_grid): stage 1 reads its request layout meanwhile.
 
 Read rule (hybrid_cache): S_b = min(S, n) if the first page owns a valid sink slot else 0;
 ring_lo = clamp(max(n - W, ring_valid_from[row]), S_b, n) (= n when W = 0).

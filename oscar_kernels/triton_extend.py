@@ -9,10 +9,8 @@ Program (m, b, h) serves BLOCK_M new tokens x the Hq/H query heads of KV head h 
 r = token * GQP + head), flash-attention style with one running (max, sum) per row; the
 INT2 part uses the plane algebra of triton_hybrid_attn. Three launches: q' = q R_K,
 the attention (o' in float32), o = o' R_V^T (the rotation kernels of triton_decode).
-With ``prefix_read="bf16"`` a fourth launch first materialises every
-request's hybrid prefix as BF16 rows (triton_materialize), so that the prefix is unpacked
-once per call instead of once per block of rows, and the attention is BF16 throughout.
-Each read has its own tuned tiles (EXTEND_TILES).
+With ``prefix_read="bf16"`` a fourth launch first materialises the prefixes as BF16 rows
+(triton_materialize says why). Each read has its own tuned tiles (EXTEND_TILES).
 """
 from __future__ import annotations
 

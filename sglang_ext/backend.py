@@ -96,13 +96,10 @@ class OscarAttnBackend(AttentionBackend):
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
                  context_len: int = 0):
-        """``pool``: the OscarKVPool; ``req_to_token_pool``: SGLang's request pool (its host
-        free list gives the rows of live requests); ``num_q_heads``: query heads on this
-        rank; ``sm_scale``: the layers' attention scale; ``extend_prefix``:
-        --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference): a
-        request's outputs do not depend on the batch around it: batch-invariant decode splits
-        for ``context_len`` tokens (triton_decode.batch_invariant_config) and the INT2
-        prefix read."""
+        """``req_to_token_pool``: SGLang's request pool (its host free list gives the rows of
+        live requests); ``num_q_heads``: query heads on this rank; ``extend_prefix``:
+        --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference):
+        batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read."""
         if not isinstance(pool, OscarKVPool):
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
                              f"(the KV pool is {type(pool).__name__})")

@@ -1,13 +1,9 @@
 """OscarKVPool: SGLang's MHA token pool holding the hybrid INT2/BF16 OSCAR cache.
 
 SGLang's allocator, req_to_token table, radix cache and eviction stay untouched: one
-token = one slot, and every slot holds the token's INT2 K/V (rotated, clipped, packed,
-with per-group (scale, min)). Per layer an :class:`oscar_kernels.hybrid_cache.HybridLayerCache`
-adds the BF16 side caches (sinks keyed by a sequence's first page, a per-request ring of
-the last W positions); one :class:`HybridCacheIndex` (sink slots, per-row ring bookkeeping)
-is shared by all layers. ``cache`` (:class:`oscar_kernels.hybrid_cache.HybridCache`) holds
-them all for the oscar attention backend, the only writer (through
-:class:`oscar_kernels.hybrid_attention.HybridAttention`).
+token = one slot, and every slot holds the token's INT2 K/V. ``cache``
+(:class:`oscar_kernels.hybrid_cache.HybridCache`: per layer the INT2 buffers and the BF16
+sinks and rings, one shared index) is written only by the oscar attention backend.
 
 ``k_buffer``/``v_buffer`` are the packed uint8 codes and ``k_scale_buffer``/
 ``v_scale_buffer`` the scales, so SGLang code that inspects those names sees real

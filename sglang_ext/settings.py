@@ -21,9 +21,8 @@ DEFAULT_RECENT_WINDOW = 128
 # page size used when --kv-cache-dtype oscar_int2 is given without --page-size; sinks live
 # on a sequence's first page, so the page must hold at least the sink tokens.
 DEFAULT_PAGE_SIZE = 64
-# how extend (prefill) reads a cached prefix (oscar_kernels.triton_extend.PREFIX_READS, or
-# FlashInfer over the dequantised prefix); "auto": resolve_extend_prefix. FlashInfer by
-# default: the fastest prefill over long cached prefixes (benchmarks/results/e2e_*.json).
+# how prefill reads a cached prefix ("auto": resolve_extend_prefix, FlashInfer where it can:
+# the fastest over long cached prefixes, benchmarks/results/e2e_*.json)
 EXTEND_PREFIX_READS = ("auto", "int2", "bf16", "flashinfer")
 DEFAULT_EXTEND_PREFIX = "auto"
 

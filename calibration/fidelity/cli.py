@@ -13,9 +13,6 @@ tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
-``--quantizer`` picks the INT2 quantiser candidate of a fake run (calibration.fidelity.quantizers):
-``minmax`` (the server's) or ``per-channel-keys`` (keys per channel over pages of
-``--page-size`` tokens, values per token as minmax).
 """
 from __future__ import annotations
 

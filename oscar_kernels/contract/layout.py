@@ -18,8 +18,7 @@ SCALE_DTYPES = tuple(SCALE_DTYPE_BYTES)
 
 # The default layout: keys in groups of head_dim/4 (one per plane), values in one group of
 # min(128, head_dim), float8_e4m3fn (scale, min): 74 B per token and KV head at head_dim 128.
-# Keys carry the accuracy: through the server, passkey 8k on tinylm-A (300 prompts) is 0.917
-# with it vs 0.830 with G=128 / float16 for both (BF16 0.94).
+# The keys carry the accuracy (server passkey at 8k: benchmarks/RESULTS.md).
 DEFAULT_SCALE_DTYPE = "float8_e4m3fn"
 DEFAULT_MAX_VALUE_GROUP = 128
 

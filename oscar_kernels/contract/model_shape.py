@@ -29,12 +29,9 @@ class ModelShape:
 
 
 def kv_heads_for_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    """The KV heads that attention-TP rank ``tp_rank`` of ``tp_size`` holds.
-
-    tp_size <= H: contiguous blocks of H / tp_size heads (tp_size must divide H).
-    tp_size > H: every rank holds one head, replicated tp_size / H times (H must divide
-    tp_size); rank r holds head r // (tp_size / H), as in SGLang's QKVParallelLinear.
-    """
+    """The KV heads that attention-TP rank ``tp_rank`` of ``tp_size`` holds, as in SGLang's
+    QKVParallelLinear: tp_size <= H, contiguous blocks of H / tp_size heads; tp_size > H,
+    head r // (tp_size / H) (each head replicated tp_size / H times)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     if tp_size <= num_kv_heads:
