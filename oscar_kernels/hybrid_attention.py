@@ -96,8 +96,9 @@ class HybridAttention:
     """See the module doc. ``cache``: the hybrid cache of every layer; ``num_q_heads``: query
     heads (Hq, a multiple of the cache's H); ``sm_scale``: the attention scale of every layer;
     ``max_batch``: most requests of a decode batch (default: the cache's request rows);
-    ``prefix_read``: how extend reads cached prefixes (PREFIX_READS, as --oscar-extend-prefix;
-    "flashinfer" off CUDA reads "bf16"); ``decode_config``: a triton_decode.DecodeConfig
+    ``prefix_read``: how extend reads cached prefixes ("int2": unpacked inside the attention;
+    "bf16" / "flashinfer": materialised, then our BF16 attention / FlashInfer's prefill, which
+    off CUDA is "bf16"); ``decode_config``: a triton_decode.DecodeConfig
     (e.g. batch_invariant_config); ``padding_page``: a page that never gets BF16 sinks
     (SGLang's padding page 0, which padded batches write)."""
 

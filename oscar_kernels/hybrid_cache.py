@@ -110,7 +110,8 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
                    value_group_size: int | None = None) -> HybridLayerCache:
     """Zeroed buffers of one layer. ``group_size`` is the keys' INT2 group size and, unless
     ``value_group_size`` says otherwise, the values'. k_scales and v_scales are views of one
-    [num_slots, H, D/G_K + D/G_V, 2] tensor: one set of strides, one cache line per token.
+    [num_slots, H, D/G_K + D/G_V, 2] tensor: one set of strides, and a token's K and V scales
+    share a cache line.
 
     The INT2 buffers are stored head-major ([H, num_slots, ...] in memory, [num_slots, H, ...]
     views): a decode program (one KV head) then reads a page as whole cache lines, not pieces

@@ -39,7 +39,9 @@ INT2): a backup notes per host page the sink slot valid for its device page
 page keeps its stale mapping after SGLang frees it, so a later page there would otherwise
 claim the first page's sinks). A load maps a page back to its slot when the claim is its own
 and the generation unchanged, and unmaps every other loaded page, so positions < S read INT2,
-never another sequence's sinks. All of it is device ops on the transfer's stream (no host sync).
+never another sequence's sinks. All of it is device ops on the transfer's stream (no host
+sync); a slot handed out while a load maps it back leaves one of the two reading INT2 (a
+sequence writes sinks only where the mapping is valid for its first page).
 """
 from __future__ import annotations
 
