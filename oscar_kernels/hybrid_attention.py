@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -155,11 +156,8 @@ class HybridAttention:
         prefix, ext = prefix_lens.long(), extend_lens.long()
         seq_ends = prefix + ext
         # sinks: every sequence that starts at position 0 here owns a fresh first page
-        firsts, start = [], 0
-        for p, e in zip(prefix_host, ext_host):
-            if p == 0 and e > 0:
-                firsts.append(start)
-            start += e
+        starts = accumulate(ext_host, initial=0)  # each request's first new token
+        firsts = [s for s, p, e in zip(starts, prefix_host, ext_host) if p == 0 and e > 0]
         if firsts:
             first = torch.tensor(firsts, dtype=torch.int64).to(slots.device, non_blocking=True)
             in_use = None if live_rows is None else sink_slots_in_use(index, cache.req_to_token, live_rows)
