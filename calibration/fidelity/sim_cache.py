@@ -223,11 +223,6 @@ class HybridKVSim(_KVSim):
         self._generation = 0  # the ring owner of the sequences begun last
 
     @property
-    def group_size(self) -> int:
-        """The keys' INT2 group size (the pool's)."""
-        return self.cache.layers[0].key_group_size
-
-    @property
     def value_group_size(self) -> int:
         return self.cache.layers[0].value_group_size
 
