@@ -115,7 +115,7 @@ def allocate_layer(num_slots: int, num_kv_heads: int, head_dim: int, group_size:
 
     The INT2 buffers are stored head-major ([H, num_slots, ...] in memory, [num_slots, H, ...]
     views): a decode program (one KV head) then reads a page as whole cache lines, not pieces
-    shared with the other heads' programs (benchmarks/DECODE_KERNEL_LOG.md, session 12)."""
+    shared with the other heads' programs."""
     group_size, gv = check_group_sizes(head_dim, group_size, value_group_size)
     h, d, q = num_kv_heads, head_dim, packed_dim(head_dim)
     ngk = d // group_size

@@ -16,6 +16,7 @@ pytest.importorskip("sglang")
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
+import kernel_helpers as kh  # noqa: E402
 from oscar_kernels.testing import random_rotation  # noqa: E402
 from oscar_kernels.int2 import dequantise, quantise_rotated, unpack  # noqa: E402
 from oscar_kernels.reference import _attend, expand_gqa, rotate  # noqa: E402
@@ -372,7 +373,7 @@ def test_extend_plans_the_prefix_read_with_the_host_lengths(read, monkeypatch):
     launch = sim.backend.attention._extend.launch
     assert launch.bf16_prefix == want_bf16 and launch.prefix_lens_host == ((20, 0) if want_bf16 else ())
     for l, o in enumerate(outs):
-        close(o[:12], sim.expected(1, "a", l, 20, list(range(20, 32)), "A", 0))
+        kh.assert_attention_close(o[:12], sim.expected(1, "a", l, 20, list(range(20, 32)), "A", 0))
 
 
 @pytest.mark.parametrize("choice, imports, want, deterministic", [
