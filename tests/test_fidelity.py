@@ -322,3 +322,34 @@ def test_hybrid_sim_with_value_groups_of_their_own_tracks_fake_quantisation(tiny
     err = dist(hyb, bf)
     assert err > 0.05 and dist(hyb, fake) < 0.5 * err
     assert dist(hyb, same) > 0.25 * err
+
+
+def test_hybrid_sim_with_key_pages_tracks_the_per_channel_keys_simulator(tiny, stream):
+    """HybridKVSim(key_pages=True) (the server's per-channel key pages, keys in groups of one
+    channel) tracks FakeInt2KVSim's per-channel-keys and differs from the server's minmax."""
+    from calibration.fidelity.sim_cache import FakeInt2KVSim
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    rot = baseline_rotations(shape, "tinylm-A", "hadamard", 32, value_group_size=128, scale_dtype="float8_e4m3fn")
+
+    def run(sim):
+        pre = _chunked(sim_model, sim, ids[:, :L - 4], CHUNK)
+        dec = torch.cat([forward_step(sim_model, sim, ids[:, j:j + 1]) for j in range(L - 4, L)], 1)
+        return torch.cat([pre, dec], 1)
+
+    def dist(a, b):
+        return (a[:, CHUNK:] - b[:, CHUNK:]).abs().mean().item()
+
+    common = dict(scale_dtype="float8_e4m3fn", value_group_size=128, page_size=16)
+    pages = HybridKVSim(rot.layers, 32, 4, 16, 1, L, key_pages=True, **common)
+    assert (pages.cache.layers[0].key_group_size, pages.cache.layers[0].value_group_size) == (1, 128)
+    bf = run(Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L))
+    hyb = run(pages)
+    fake = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128,
+                             quantizer="per-channel-keys", page_tokens=16))
+    minmax = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L, **common))
+    err = dist(hyb, bf)
+    assert err > 0.05 and dist(hyb, fake) < 0.5 * err
+    assert dist(hyb, minmax) > 0.25 * err
+    with pytest.raises(ValueError, match="recent window"):
+        HybridKVSim(rot.layers, 32, 4, 8, 1, L, key_pages=True, **common)

@@ -118,11 +118,10 @@ def test_sim_per_channel_keys_needs_the_ring_to_hold_a_page():
         _sim("kmeans")
 
 
-def test_oscar_eval_quantizer_needs_a_fake_run(tmp_path):
+def test_oscar_eval_per_channel_keys_needs_the_ring_to_hold_a_page(tmp_path):
     from calibration.fidelity import cli
     assert "--quantizer" in cli.build_parser().format_help()
-    with pytest.raises(SystemExit, match="int2-parts"):
-        cli.main(["--model", str(tmp_path), "--quantizer", "per-channel-keys"])
-    with pytest.raises(SystemExit, match="recent"):
-        cli.main(["--model", str(tmp_path), "--int2-parts", "kv-fake", "--quantizer", "per-channel-keys",
-                  "--recent", "32"])
+    for parts in ("kv", "kv-fake"):
+        with pytest.raises(SystemExit, match="recent"):
+            cli.main(["--model", str(tmp_path), "--int2-parts", parts, "--quantizer", "per-channel-keys",
+                      "--recent", "32"])

@@ -13,6 +13,8 @@ tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
+``--quantizer per-channel-keys`` tries the quantizer study's per-page keys (fake, or with
+``kv`` through the server's key pages).
 """
 from __future__ import annotations
 
@@ -110,10 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. 128:float8_e4m3fn; default: the rotations file's value_group_size and "
                          "scale_dtype)")
     ap.add_argument("--quantizer", choices=quantizers.QUANTIZERS, default=quantizers.DEFAULT_QUANTIZER,
-                    help="INT2 quantiser of a fake run (--int2-parts kv-fake, k or v): minmax = the server's "
-                         "(default); per-channel-keys = keys per channel over a page of --page-size tokens, "
-                         "quantised once the page is complete (needs --recent >= --page-size), values as "
-                         "minmax. Bytes per token and KV head at D=128 with float8 scales: 74, 70")
+                    help="INT2 quantiser: minmax = the server's (default); per-channel-keys = keys per channel "
+                         "over a page of --page-size tokens, quantised once the page is complete (needs "
+                         "--recent >= --page-size), values as minmax; with --int2-parts kv through the "
+                         "server's per-channel key pages (oscar_kernels.key_pages, a measurement). Bytes per "
+                         "token and KV head at D=128 with float8 scales: 74, 70")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -161,9 +164,6 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
                          "rotations file's groups and one scale dtype)")
-    if a.quantizer != quantizers.DEFAULT_QUANTIZER and a.int2_parts == "kv":
-        raise SystemExit(f"oscar-eval: --quantizer {a.quantizer} needs --int2-parts kv-fake, k or v "
-                         "(the server's kernels store minmax)")
     if a.quantizer == "per-channel-keys" and a.recent < a.page_size:
         raise SystemExit(f"oscar-eval: --quantizer per-channel-keys needs --recent ({a.recent}) >= "
                          f"--page-size ({a.page_size}): the ring holds the page being filled")
@@ -246,7 +246,8 @@ def main(argv=None) -> int:
         elif a.int2_parts == "kv":
             sim = HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                               a.device, rot.meta.scale_dtype, a.page_size,
-                              value_group_size=rot.meta.value_group_size)
+                              value_group_size=rot.meta.value_group_size,
+                              key_pages=a.quantizer == "per-channel-keys")
         else:
             sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                                 a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),

@@ -23,6 +23,7 @@ from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
 from oscar_kernels.int2 import clip, fake_quantise
+from oscar_kernels.key_pages import check_key_pages
 
 from . import quantizers
 
@@ -188,14 +189,16 @@ class FakeInt2KVSim(Bf16KVSim):
 
 class HybridKVSim(_KVSim):
     """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
-    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
+    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys');
+    ``key_pages``: per-channel key pages (oscar_kernels.key_pages, the server's ``per-channel-keys``),
+    on keys in groups of one channel whatever ``group_size`` says."""
 
     name = "hybrid"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", page_size: int | None = None,
-                 value_group_size: int | None = None):
+                 value_group_size: int | None = None, key_pages: bool = False):
         num_layers = len(rotations)
         super().__init__(num_layers, max_batch, max_len, device)
         if sink_tokens < 0 or recent_window < 0:
@@ -208,16 +211,19 @@ class HybridKVSim(_KVSim):
         self.row_len = -(-max_len // self.page_size) * self.page_size  # rows start on a page
         num_slots = max_batch * self.row_len
         sdt = torch_scale_dtype(scale_dtype)
-        layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
+        value_group_size = value_group_size or group_size
+        layers = [allocate_layer(num_slots, h, d, 1 if key_pages else group_size, sink_tokens, recent_window,
                                  num_sink_slots=max_batch, num_rows=max_batch,
                                  scale_dtype=sdt, device=self.device,
                                  value_group_size=value_group_size)
                   for _ in range(num_layers)]
+        if key_pages:  # refused here, not at the first step
+            check_key_pages(layers[0], self.page_size)
         req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device).view(max_batch, self.row_len)
         self.cache = HybridCache(layers, [r.to(self.device) for r in rotations],
                                  allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device),
                                  req_to_token)
-        self.sink_tokens, self.recent_window = sink_tokens, recent_window
+        self.sink_tokens, self.recent_window, self.key_pages = sink_tokens, recent_window, key_pages
         self.attention: HybridAttention | None = None  # built on the first step (the model's head count, scale)
         self._planned = None  # (batch, length, tokens) of the planned step
         self._generation = 0  # the ring owner of the sequences begun last
@@ -239,7 +245,8 @@ class HybridKVSim(_KVSim):
     def _plan(self, num_q_heads: int, t: int, scaling: float) -> bool:
         """Plan this step once (its first layer); True for a decode step."""
         if self.attention is None:
-            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch)
+            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch,
+                                             key_pages=self.key_pages)
         elif scaling != self.attention.sm_scale:
             raise ValueError(f"attention scale {scaling} differs from the {self.attention.sm_scale} of the "
                              "first layer (one scale for every layer, as the server)")
