@@ -91,11 +91,33 @@ def summarise(runs: dict, bytes_table: dict) -> dict:
                     continue
                 row[f"passkey_paired_vs_{label}"] = {n: _pair(h, other["passkey_hits"][n])
                                                      for n, h in r["passkey_hits"].items() if n in other["passkey_hits"]}
-                row[f"first_token_logprob_paired_vs_{label}"] = {
-                    n: _pair(h, other["passkey_first_token_logprobs"][n])
-                    for n, h in r["passkey_first_token_logprobs"].items() if n in other["passkey_first_token_logprobs"]}
+                if "passkey_first_token_logprobs" in r:  # oscar-eval records them, the server does not
+                    row[f"first_token_logprob_paired_vs_{label}"] = {
+                        n: _pair(h, other["passkey_first_token_logprobs"][n])
+                        for n, h in r["passkey_first_token_logprobs"].items()
+                        if n in other["passkey_first_token_logprobs"]}
         out[name] = row
     return out
+
+
+def server_runs(paths: list[str]) -> dict:
+    """benchmarks.server_fidelity outputs as one run in summarise's shape: their methods named
+    bf16 or after a candidate (others are left out); a method in several files from the last."""
+    methods, sources = {}, {}
+    for path in paths:
+        try:
+            data = json.load(open(path))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"quantizer_study: --server {path}: {e}")
+        for name, m in data.get("methods", {}).items():
+            if name != "bf16" and name not in CANDIDATES:  # e.g. other rotations in the same file
+                continue
+            row = {"passkey": m["passkey"], "passkey_hits": m["passkey_hits"]}
+            if "ppl_8k" in m:
+                row |= {"ppl_8k": m["ppl_8k"], "ppl_detail": {"nll_by_window": m.get("nll_by_window")}}
+            methods[name], sources[name] = row, {"file": path, "server_cmd": m.get("server_cmd"),
+                                                 "key_pages": m.get("key_pages", False)}
+    return {"server": {"methods": methods, "sources": sources}}
 
 
 def verdict(cands: dict) -> dict:
@@ -143,6 +165,9 @@ def main(argv=None) -> int:
                          "(repeatable; a study split over several invocations)")
     ap.add_argument("--summarise-only", action="store_true",
                     help="with --resume: run nothing, rewrite --out from the stored runs")
+    ap.add_argument("--server", action="append", default=[], metavar="JSON",
+                    help="benchmarks.server_fidelity output(s) with the candidates through the server "
+                         "(repeatable): summarised into through_server")
     ap.add_argument("--out", default=DEFAULT_OUT)
     a = ap.parse_args(argv)
     cands = [c.strip() for c in a.candidates.split(",") if c.strip()]
@@ -167,6 +192,14 @@ def main(argv=None) -> int:
         except (OSError, ValueError):
             old = {}
     keep = {k: v for k, v in old.items() if k in ("conclusion", "not_run", "run_history")}
+    through_server = {"through_server": old["through_server"]} if "through_server" in old else {}
+    if a.server:
+        served = server_runs(a.server)
+        rows = summarise(served, bytes_table)
+        through_server = {"through_server": {
+            "path": "SGLang 0.5.17 + oscar-sglang servers (benchmarks.server_fidelity, chunked prefill 1024): "
+                    "the server's store, decode and extend kernels",
+            "candidates": rows, "verdict_vs_minmax": verdict(rows), "sources": served["server"]["sources"]}}
     t0 = time.time()
     short = a.passkey_trials if a.short_passkey_trials is None else a.short_passkey_trials
     # the 8k pass first: it decides, and a run cut by its time limit keeps it
@@ -227,6 +260,7 @@ def main(argv=None) -> int:
                                     "(sinks out of the range), quantised when the page is complete; values as "
                                     "minmax"},
             "verdict_vs_minmax": verdict(cand_rows),
+            **through_server,
             "partial": missing,
             "wall_s_this_invocation": round(time.time() - t0, 1),
             **keep,

@@ -770,6 +770,19 @@ def _paired(p: dict | None, digits: int = 3) -> str:
                   "one GPU, 5 min, or CPU")
 def render_quantizer_study(path: str, data: dict) -> list[str]:
     st, cands = data.get("settings", {}), data.get("candidates", {})
+    parts = [f"`{_rel(path)}`: {data.get('model', '?')}, {data.get('path', '')}; {st.get('ppl', '')}; passkey prompts "
+             + ", ".join(f"{n}: {c}" for n, c in sorted(st.get("passkey_prompts_per_length", {}).items(),
+                                                     key=lambda x: int(x[0]))) + f"; {st.get('device', '?')}.",
+             _quantizer_table(cands)]
+    served = data.get("through_server")
+    if served:
+        parts += [f"Through the server: {served['path']}; the same held-out windows and prompts.",
+                  _quantizer_table(served["candidates"])]
+    parts += [data[k] for k in ("conclusion", "not_run") if data.get(k)]
+    return parts
+
+
+def _quantizer_table(cands: dict) -> str:
     lengths = sorted({n for r in cands.values() for n in r.get("passkey", {})}, key=int)
     rows = []
     for name, r in cands.items():
@@ -778,14 +791,9 @@ def render_quantizer_study(path: str, data: dict) -> list[str]:
                      fmt(r.get("ppl_ratio_vs_bf16"), 4), _paired(r.get("nll_paired_vs_minmax"), 4)]
                     + [fmt(pk.get(n), 3) for n in lengths]
                     + [_paired(vs_m.get(lengths[-1])), _paired(vs_b.get(lengths[-1]))])
-    prompts = st.get("passkey_prompts_per_length", {})
-    parts = [f"`{_rel(path)}`: {data.get('model', '?')}, {data.get('path', '')}; {st.get('ppl', '')}; passkey prompts "
-             + ", ".join(f"{n}: {prompts[n]}" for n in sorted(prompts, key=int)) + f"; {st.get('device', '?')}.",
-             table(["candidate", "bytes / token / KV head", "ppl_8k", "vs bf16", "NLL vs minmax (paired)"]
-                   + [f"passkey {n}" for n in lengths]
-                   + [f"passkey {lengths[-1]} vs minmax", f"passkey {lengths[-1]} vs bf16"], rows)]
-    parts += [data[k] for k in ("conclusion", "not_run") if data.get(k)]
-    return parts
+    return table(["candidate", "bytes / token / KV head", "ppl_8k", "vs bf16", "NLL vs minmax (paired)"]
+                 + [f"passkey {n}" for n in lengths]
+                 + [f"passkey {lengths[-1]} vs minmax", f"passkey {lengths[-1]} vs bf16"], rows)
 
 
 def _serve_cell(row: dict) -> str:

@@ -69,6 +69,7 @@ def perplexity(server: Server, stream, length: int, windows: int, workers: int) 
     per_pos = [sum(col) / len(nlls) for col in zip(*nlls)]
     mean = sum(per_pos) / len(per_pos)
     return {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
+            "nll_by_window": [round(sum(w) / len(w), 6) for w in nlls],  # paired comparisons of methods
             "nll_by_position": {f"{lo}-{hi}": round(sum(per_pos[lo:hi]) / (hi - lo), 5)
                                 for lo, hi in position_buckets(length)}}
 
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
             server.stop()
         result["methods"][name] = {
             **({ppl_key: ppl["ppl"], "nll": ppl["nll"], "nll_by_position": ppl["nll_by_position"],
-                "ppl_windows": ppl["windows"]} if ppl else {}),
+                "nll_by_window": ppl["nll_by_window"], "ppl_windows": ppl["windows"]} if ppl else {}),
             "passkey": pk["mean"], "passkey_by_depth": pk["by_depth"], "passkey_examples": pk["examples"], "passkey_hits": pk["hits"],
             "rotations": rotations, "key_pages": name in env, "server_cmd": server.cmd[1:], "server_log": server.log_path,
             "startup_s": round(startup, 1), "wall_s": round(time.time() - t0, 1),

@@ -20,3 +20,25 @@ def test_study_summary_pairs_every_candidate_with_minmax_and_bf16():
     assert pck["passkey_paired_vs_bf16"]["8192"]["gap"] == -1.0
     verdict = qs.verdict(rows)["per-channel-keys"]
     assert any(v.startswith("ppl worse") for v in verdict) and any(v.startswith("passkey 8192 worse") for v in verdict)
+
+
+def test_server_results_pair_like_the_simulators(tmp_path):
+    import json
+
+    def served(ppl, nll, hits):
+        return {"ppl_8k": ppl, "nll_by_window": nll, "passkey": {"8192": sum(hits) / len(hits)},
+                "passkey_hits": {"8192": hits}, "server_cmd": ["serve"]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"methods": {"minmax": served(5.1, [1.1, 1.0, 1.2], [1, 1, 0]),
+                                         "per-channel-keys": served(5.3, [1.3, 1.2, 1.4], [0, 1, 0])}}))
+    b.write_text(json.dumps({"methods": {"bf16": {"passkey": {"8192": 1.0}, "passkey_hits": {"8192": [1, 1, 1]}},
+                                         "oscar-g128": served(9.0, [2.0, 2.0, 2.0], [0, 0, 0])}}))
+    runs = qs.server_runs([str(a), str(b)])
+    assert set(runs["server"]["methods"]) == {"minmax", "per-channel-keys", "bf16"}  # oscar-g128 left out
+    rows = qs.summarise(runs, {n: {"total": 74} for n in qs.CANDIDATES})
+    pck = rows["per-channel-keys"]
+    assert pck["nll_paired_vs_minmax"]["gap"] == 0.2 and pck["nll_paired_vs_minmax"]["windows_higher"] == 3
+    assert abs(pck["passkey_paired_vs_minmax"]["8192"]["gap"] + 1 / 3) < 1e-3
+    assert abs(rows["minmax"]["passkey_paired_vs_bf16"]["8192"]["gap"] + 1 / 3) < 1e-3
+    assert "first_token_logprob_paired_vs_minmax" not in pck and "ppl_ratio_vs_bf16" not in pck
