@@ -120,6 +120,24 @@ def server_runs(paths: list[str]) -> dict:
     return {"server": {"methods": methods, "sources": sources}}
 
 
+def add_server_results(out: str, paths: list[str]) -> int:
+    """--server: the candidates through the server, paired like the simulator's, into out's
+    through_server (bytes per token from out's simulator rows)."""
+    try:
+        data = json.load(open(out))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"quantizer_study: --out {out} holds no study to add server results to: {e}")
+    served = server_runs(paths)
+    rows = summarise(served, data["bytes_per_token_per_head"])
+    data["through_server"] = {
+        "path": "SGLang 0.5.17 + oscar-sglang servers (benchmarks.server_fidelity, chunked prefill 1024): the "
+                "server's store, decode and extend kernels",
+        "candidates": rows, "verdict_vs_minmax": verdict(rows), "sources": served["server"]["sources"]}
+    cli._write(out, data)
+    print(out)
+    return 0
+
+
 def verdict(cands: dict) -> dict:
     """Which candidates differ from minmax at paired 95% significance, and in which direction."""
     v = {}
@@ -145,8 +163,8 @@ def verdict(cands: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--rotations", required=True, help="the model's rotations file (oscar-calibrate)")
+    ap.add_argument("--model")
+    ap.add_argument("--rotations", help="the model's rotations file (oscar-calibrate)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     ap.add_argument("--batch", type=int, default=1, help="oscar-eval --batch")
@@ -166,10 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--summarise-only", action="store_true",
                     help="with --resume: run nothing, rewrite --out from the stored runs")
     ap.add_argument("--server", action="append", default=[], metavar="JSON",
-                    help="benchmarks.server_fidelity output(s) with the candidates through the server "
-                         "(repeatable): summarised into through_server")
+                    help="runs nothing: benchmarks.server_fidelity output(s) with the candidates through the "
+                         "server (repeatable) go into --out's through_server, the rest of --out unchanged")
     ap.add_argument("--out", default=DEFAULT_OUT)
     a = ap.parse_args(argv)
+    if a.server:
+        return add_server_results(a.out, a.server)
+    if not (a.model and a.rotations):
+        raise SystemExit("quantizer_study: --model and --rotations are required (or --server)")
     cands = [c.strip() for c in a.candidates.split(",") if c.strip()]
     bad = [c for c in cands if c not in CANDIDATES]
     if bad or DEFAULT not in cands:
@@ -193,13 +215,6 @@ def main(argv=None) -> int:
             old = {}
     keep = {k: v for k, v in old.items() if k in ("conclusion", "not_run", "run_history")}
     through_server = {"through_server": old["through_server"]} if "through_server" in old else {}
-    if a.server:
-        served = server_runs(a.server)
-        rows = summarise(served, bytes_table)
-        through_server = {"through_server": {
-            "path": "SGLang 0.5.17 + oscar-sglang servers (benchmarks.server_fidelity, chunked prefill 1024): "
-                    "the server's store, decode and extend kernels",
-            "candidates": rows, "verdict_vs_minmax": verdict(rows), "sources": served["server"]["sources"]}}
     t0 = time.time()
     short = a.passkey_trials if a.short_passkey_trials is None else a.short_passkey_trials
     # the 8k pass first: it decides, and a run cut by its time limit keeps it

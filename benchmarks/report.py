@@ -615,7 +615,7 @@ def render_tp(path: str, data: dict) -> list[str]:
 HEADLINE_CAPACITY = "capacity_qwen3-8b-shape.json"
 HEADLINE_KERNELS = "kernels_h200.json"
 HEADLINE_SERVER = "server_tinylm-A.json"
-HEADLINE_PASSKEY = ("server_passkey8k_k32_v128_fp8_tinylm-A.json", "oscar-k32-v128-fp8")
+HEADLINE_PASSKEY = ("server_passkey8k_quantizers_tinylm-A.json", "minmax")  # the newest run of the default
 HEADLINE_LONG = 65536  # the decode row's shortest context
 HEADLINE_HICACHE = "hicache_qwen3-8b-shape.json"
 HEADLINE_STEADY = "e2e_decode_throughput_qwen3-8b-shape.json"

@@ -29,6 +29,7 @@ method, and the server logs to benchmarks/results/server_logs/.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -122,6 +123,24 @@ def key_pages_rotations(path: str, folder: str) -> str:
     return out
 
 
+def merge_outputs(paths: list[str], out: str) -> dict:
+    """One result of several invocations' outputs (say one per method, run side by side on one
+    GPU): their methods, which must share the model and settings; written to ``out``."""
+    merged: dict = {}
+    for path in paths:
+        try:
+            data = json.load(open(path))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"server_fidelity: --merge {path}: {e}")
+        if merged and (data.get("model"), data.get("settings")) != (merged["model"], merged["settings"]):
+            raise SystemExit(f"server_fidelity: --merge {path}: another model or other settings than {paths[0]}")
+        merged = {**data, "methods": {**merged.get("methods", {}), **data.get("methods", {})}}
+        merged.pop("wall_s", None)
+    merged["merged_from"] = [os.path.basename(p) for p in paths]
+    save_json(out, merged)
+    return merged
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -143,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--passkey-trials", type=int, default=20, help="prompts per (length, depth)")
     ap.add_argument("--workers", type=int, default=32, help="concurrent requests")
     ap.add_argument("--server-args", default="", help="extra server arguments for every method")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="runs nothing: the methods of these outputs (same model and settings) into --out")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--log-dir", default=DEFAULT_LOGS)
     return ap
@@ -166,6 +187,10 @@ def server_args(args, rotations: str | None) -> list[str]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        merge_outputs(args.merge, args.out)
+        log(f"merged {len(args.merge)} outputs -> {args.out}")
+        return 0
     t_all = time.time()
     methods = ([] if args.no_bf16 else [("bf16", None)]) + args.method
     env = {}

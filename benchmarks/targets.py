@@ -179,5 +179,7 @@ def evaluate(results_dir: str) -> list[tuple[str, str, str]]:
             # the default layout (keys G=32, values G=128, float8 scales) on 300 paired prompts
             + passkey_paired(results_dir, "server_passkey8k_k32_v128_fp8_tinylm-A.json", "through the server, 8k",
                              "oscar-k32-v128-fp8")
+            + passkey_paired(results_dir, "server_passkey8k_quantizers_tinylm-A.json",
+                             "through the server, 8k, recalibrated (quantizer study)", "minmax")
             + capacity(results_dir) + kernels(results_dir) + e2e(results_dir) + steady_decode(results_dir)
             + soak(results_dir))

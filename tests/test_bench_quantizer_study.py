@@ -1,4 +1,6 @@
 """benchmarks/quantizer_study.py: the paired summary and verdicts of the candidates (CPU)."""
+import pytest
+
 from benchmarks import quantizer_study as qs
 
 
@@ -42,3 +44,21 @@ def test_server_results_pair_like_the_simulators(tmp_path):
     assert abs(pck["passkey_paired_vs_minmax"]["8192"]["gap"] + 1 / 3) < 1e-3
     assert abs(rows["minmax"]["passkey_paired_vs_bf16"]["8192"]["gap"] + 1 / 3) < 1e-3
     assert "first_token_logprob_paired_vs_minmax" not in pck and "ppl_ratio_vs_bf16" not in pck
+
+
+def test_server_results_go_into_the_study_and_leave_the_rest(tmp_path):
+    import json
+
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps({"candidates": {"minmax": {"ppl_8k": 5.0}}, "conclusion": "kept",
+                                 "bytes_per_token_per_head": {n: {"total": 74} for n in qs.CANDIDATES}}))
+    served = tmp_path / "served.json"
+    served.write_text(json.dumps({"methods": {
+        "bf16": {"passkey": {"8192": 1.0}, "passkey_hits": {"8192": [1, 1]}},
+        "minmax": {"passkey": {"8192": 0.5}, "passkey_hits": {"8192": [1, 0]}}}}))
+    assert qs.main(["--server", str(served), "--out", str(study)]) == 0
+    data = json.loads(study.read_text())
+    assert data["candidates"] == {"minmax": {"ppl_8k": 5.0}} and data["conclusion"] == "kept"
+    assert data["through_server"]["candidates"]["minmax"]["passkey_paired_vs_bf16"]["8192"]["gap"] == -0.5
+    with pytest.raises(SystemExit, match="--model and --rotations"):
+        qs.main(["--out", str(study)])

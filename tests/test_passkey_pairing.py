@@ -61,3 +61,24 @@ def test_paired_passkey_target_is_missed_only_when_the_interval_excludes_the_bou
     assert write([1] * 99 + [0])[2] == "met"  # -0.01 +- 0.020
     assert "8192: -0.100" in write([1] * 90 + [0] * 10)[1]
     assert targets.passkey_paired(str(tmp_path), "absent.json", "x") == []
+
+
+def test_outputs_of_one_method_each_merge_into_one_result(tmp_path):
+    import json
+
+    from benchmarks import server_fidelity
+
+    def out(name, method, settings):
+        p = tmp_path / name
+        p.write_text(json.dumps({"model": "m", "settings": settings, "wall_s": 9.0,
+                                 "methods": {method: {"passkey_hits": {"8192": [1, 0]}}}}))
+        return str(p)
+
+    st = {"passkey_trials": 100}
+    merged = server_fidelity.merge_outputs([out("a.json", "bf16", st), out("b.json", "minmax", st)],
+                                           str(tmp_path / "m.json"))
+    assert list(merged["methods"]) == ["bf16", "minmax"] and "wall_s" not in merged
+    assert json.loads((tmp_path / "m.json").read_text())["merged_from"] == ["a.json", "b.json"]
+    with pytest.raises(SystemExit, match="other settings"):  # other prompts: not paired
+        server_fidelity.merge_outputs([out("a.json", "bf16", st), out("c.json", "minmax", {"passkey_trials": 20})],
+                                      str(tmp_path / "n.json"))

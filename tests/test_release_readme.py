@@ -76,8 +76,8 @@ def _headline_fixture(tmp_path: Path) -> Path:
     (res / "server_tinylm-A.json").write_text(json.dumps({"model": "tinylm-A", "settings": st, "methods": {
         "bf16": {"ppl_8k": 5.0, "passkey": {"2048": 1.0, "8192": 0.9}},
         "oscar": {"ppl_8k": 5.1, "passkey": {"2048": 1.0, "8192": 0.85}}}}))
-    (res / "server_passkey8k_k32_v128_fp8_tinylm-A.json").write_text(json.dumps({"methods": {
-        "bf16": {"passkey_hits": {"8192": [1, 1, 0, 1]}}, "oscar-k32-v128-fp8": {"passkey_hits": {"8192": [1, 0, 0, 1]}}}}))
+    (res / "server_passkey8k_quantizers_tinylm-A.json").write_text(json.dumps({"methods": {
+        "bf16": {"passkey_hits": {"8192": [1, 1, 0, 1]}}, "minmax": {"passkey_hits": {"8192": [1, 0, 0, 1]}}}}))
     return res
 
 
