@@ -766,11 +766,12 @@ def _paired(p: dict | None, digits: int = 3) -> str:
     return _gap(p["gap"], p["half_width_95"], digits) if p else "-"
 
 
-@per_results_file("quantizer_study_*.json", "python3 -m benchmarks.quantizer_study --model DIR --rotations FILE",
-                  "one GPU, 5 min, or CPU")
+@per_results_file("quantizer_study_*.json",  # the study's candidates lost and left the code with its script
+                  "git show 508d1dc:benchmarks/quantizer_study.py", "one GPU, 5 min, or CPU")
 def render_quantizer_study(path: str, data: dict) -> list[str]:
     st, cands = data.get("settings", {}), data.get("candidates", {})
-    parts = [f"`{_rel(path)}`: {data.get('model', '?')}, {data.get('path', '')}; {st.get('ppl', '')}; passkey prompts "
+    parts = [f"`{_rel(path)}`: {data.get('model', '?')}, simulated {FAKE_INT2} with the server's read rule "
+             f"(BF16 sink and ring, INT2 history); {st.get('ppl', '')}; passkey prompts "
              + ", ".join(f"{n}: {c}" for n, c in sorted(st.get("passkey_prompts_per_length", {}).items(),
                                                      key=lambda x: int(x[0]))) + f"; {st.get('device', '?')}.",
              _quantizer_table(cands)]

@@ -18,10 +18,6 @@ oscar-eval's simulator and tinylm-A.eval.json:
     python -m benchmarks.server_fidelity --method naive=R/naive.safetensors \\
         --method hadamard=R/hadamard.safetensors --method oscar=R/oscar.safetensors
 
-``--key-pages NAME=FILE`` serves FILE's rotations with the keys quantised per channel over
-pages (the quantizer study's per-channel-keys, oscar_kernels.key_pages): a copy of FILE with
-key groups of one channel, and OSCAR_KEY_PAGES=1 in the server's environment.
-
 writes benchmarks/results/server_tinylm-A.json
 ({"methods": {"bf16": {"ppl_8k": .., "passkey": {"2048": .., ...}}, ...}}) after every
 method, and the server logs to benchmarks/results/server_logs/.
@@ -110,19 +106,6 @@ def _method(s: str) -> tuple[str, str]:
     return name, os.path.abspath(path)
 
 
-def key_pages_rotations(path: str, folder: str) -> str:
-    """A copy of rotations file ``path`` in ``folder`` with INT2 key groups of one channel
-    (the layout oscar_kernels.key_pages rewrites page by page); same rotations and clips."""
-    from dataclasses import replace
-
-    from oscar_kernels.contract.rotations_file import Rotations, load_rotations, save_rotations
-
-    rot = load_rotations(path)
-    out = os.path.join(folder, "key_pages_" + os.path.basename(path))
-    save_rotations(out, Rotations(replace(rot.meta, group_size=1), rot.layers))
-    return out
-
-
 def merge_outputs(paths: list[str], out: str) -> dict:
     """One result of several invocations' outputs (say one per method, run side by side on one
     GPU): their methods, which must share the model and settings; written to ``out``."""
@@ -149,8 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=default_model("tinylm-A"))
     ap.add_argument("--method", action="append", type=_method, default=[], metavar="NAME=FILE")
-    ap.add_argument("--key-pages", action="append", type=_method, default=[], metavar="NAME=FILE",
-                    help="a method served with per-channel key pages (see the module doc)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference server")
     ap.add_argument("--bf16-backend", default="triton", help="--attention-backend of the bf16 server")
     ap.add_argument("--sink", type=int, default=None, help="--oscar-sink-tokens (default: the server's)")
@@ -193,12 +174,6 @@ def main(argv=None) -> int:
         return 0
     t_all = time.time()
     methods = ([] if args.no_bf16 else [("bf16", None)]) + args.method
-    env = {}
-    if args.key_pages:
-        os.makedirs(args.log_dir, exist_ok=True)
-        for name, path in args.key_pages:
-            methods.append((name, key_pages_rotations(path, args.log_dir)))
-            env[name] = {"OSCAR_KEY_PAGES": "1"}
     if not methods:
         raise SystemExit("nothing to run (--no-bf16 and no --method)")
     from transformers import AutoTokenizer
@@ -222,7 +197,7 @@ def main(argv=None) -> int:
     result["methods"] = previous_entries(args.out, result, "methods", [name for name, _ in methods])
     for name, rotations in methods:
         t0 = time.time()
-        server = Server(f"fidelity-{name}", server_args(args, rotations), args.log_dir, env=env.get(name))
+        server = Server(f"fidelity-{name}", server_args(args, rotations), args.log_dir)
         try:
             startup = server.start()
             ppl = None
@@ -239,7 +214,7 @@ def main(argv=None) -> int:
             **({ppl_key: ppl["ppl"], "nll": ppl["nll"], "nll_by_position": ppl["nll_by_position"],
                 "nll_by_window": ppl["nll_by_window"], "ppl_windows": ppl["windows"]} if ppl else {}),
             "passkey": pk["mean"], "passkey_by_depth": pk["by_depth"], "passkey_examples": pk["examples"], "passkey_hits": pk["hits"],
-            "rotations": rotations, "key_pages": name in env, "server_cmd": server.cmd[1:], "server_log": server.log_path,
+            "rotations": rotations, "server_cmd": server.cmd[1:], "server_log": server.log_path,
             "startup_s": round(startup, 1), "wall_s": round(time.time() - t0, 1),
         }
         result["wall_s"] = round(time.time() - t_all, 1)

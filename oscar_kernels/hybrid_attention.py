@@ -46,7 +46,6 @@ from typing import Sequence
 
 import torch
 
-from . import key_pages as key_pages_mod
 from . import reference as ref
 from .hybrid_cache import (HybridCache, allocate_index, allocate_layer, assign_sink_slots, sink_slots_in_use,
                            update_ring_validity)
@@ -92,7 +91,6 @@ class _ExtendBatch:
     v_rot: torch.Tensor
     launch: object  # triton_extend.ExtendLaunch (Triton path without FlashInfer), else None
     flashinfer: bool  # FlashInfer's prefill, planned for this batch, does the attention
-    key_pages: object = None  # key_pages.plan_extend_pages, when per-channel key pages are on
 
 
 class HybridAttention:
@@ -103,21 +101,16 @@ class HybridAttention:
     "bf16" / "flashinfer": materialised, then our BF16 attention / FlashInfer's prefill, which
     off CUDA is "bf16"); ``decode_config``: a triton_decode.DecodeConfig
     (e.g. batch_invariant_config); ``padding_page``: a page that never gets BF16 sinks
-    (SGLang's padding page 0, which padded batches write); ``key_pages``: per-channel key
-    pages (oscar_kernels.key_pages, a measurement), on a cache with key groups of 1."""
+    (SGLang's padding page 0, which padded batches write)."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
-                 prefix_read: str = "int2", decode_config=None, padding_page: int | None = None,
-                 key_pages: bool = False):
+                 prefix_read: str = "int2", decode_config=None, padding_page: int | None = None):
         if prefix_read not in PREFIX_READS:
             raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
         layer = cache.layers[0]
         if num_q_heads % layer.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {layer.num_kv_heads} KV heads")
-        if key_pages:
-            key_pages_mod.check_key_pages(layer, cache.index.page_size)
         self.cache, self.num_q_heads, self.sm_scale = cache, num_q_heads, float(sm_scale)
-        self.key_pages = key_pages
         self.padding_page = padding_page
         device = cache.req_to_token.device
         self.triton = use_triton(cache.req_to_token)
@@ -189,9 +182,7 @@ class HybridAttention:
             max_extend_len=max_ext, slots=slots, positions=positions,
             token_rows=torch.repeat_interleave(rows, ext, output_size=t),
             token_seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=t),
-            k_rot=k_rot, v_rot=torch.empty_like(k_rot), launch=launch, flashinfer=fi,
-            key_pages=key_pages_mod.plan_extend_pages(rows, prefix_host, ext_host, index.page_size)
-            if self.key_pages else None)
+            k_rot=k_rot, v_rot=torch.empty_like(k_rot), launch=launch, flashinfer=fi)
 
     # -- runs (once per layer) --------------------------------------------------------
 
@@ -204,8 +195,6 @@ class HybridAttention:
                                f"{None if plan is None else plan.rows.shape[0]}")
         lc, rot, index, r2t = self._layer(layer)
         self._store(layer, k, v, plan.slots, plan.positions, plan.rows, plan.seq_lens)
-        if self.key_pages:
-            key_pages_mod.quantise_decode_pages(lc, rot, index, r2t, plan.rows, plan.seq_lens)
         if self.triton:
             from .triton_decode import triton_decode
             return triton_decode(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
@@ -224,8 +213,6 @@ class HybridAttention:
         lc, rot, index, r2t = self._layer(layer)
         meta = (plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends)
         k_rot, v_rot = self._store(layer, k, v, *meta, write_ring=False, rotated_out=(plan.k_rot, plan.v_rot))
-        if self.key_pages:  # before the ring store: the ring still holds the pages' earlier tokens
-            key_pages_mod.quantise_extend_pages(lc, rot, index, r2t, plan.key_pages, k_rot)
         if plan.flashinfer:
             o = self.flashinfer.run(q, k_rot, v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens, out=out)
         elif self.triton:

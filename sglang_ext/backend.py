@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -30,9 +29,6 @@ from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode, RadixAt
 logger = logging.getLogger(__name__)
 
 PADDING_PAGE = 0  # SGLang's padding page (padded batches write slot 0): never a sink page
-
-
-KEY_PAGES_ENV = "OSCAR_KEY_PAGES"
 
 
 def rid_hash(rid: Optional[str]) -> int:
@@ -118,11 +114,9 @@ class OscarAttnBackend(AttentionBackend):
         if deterministic and use_triton(pool.req_to_token):
             from oscar_kernels.triton_decode import batch_invariant_config
             config = batch_invariant_config(context_len, rows, num_q_heads, pool.head_dim)
-        # OSCAR_KEY_PAGES=1: per-channel key pages, a measurement (benchmarks/server_fidelity --key-pages)
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
-                                         padding_page=PADDING_PAGE,
-                                         key_pages=os.environ.get(KEY_PAGES_ENV, "0") == "1")
+                                         padding_page=PADDING_PAGE)
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
             logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",
                         self.prefix_read, self.attention.warm_up())

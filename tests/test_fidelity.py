@@ -327,29 +327,3 @@ def test_hybrid_sim_with_value_groups_of_their_own_tracks_fake_quantisation(tiny
     err = _gap_after_first_chunk(hyb, bf)
     assert err > 0.05 and _gap_after_first_chunk(hyb, fake) < 0.5 * err
     assert _gap_after_first_chunk(hyb, same) > 0.25 * err
-
-
-def test_hybrid_sim_with_key_pages_tracks_the_per_channel_keys_simulator(tiny, stream):
-    """HybridKVSim(key_pages=True) (the server's per-channel key pages, keys in groups of one
-    channel) tracks FakeInt2KVSim's per-channel-keys and differs from the server's minmax."""
-    from calibration.fidelity.sim_cache import FakeInt2KVSim
-    _, sim_model, _, shape = tiny
-    ids = torch.from_numpy(stream[:L][None])
-    rot = baseline_rotations(shape, "tinylm-A", "hadamard", 32, value_group_size=128, scale_dtype="float8_e4m3fn")
-
-    def run(sim):
-        return _prefill_then_decode(sim_model, sim, ids)
-
-    common = dict(scale_dtype="float8_e4m3fn", value_group_size=128, page_size=16)
-    pages = HybridKVSim(rot.layers, 32, 4, 16, 1, L, key_pages=True, **common)
-    assert (pages.cache.layers[0].key_group_size, pages.cache.layers[0].value_group_size) == (1, 128)
-    bf = run(Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L))
-    hyb = run(pages)
-    fake = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype="float8_e4m3fn", value_group_size=128,
-                             quantizer="per-channel-keys", page_tokens=16))
-    minmax = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L, **common))
-    err = _gap_after_first_chunk(hyb, bf)
-    assert err > 0.05 and _gap_after_first_chunk(hyb, fake) < 0.5 * err
-    assert _gap_after_first_chunk(hyb, minmax) > 0.25 * err
-    with pytest.raises(ValueError, match="recent window"):
-        HybridKVSim(rot.layers, 32, 4, 8, 1, L, key_pages=True, **common)

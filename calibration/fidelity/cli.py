@@ -13,8 +13,6 @@ tokens and decoding token by token. Metrics: held-out perplexity over windows of
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
-``--quantizer per-channel-keys`` tries the quantizer study's per-page keys (fake, or with
-``kv`` through the server's key pages).
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from oscar_kernels.contract.layout import SCALE_DTYPES
 from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import RotationsFileError, check_matches_model, load_rotations
 
-from . import quantizers, runner, tasks
+from . import runner, tasks
 from .attention import use_simulated_attention
 from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim
 
@@ -111,12 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --int2-parts kv-fake or v: the values' INT2 group size and scale dtype "
                          "(e.g. 128:float8_e4m3fn; default: the rotations file's value_group_size and "
                          "scale_dtype)")
-    ap.add_argument("--quantizer", choices=quantizers.QUANTIZERS, default=quantizers.DEFAULT_QUANTIZER,
-                    help="INT2 quantiser: minmax = the server's (default); per-channel-keys = keys per channel "
-                         "over a page of --page-size tokens, quantised once the page is complete (needs "
-                         "--recent >= --page-size), values as minmax; with --int2-parts kv through the "
-                         "server's per-channel key pages (oscar_kernels.key_pages, a measurement). Bytes per "
-                         "token and KV head at D=128 with float8 scales: 74, 70")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -164,9 +156,6 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
                          "rotations file's groups and one scale dtype)")
-    if a.quantizer == "per-channel-keys" and a.recent < a.page_size:
-        raise SystemExit(f"oscar-eval: --quantizer per-channel-keys needs --recent ({a.recent}) >= "
-                         f"--page-size ({a.page_size}): the ring holds the page being filled")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -219,7 +208,6 @@ def main(argv=None) -> int:
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "int2_parts": a.int2_parts,
-            "quantizer": a.quantizer,
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
@@ -246,14 +234,12 @@ def main(argv=None) -> int:
         elif a.int2_parts == "kv":
             sim = HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                               a.device, rot.meta.scale_dtype, a.page_size,
-                              value_group_size=rot.meta.value_group_size,
-                              key_pages=a.quantizer == "per-channel-keys")
+                              value_group_size=rot.meta.value_group_size)
         else:
             sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                                 a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
                                 value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
-                                value_scale_dtype=a.value_groups[1] if a.value_groups else None,
-                                quantizer=a.quantizer, page_tokens=a.page_size)
+                                value_scale_dtype=a.value_groups[1] if a.value_groups else None)
         res = {}
         if a.ppl_windows > 0:
             p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,

@@ -23,9 +23,7 @@ from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
 from oscar_kernels.int2 import clip, fake_quantise
-from oscar_kernels.key_pages import check_key_pages
 
-from . import quantizers
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
@@ -104,18 +102,14 @@ class FakeInt2KVSim(Bf16KVSim):
     ring_lo = max(n - W, S) when decoding (the new token is in the ring) and max(n0 - W, S)
     for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend).
     ``value_group_size`` / ``value_scale_dtype``: the values' own INT2 groups (default: the
-    keys'), to try layouts with a group size per tensor. ``quantizer``: a candidate of
-    :mod:`calibration.fidelity.quantizers` (``minmax``, the server's, by default);
-    ``per-channel-keys`` quantises a page of ``page_tokens`` keys once it is complete (the ring
-    must hold the page being filled: W >= page_tokens)."""
+    keys'), to try layouts with a group size per tensor."""
 
     name = "fake-int2"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
-                 value_scale_dtype: str | None = None, quantizer: str = quantizers.DEFAULT_QUANTIZER,
-                 page_tokens: int = quantizers.PAGE_TOKENS):
+                 value_scale_dtype: str | None = None):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
@@ -127,11 +121,6 @@ class FakeInt2KVSim(Bf16KVSim):
         self.scale_dtype = torch_scale_dtype(scale_dtype)
         self.value_scale_dtype = torch_scale_dtype(value_scale_dtype or scale_dtype)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
-        self.quantizer = quantizers.check_quantizer(quantizer)
-        self.page_tokens = page_tokens
-        if quantizer == "per-channel-keys" and recent_window < page_tokens:
-            raise ValueError(f"per-channel-keys needs the recent window ({recent_window}) to hold a page "
-                             f"being filled ({page_tokens} tokens)")
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
@@ -141,33 +130,12 @@ class FakeInt2KVSim(Bf16KVSim):
         x_hat = fake_quantise(x_rot, group_size, None, None, scale_dtype)
         return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
 
-    def _fake_key_pages(self, layer_idx, b, n0, n):
-        """per-channel-keys: fake-quantise the key pages that position n completes."""
-        p = self.page_tokens
-        first, last = n0 // p, n // p
-        if last <= first:
-            return
-        r = self.rotations[layer_idx]
-        lo, hi = first * p, last * p
-        x = self.k[layer_idx][:b, lo:hi].float()
-        x_rot = clip(torch.einsum("bthd,hde->bthe", x, r.k_rot), r.k_clip_min, r.k_clip_max)
-        pages = x_rot.reshape(b, last - first, p, *x_rot.shape[2:]).transpose(2, 3)  # [B, pages, H, P, D]
-        exact = (torch.arange(lo, hi, device=x.device) < self.sink_tokens).view(last - first, p)
-        out = torch.empty_like(pages)
-        for i in range(last - first):
-            out[:, i] = quantizers.fake_per_channel(pages[:, i], self.scale_dtype, exact[i])
-        x_hat = out.transpose(2, 3).reshape(x_rot.shape)
-        self.kq[layer_idx][:b, lo:hi] = torch.einsum("bthe,hde->bthd", x_hat, r.k_rot).to(CACHE_DTYPE)
-
     def _store(self, layer_idx, b, n0, n, k, v):
         super()._store(layer_idx, b, n0, n, k, v)
         r = self.rotations[layer_idx]
         if self.kq is not None:
-            if self.quantizer == "per-channel-keys":
-                self._fake_key_pages(layer_idx, b, n0, n)
-            else:
-                self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                                                          self.group_size, self.scale_dtype)
+            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
+                                                      self.group_size, self.scale_dtype)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
                                                       self.value_group_size, self.value_scale_dtype)
@@ -189,16 +157,14 @@ class FakeInt2KVSim(Bf16KVSim):
 
 class HybridKVSim(_KVSim):
     """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
-    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys');
-    ``key_pages``: per-channel key pages (oscar_kernels.key_pages, the server's ``per-channel-keys``),
-    on keys in groups of one channel whatever ``group_size`` says."""
+    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
 
     name = "hybrid"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", page_size: int | None = None,
-                 value_group_size: int | None = None, key_pages: bool = False):
+                 value_group_size: int | None = None):
         num_layers = len(rotations)
         super().__init__(num_layers, max_batch, max_len, device)
         if sink_tokens < 0 or recent_window < 0:
@@ -212,18 +178,16 @@ class HybridKVSim(_KVSim):
         num_slots = max_batch * self.row_len
         sdt = torch_scale_dtype(scale_dtype)
         value_group_size = value_group_size or group_size
-        layers = [allocate_layer(num_slots, h, d, 1 if key_pages else group_size, sink_tokens, recent_window,
+        layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
                                  num_sink_slots=max_batch, num_rows=max_batch,
                                  scale_dtype=sdt, device=self.device,
                                  value_group_size=value_group_size)
                   for _ in range(num_layers)]
-        if key_pages:  # refused here, not at the first step
-            check_key_pages(layers[0], self.page_size)
         req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device).view(max_batch, self.row_len)
         self.cache = HybridCache(layers, [r.to(self.device) for r in rotations],
                                  allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device),
                                  req_to_token)
-        self.sink_tokens, self.recent_window, self.key_pages = sink_tokens, recent_window, key_pages
+        self.sink_tokens, self.recent_window = sink_tokens, recent_window
         self.attention: HybridAttention | None = None  # built on the first step (the model's head count, scale)
         self._planned = None  # (batch, length, tokens) of the planned step
         self._generation = 0  # the ring owner of the sequences begun last
@@ -245,8 +209,7 @@ class HybridKVSim(_KVSim):
     def _plan(self, num_q_heads: int, t: int, scaling: float) -> bool:
         """Plan this step once (its first layer); True for a decode step."""
         if self.attention is None:
-            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch,
-                                             key_pages=self.key_pages)
+            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch)
         elif scaling != self.attention.sm_scale:
             raise ValueError(f"attention scale {scaling} differs from the {self.attention.sm_scale} of the "
                              "first layer (one scale for every layer, as the server)")
