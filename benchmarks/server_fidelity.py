@@ -31,7 +31,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.server_harness import ROOT, Server, default_model, log, previous_entries, run_script, save_json
+from benchmarks.server_harness import (ROOT, Server, default_model, log, previous_entries, run_script, same_run,
+                                       save_json)
 from calibration.fidelity import tasks
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "server_tinylm-A.json")
@@ -115,10 +116,10 @@ def merge_outputs(paths: list[str], out: str) -> dict:
             data = json.load(open(path))
         except (OSError, ValueError) as e:
             raise SystemExit(f"server_fidelity: --merge {path}: {e}")
-        if merged and (data.get("model"), data.get("settings")) != (merged["model"], merged["settings"]):
+        if merged and not same_run(data, merged):
             raise SystemExit(f"server_fidelity: --merge {path}: another model or other settings than {paths[0]}")
         merged = {**data, "methods": {**merged.get("methods", {}), **data.get("methods", {})}}
-        merged.pop("wall_s", None)
+    merged.pop("wall_s", None)  # each invocation's own
     merged["merged_from"] = [os.path.basename(p) for p in paths]
     save_json(out, merged)
     return merged

@@ -50,6 +50,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def same_run(a: dict, b: dict) -> bool:
+    """Two results of one benchmark with the same model and settings (the same prompts)."""
+    return (a.get("model"), a.get("settings")) == (b.get("model"), b.get("settings"))
+
+
 def previous_entries(path: str, result: dict, section: str, keep_out) -> dict:
     """``section`` entries of an earlier run's JSON at ``path`` when it has the same model and
     settings as ``result`` (minus the names in ``keep_out``, which this run redoes), else {}:
@@ -59,7 +64,7 @@ def previous_entries(path: str, result: dict, section: str, keep_out) -> dict:
             prev = json.load(f)
     except (OSError, ValueError):
         return {}
-    if prev.get("model") != result.get("model") or prev.get("settings") != result.get("settings"):
+    if not same_run(prev, result):
         return {}
     return {k: v for k, v in prev.get(section, {}).items() if k not in keep_out}
 
