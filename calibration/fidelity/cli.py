@@ -1,15 +1,20 @@
 """oscar-eval: fidelity of the hybrid INT2 KV cache on an HF model, as the server stores it.
 
     oscar-eval --model DIR --method naive=FILE --method hadamard=FILE --method oscar=FILE \\
-        [--sink S] [--recent W] [--chunk 1024] [--ppl-windows 16] [--passkey-trials N] \\
-        [--lengths 2048,4096,8192] [--out JSON] [--device cpu|cuda]
+        [--sink S] [--recent W] [--chunk 1024] [--ppl-len 2048,4096,8192] [--ppl-windows 16] \\
+        [--passkey-trials N] [--lengths 2048,4096,8192] [--out JSON] [--device cpu|cuda]
 
 Every method runs the same model with its attention routed through a KV simulator
 (calibration.fidelity.sim_cache): ``bf16`` keeps K/V in BF16; each ``--method name=FILE``
 stores them through the server's HybridAttention with that rotations file (BF16 sink of S tokens,
 BF16 ring of the last W, INT2 history in between), prefilling in chunks of ``--chunk``
-tokens and decoding token by token. Metrics: held-out perplexity over windows of
-``--ppl-len`` tokens and tinylm's passkey retrieval (see calibration.fidelity.tasks).
+tokens and decoding token by token. Metrics: held-out perplexity over windows of each
+``--ppl-len`` (``ppl_2k``, ``ppl_8k``, ...), tinylm's passkey retrieval (see
+calibration.fidelity.tasks) and, for every method, agreement with bf16 on the perplexity
+windows: the methods run in lockstep with bf16, chunk by chunk, and each chunk's logits are
+compared with bf16's at once (top-1 agreement, KL(bf16 || method) over the whole vocabulary and
+the lower bound the server's top-K lists give; see calibration.fidelity.agreement) over the
+positions past the first chunk, which read fresh BF16 K/V.
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
@@ -29,6 +34,7 @@ from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import RotationsFileError, check_matches_model, load_rotations
 
 from . import runner, tasks
+from .args import Refusal, at_least, depths, passkey_lengths, ppl_key, ppl_lengths
 from .attention import use_simulated_attention
 from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim
 
@@ -36,27 +42,13 @@ DEFAULT_SINK_TOKENS = 16
 DEFAULT_RECENT_WINDOW = 128
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_CHUNK = 1024
-DEFAULT_PPL_LEN = 8192
+DEFAULT_PPL_LEN = "8192"
 DEFAULT_PPL_WINDOWS = 16
 DEFAULT_DECODE_TAIL = 0
 DEFAULT_PASSKEY_TRIALS = 4  # CPU budget; use 20+ on a GPU (see README of the results)
 DEFAULT_LENGTHS = "2048,4096,8192"
 DEFAULT_OUT = "benchmarks/results/fidelity_tinylm-A.json"
 INT2_PARTS = ("kv", "k", "v", "kv-fake")
-
-
-def _int_list(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _float_list(s: str) -> list[float]:
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
 
 
 def _value_groups(s: str) -> tuple[int, str]:
@@ -82,20 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", action="append", type=_method, default=[], metavar="NAME=FILE",
                     help="a rotations file to evaluate under NAME (repeatable)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference")
-    ap.add_argument("--sink", type=int, default=DEFAULT_SINK_TOKENS, help="BF16 sink tokens S")
-    ap.add_argument("--recent", type=int, default=DEFAULT_RECENT_WINDOW, help="BF16 recent window W")
-    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="pool page size (S <= page size)")
-    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk (server --chunked-prefill-size)")
-    ap.add_argument("--ppl-len", type=int, default=DEFAULT_PPL_LEN, help="perplexity window length")
-    ap.add_argument("--ppl-windows", type=int, default=DEFAULT_PPL_WINDOWS, help="perplexity windows (0 = skip)")
-    ap.add_argument("--decode-tail", type=int, default=DEFAULT_DECODE_TAIL,
+    ap.add_argument("--sink", type=at_least(0), default=DEFAULT_SINK_TOKENS, help="BF16 sink tokens S")
+    ap.add_argument("--recent", type=at_least(0), default=DEFAULT_RECENT_WINDOW, help="BF16 recent window W")
+    ap.add_argument("--page-size", type=at_least(1), default=DEFAULT_PAGE_SIZE, help="pool page size (S <= page size)")
+    ap.add_argument("--chunk", type=at_least(1), default=DEFAULT_CHUNK,
+                    help="prefill chunk (server --chunked-prefill-size)")
+    ap.add_argument("--ppl-len", type=ppl_lengths, default=ppl_lengths(DEFAULT_PPL_LEN),
+                    help="perplexity window length(s), e.g. 2048,4096,8192 (results ppl_2k, ppl_4k, ppl_8k)")
+    ap.add_argument("--ppl-windows", type=at_least(0), default=DEFAULT_PPL_WINDOWS,
+                    help="perplexity windows per length (0 = skip)")
+    ap.add_argument("--decode-tail", type=at_least(0), default=DEFAULT_DECODE_TAIL,
                     help="last tokens of every ppl window fed one per step (decode) instead of prefilled")
-    ap.add_argument("--passkey-trials", type=int, default=DEFAULT_PASSKEY_TRIALS,
+    ap.add_argument("--passkey-trials", type=at_least(0), default=DEFAULT_PASSKEY_TRIALS,
                     help="prompts per (length, depth) cell (0 = skip)")
-    ap.add_argument("--lengths", type=_int_list, default=_int_list(DEFAULT_LENGTHS), help="passkey lengths")
-    ap.add_argument("--depths", type=_float_list, default=list(tasks.PASSKEY_DEPTHS), help="passkey depths")
+    ap.add_argument("--lengths", type=passkey_lengths, default=passkey_lengths(DEFAULT_LENGTHS),
+                    help=f"passkey lengths (each >= {tasks.passkey_min_length()})")
+    ap.add_argument("--depths", type=depths, default=list(tasks.PASSKEY_DEPTHS),
+                    help="passkey depths, each in (0, 1)")
     ap.add_argument("--corpus-mb", type=float, default=tasks.HELDOUT_CORPUS_MB, help="held-out text to read")
-    ap.add_argument("--batch", type=int, default=1, help="sequences per forward (windows / prompts)")
+    ap.add_argument("--batch", type=at_least(1), default=1, help="sequences per forward (windows / prompts)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="model dtype (the KV cache is BF16/INT2 either way)")
@@ -117,8 +114,8 @@ def _check_disjoint(name: str, calib_data: str) -> None:
     low = calib_data.lower()
     hit = [p for p in tasks.HELDOUT_PACKAGES if p in low]
     if hit:
-        raise SystemExit(f"oscar-eval: method {name}: its calibration data ({calib_data!r}) mentions the "
-                         f"held-out eval packages {hit}; calibration and eval text must be disjoint")
+        raise _refuse(f"method {name}: its calibration data ({calib_data!r}) mentions the "
+                      f"held-out eval packages {hit}; calibration and eval text must be disjoint")
 
 
 def _load_model(path: str, device: str, dtype: str):
@@ -144,18 +141,48 @@ def _write(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def _refuse(msg: str) -> Refusal:
+    return Refusal("oscar-eval", msg)
+
+
+def _build_sim(rot, a, shape, max_len: int):
+    """The KV simulator of one method (``rot`` None: bf16) for sequences of up to ``max_len``."""
+    if rot is None:
+        return Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
+    if a.int2_parts == "kv":
+        return HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
+                           a.device, rot.meta.scale_dtype, a.page_size, value_group_size=rot.meta.value_group_size)
+    return FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
+                         a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
+                         value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
+                         value_scale_dtype=a.value_groups[1] if a.value_groups else None)
+
+
+def _summary(res: dict, lengths: list[int]) -> dict:
+    """The figures printed per method: perplexities, agreement with bf16 past the first chunk, passkey."""
+    out = {k: res[k] for k in [ppl_key(n) for n in lengths] + ["ppl_decode_tail"] if k in res}
+    for n, ag in res.get("agreement", {}).items():
+        out[f"top1_{n}"], out[f"kl_{n}"] = ag["top1"], ag["kl"]
+    if "passkey" in res:
+        out["passkey"] = res["passkey"]
+    return out
+
+
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("oscar-eval: --device cuda but CUDA is not available")
+        raise _refuse("--device cuda but CUDA is not available")
     names = [n for n, _ in a.method]
     if len(set(names)) != len(names):
-        raise SystemExit(f"oscar-eval: method names must be unique, got {names}")
+        raise _refuse(f"method names must be unique, got {names}")
     if a.no_bf16 and not a.method:
-        raise SystemExit("oscar-eval: nothing to evaluate (--no-bf16 and no --method)")
+        raise _refuse("nothing to evaluate (--no-bf16 and no --method)")
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
-        raise SystemExit("oscar-eval: --value-groups needs --int2-parts kv-fake or v (the kernels take the "
-                         "rotations file's groups and one scale dtype)")
+        raise _refuse("--value-groups needs --int2-parts kv-fake or v (the kernels take the "
+                      "rotations file's groups and one scale dtype)")
+    if a.ppl_windows and a.decode_tail >= min(a.ppl_len):
+        raise _refuse(f"--decode-tail {a.decode_tail} must be shorter than the shortest --ppl-len {min(a.ppl_len)}")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -165,27 +192,26 @@ def main(argv=None) -> int:
             rotations[name] = (path, load_rotations(path))
             _check_disjoint(name, rotations[name][1].meta.calib_data)
         if not os.path.isfile(os.path.join(a.model, "config.json")):
-            print(f"oscar-eval: error: {a.model}: not a model folder (no config.json)", file=sys.stderr)
-            return 2
+            raise _refuse(f"{a.model}: not a model folder (no config.json)")
         model, tok = _load_model(a.model, a.device, a.dtype)
         shape = ModelShape.from_hf_config(model.config)
         for path, rot in rotations.values():
             check_matches_model(rot.meta, shape, path)
     except RotationsFileError as e:
-        print(f"oscar-eval: error: {e}", file=sys.stderr)
-        return 2
+        raise _refuse(str(e)) from None
 
     try:
         stream = tasks.load_heldout_stream(tok, corpus_mb=a.corpus_mb)
-    except FileNotFoundError as e:
-        print(f"oscar-eval: error: {e}", file=sys.stderr)
-        return 2
-    pk = tasks.Passkey(tok, stream.tokens)
-    prompts = tasks.passkey_prompts(pk, a.lengths, a.depths, a.passkey_trials) if a.passkey_trials > 0 else []
+        pk = tasks.Passkey(tok, stream.tokens)
+        prompts = tasks.passkey_prompts(pk, a.lengths, a.depths, a.passkey_trials) if a.passkey_trials > 0 else []
+        if a.ppl_windows:
+            for n in a.ppl_len:
+                tasks.ppl_window_starts(len(stream.tokens), n, a.ppl_windows)
+    except (FileNotFoundError, ValueError) as e:
+        raise _refuse(str(e)) from None
     eos = _eos_ids(model, tok)
-    max_len = max([a.ppl_len if a.ppl_windows > 0 else 0]
+    max_len = max([max(a.ppl_len) if a.ppl_windows > 0 else 0]
                   + [len(p.ids) + tasks.PASSKEY_MAX_NEW_TOKENS for p in prompts])
-    ppl_key = f"ppl_{a.ppl_len // 1024}k" if a.ppl_len % 1024 == 0 else f"ppl_{a.ppl_len}"
 
     def per_method(field: str):
         """The methods' common value of a metadata field, or {name: value} when they differ."""
@@ -195,6 +221,8 @@ def main(argv=None) -> int:
         return next(iter(vals.values())) if len(set(vals.values())) == 1 else vals
 
     calib = {n: r.meta.calib_data for n, (_, r) in rotations.items()}
+    lens_text = " / ".join(map(str, a.ppl_len))
+    ppl_len = a.ppl_len[0] if len(a.ppl_len) == 1 else a.ppl_len  # one length: the key as it always was
     result = {
         "model": os.path.basename(os.path.normpath(a.model)),
         "settings": {
@@ -202,15 +230,22 @@ def main(argv=None) -> int:
             "group_size": per_method("group_size"), "value_group_size": per_method("value_group_size"),
             "calib": calib,
             "eval": {"text": stream.description,
-                     "ppl": f"{a.ppl_windows} windows of {a.ppl_len} tokens evenly spread over the held-out "
+                     "ppl": f"{a.ppl_windows} windows of {lens_text} tokens evenly spread over the held-out "
                             "stream (tasks.ppl_window_starts), next-token NLL; chunked prefill, the last "
                             f"{a.decode_tail} tokens of each window decoded one per step",
+                     "agreement": "every method in lockstep with bf16 on the perplexity windows, at each predicting "
+                                  f"position p >= {a.chunk} (past the first chunk, which reads fresh BF16 K/V): top1 = "
+                                  "the method's most likely next token is bf16's (tied tops: the tied sets meet); "
+                                  "kl = KL(bf16 || method) over the whole vocabulary; kl_topk = the lower bound that "
+                                  f"top-K lists give (bf16's top {runner.TOPK_REF}, the method's top "
+                                  f"{runner.TOPK_METHOD}, as benchmarks.server_fidelity computes it through the "
+                                  "server); missing = bf16 top tokens absent from the method's list",
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
             "int2_parts": a.int2_parts,
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
-            "chunk": a.chunk, "page_size": a.page_size, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
+            "chunk": a.chunk, "page_size": a.page_size, "ppl_len": ppl_len, "ppl_windows": a.ppl_windows,
             "decode_tail": a.decode_tail,
             "passkey_trials": a.passkey_trials, "passkey_lengths": a.lengths, "passkey_depths": a.depths,
             "seeds": {"heldout_shuffle": tasks.HELDOUT_SHUFFLE_SEED, "passkey": tasks.PASSKEY_SEED},
@@ -227,27 +262,26 @@ def main(argv=None) -> int:
     }
 
     todo = ([("bf16", None)] if not a.no_bf16 else []) + [(n, r) for n, (_, r) in rotations.items()]
-    for name, rot in todo:
-        t0 = time.time()
-        if rot is None:
-            sim = Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
-        elif a.int2_parts == "kv":
-            sim = HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                              a.device, rot.meta.scale_dtype, a.page_size,
-                              value_group_size=rot.meta.value_group_size)
-        else:
-            sim = FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                                a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
-                                value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
-                                value_scale_dtype=a.value_groups[1] if a.value_groups else None)
-        res = {}
-        if a.ppl_windows > 0:
-            p = runner.perplexity(model, sim, stream.tokens, a.ppl_len, a.ppl_windows, a.chunk, a.batch,
-                                  a.decode_tail, desc=f"{name} ppl")
-            res[ppl_key] = p["ppl"]
-            if a.decode_tail:
-                res["ppl_decode_tail"] = p["ppl_decode"]
-            res["ppl_detail"] = p
+    sims = {name: _build_sim(rot, a, shape, max_len) for name, rot in todo}
+    methods = result["methods"] = {name: {} for name in sims}
+    seconds = dict.fromkeys(sims, 0.0)
+    if a.ppl_windows > 0:  # every length, all methods in lockstep with bf16
+        for n in a.ppl_len:
+            per = runner.perplexity_lockstep(model, sims, stream.tokens, n, a.ppl_windows, a.chunk, a.batch,
+                                             a.decode_tail, desc=f"ppl {n}")
+            for name, p in per.items():
+                res = methods[name]
+                res[ppl_key(n)] = p["ppl"]
+                if a.decode_tail and "ppl_decode_tail" not in res:  # the first length's, as before
+                    res["ppl_decode_tail"] = p["ppl_decode"]
+                if "agreement" in p:
+                    res.setdefault("agreement", {})[str(n)] = p.pop("agreement")
+                seconds[name] += p.pop("seconds")
+                res.setdefault("ppl_detail", p)  # the first length's
+                res.setdefault("ppl_details", {})[str(n)] = p
+            _write(a.out, result)
+    for name, sim in sims.items():
+        res, t0 = methods[name], time.time()
         if prompts:
             pr = runner.passkey(model, sim, tok, prompts, a.chunk, eos, a.batch, desc=f"{name} passkey")
             res["passkey"] = pr["mean"]
@@ -256,12 +290,11 @@ def main(argv=None) -> int:
             res["passkey_first_token_logprob"] = pr["first_token_logprob"]
             res["passkey_hits"] = pr["hits"]  # per prompt: the report's paired interval
             res["passkey_first_token_logprobs"] = pr["first_token_logprobs"]
-        res["wall_s"] = round(time.time() - t0, 1)
-        result["methods"][name] = res
+        res["wall_s"] = round(seconds[name] + time.time() - t0, 1)
         _write(a.out, result)
-        summary = {k: res[k] for k in (ppl_key, "ppl_decode_tail", "passkey") if k in res}
-        print(f"oscar-eval: {name}: {json.dumps(summary)} ({res['wall_s']} s)", file=sys.stderr, flush=True)
-        del sim
+        print(f"oscar-eval: {name}: {json.dumps(_summary(res, a.ppl_len))} ({res['wall_s']} s)",
+              file=sys.stderr, flush=True)
+    del sims
     result["settings"]["wall_s"] = round(time.time() - t_start, 1)
     _write(a.out, result)
     print(a.out)

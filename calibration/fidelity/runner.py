@@ -13,6 +13,7 @@ prompts are prefilled in chunks of ``chunk`` tokens and answers decoded token by
 from __future__ import annotations
 
 import math
+import time
 from itertools import groupby
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from . import tasks
+from . import agreement, tasks
 from .attention import forward_step
 
 
@@ -36,44 +37,99 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
 
 
+TOPK_REF, TOPK_METHOD = 20, 64  # the server's top-K lists (benchmarks.server_fidelity): the same bound here
+
+
+def compare_logits(ref_logits: torch.Tensor, logits: torch.Tensor, topk=(TOPK_REF, TOPK_METHOD)) -> dict:
+    """Per position [B, T] (numpy): ``kl`` = KL(BF16 || method) over the whole vocabulary, and
+    what the server's top-K lists give on the same logits (``top1``, ``kl_topk``, ``missing``:
+    agreement.topk_agreement with BF16's top ``topk[0]`` and the method's top ``topk[1]``).
+    ``ref_logits`` / ``logits`` [B, T, V]: BF16's and the method's logits of the same step."""
+    ref_k, k = topk
+    b, t, _ = logits.shape
+    kl = agreement.kl_full(ref_logits, logits).cpu().numpy()
+    ref_lp, ref_idx = torch.log_softmax(ref_logits.float(), -1).topk(k, -1)
+    m_lp, m_idx = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    flat = lambda x: x.reshape(b * t, k).cpu().numpy()
+    out = agreement.topk_agreement(flat(ref_lp), flat(ref_idx), flat(m_lp), flat(m_idx), ref_k)
+    return {"kl": kl, **{name: v.reshape(b, t) for name, v in out.items()}}
+
+
 @torch.no_grad()
-def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk: int,
-               batch: int = 1, decode_tail: int = 0, desc: str = "ppl") -> dict:
-    """Mean next-token NLL over the windows. Positions ``< length - decode_tail`` are
-    scored from chunked prefill; the last ``decode_tail`` ones are fed one token per step
-    (teacher-forced decode, as generation reads the cache) and also reported apart."""
+def perplexity_lockstep(model, sims: dict, stream: np.ndarray, length: int, windows: int, chunk: int,
+                        batch: int = 1, decode_tail: int = 0, reference: str | None = "bf16",
+                        topk=(TOPK_REF, TOPK_METHOD), desc: str = "ppl") -> dict[str, dict]:
+    """Mean next-token NLL over the windows for every simulator in ``sims`` ({name: sim}), run in
+    lockstep: each step (a prefill chunk or a decoded token) goes through the ``reference`` first,
+    then through every other simulator, whose logits are compared with the reference's at once
+    (:func:`compare_logits`), so one step's logits per method are held, never a window's.
+    Positions ``< length - decode_tail`` are scored from chunked prefill; the last
+    ``decode_tail`` ones are fed one token per step (teacher-forced decode, as generation reads
+    the cache) and also reported apart. Returns {name: result}; a compared method's result has
+    ``agreement`` (agreement.AgreementTally.result over positions >= ``chunk``) and every one
+    ``seconds`` (its own forwards)."""
     if not 0 <= decode_tail < length:
         raise ValueError(f"decode tail {decode_tail} must be in 0..{length - 1}")
+    if reference is not None and reference not in sims:
+        reference = None
+    order = ([reference] if reference else []) + [n for n in sims if n != reference]
     starts = tasks.ppl_window_starts(len(stream), length, windows)
     dev = next(model.parameters()).device
-    nll_sum = torch.zeros(length, dtype=torch.float64, device=dev)
-    nll_windows = []  # mean NLL of each window, in window order (paired comparisons)
+    nll_sum = {n: torch.zeros(length, dtype=torch.float64, device=dev) for n in order}
+    nll_windows = {n: [] for n in order}  # mean NLL of each window, in window order (paired comparisons)
+    seconds = dict.fromkeys(order, 0.0)
+    tallies = {n: agreement.AgreementTally(chunk, position_buckets(length)) for n in order if reference and n != reference}
     split = length - decode_tail
     bar = tqdm(total=len(starts), desc=desc, unit="win", leave=False)
     for b0 in range(0, len(starts), batch):
         rows = np.stack([stream[s:s + length + 1] for s in starts[b0:b0 + batch]])
         ids = torch.from_numpy(rows).to(dev)
-        sim.begin(ids.shape[0])
+        for n in order:
+            sims[n].begin(ids.shape[0])
         steps = chunk_bounds(split, chunk) + [(j, j + 1) for j in range(split, length)]
-        win_sum = torch.zeros(ids.shape[0], dtype=torch.float64, device=dev)
+        win_sum = {n: torch.zeros(ids.shape[0], dtype=torch.float64, device=dev) for n in order}
         for lo, hi in steps:
-            logits = forward_step(model, sim, ids[:, lo:hi])
-            nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, lo + 1:hi + 1], reduction="none")
-            nll_sum[lo:hi] += nll.double().sum(0)
-            win_sum += nll.double().sum(1)
-        nll_windows += [round(x, 6) for x in (win_sum / length).tolist()]
+            ref_logits = None
+            for n in order:
+                t0 = time.perf_counter()
+                logits = forward_step(model, sims[n], ids[:, lo:hi])
+                nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, lo + 1:hi + 1], reduction="none")
+                nll_sum[n][lo:hi] += nll.double().sum(0)
+                win_sum[n] += nll.double().sum(1)
+                seconds[n] += time.perf_counter() - t0
+                if n == reference:
+                    ref_logits = logits
+                elif n in tallies:
+                    measures = compare_logits(ref_logits, logits, topk)
+                    for i in range(ids.shape[0]):
+                        tallies[n].add(b0 + i, np.arange(lo, hi), {k: v[i] for k, v in measures.items()})
+        for n in order:
+            nll_windows[n] += [round(x, 6) for x in (win_sum[n] / length).tolist()]
         bar.update(ids.shape[0])
     bar.close()
-    per_pos = nll_sum / len(starts)
-    mean = per_pos.mean().item()
-    out = {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
-           "nll_by_window": nll_windows,
-           "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
-                               for lo, hi in position_buckets(length)}}
-    if decode_tail:
-        out.update(decode_tail=decode_tail, nll_prefill=per_pos[:split].mean().item(),
-                   nll_decode=per_pos[split:].mean().item(), ppl_decode=math.exp(per_pos[split:].mean().item()))
+    out = {}
+    for n in order:
+        per_pos = nll_sum[n] / len(starts)
+        mean = per_pos.mean().item()
+        r = {"ppl": math.exp(mean), "nll": mean, "windows": len(starts), "window_starts": starts,
+             "nll_by_window": nll_windows[n],
+             "nll_by_position": {f"{lo}-{hi}": round(per_pos[lo:hi].mean().item(), 5)
+                                 for lo, hi in position_buckets(length)}}
+        if decode_tail:
+            r.update(decode_tail=decode_tail, nll_prefill=per_pos[:split].mean().item(),
+                     nll_decode=per_pos[split:].mean().item(), ppl_decode=math.exp(per_pos[split:].mean().item()))
+        if n in tallies:
+            r["agreement"] = tallies[n].result()
+        r["seconds"] = round(seconds[n], 1)
+        out[n] = r
     return out
+
+
+def perplexity(model, sim, stream: np.ndarray, length: int, windows: int, chunk: int,
+               batch: int = 1, decode_tail: int = 0, desc: str = "ppl") -> dict:
+    """One simulator's :func:`perplexity_lockstep` result (no comparison)."""
+    return perplexity_lockstep(model, {"sim": sim}, stream, length, windows, chunk, batch, decode_tail,
+                               reference=None, desc=desc)["sim"]
 
 
 @torch.no_grad()

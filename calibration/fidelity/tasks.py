@@ -49,6 +49,8 @@ PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 PASSKEY_PROMPT_MARGIN = 16  # tinylm builds prompts of L - 16 tokens
 PASSKEY_MAX_NEW_TOKENS = 10
 PASSKEY_VALUE_CHARS = 6
+PASSKEY_NEEDLE = '\nPASSKEY_{pid} = "{val}"'  # pid: 6 of A-Z0-9, val: 6 hex digits
+PASSKEY_QUERY = '\nassert PASSKEY_{pid} == "'
 _SKIP_TOP_SUFFIXES = (".dist-info", ".egg-info", ".libs", ".data")
 HEX = np.array(list("0123456789abcdef"))
 IDCH = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"))
@@ -285,9 +287,12 @@ class Passkey:
         """Prompt of exactly ``length`` tokens ending in ``assert PASSKEY_<id> == "``;
         returns (ids int64 [length], value)."""
         pid, val = self.rand_kv(rng)
-        needle = self.enc(f'\nPASSKEY_{pid} = "{val}"')
-        query = self.enc(f'\nassert PASSKEY_{pid} == "')
+        needle = self.enc(PASSKEY_NEEDLE.format(pid=pid, val=val))
+        query = self.enc(PASSKEY_QUERY.format(pid=pid))
         flen = length - 1 - len(needle) - len(query)
+        if flen < 1:
+            raise ValueError(f"a passkey prompt of {length} tokens cannot hold <|endoftext|>, the needle "
+                             f"({len(needle)} tokens), the query ({len(query)}) and filler")
         body = self._filler_with_needle(rng, flen, needle, depth)
         return np.concatenate([[self.eot], body, query]), val
 
@@ -312,6 +317,16 @@ def passkey_prompts(pk: Passkey, lengths, depths=PASSKEY_DEPTHS, trials: int = 2
                 ids, val = pk.eval_prompt(rng, int(length) - PASSKEY_PROMPT_MARGIN, float(d))
                 out.append(PasskeyPrompt(int(length), float(d), t, ids, val))
     return out
+
+
+def passkey_min_length() -> int:
+    """The shortest nominal length L whose prompt (L - 16 tokens) always holds ``<|endoftext|>``,
+    the needle, the query and one filler token, for a tokenizer that spends at most one token per
+    byte of ASCII text plus one word-start marker per encoded piece (byte-level BPE spends at
+    most one per byte); Passkey.eval_prompt refuses a shorter prompt of any other tokenizer."""
+    pid, val = "X" * 6, "0" * PASSKEY_VALUE_CHARS
+    pieces = (PASSKEY_NEEDLE.format(pid=pid, val=val), PASSKEY_QUERY.format(pid=pid))
+    return PASSKEY_PROMPT_MARGIN + 1 + sum(len(p.encode()) + 1 for p in pieces) + 1
 
 
 def passkey_hit(generated_text: str, value: str) -> bool:
