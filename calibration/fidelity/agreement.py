@@ -45,9 +45,10 @@ def kl_topk_lower_bound(ref_lp: np.ndarray, ref_idx: np.ndarray, m_lp: np.ndarra
     BF16's top ``ref_k`` tokens plus one bucket for all other tokens, which can only lower the KL
     (log-sum inequality). The method's probability of a BF16 token in its own list is exact; of
     the m tokens missing from it, each is at most the method's K'-th probability, so their
-    merged mass q_M lies in [0, min(S, m * q_K')] (S: the method's mass outside the tokens it
-    lists among BF16's); the bound takes the q_M in that range with the least KL (the two-bucket
-    term is convex in q_M: its minimum is at S * p_M / (p_M + p_rest), clipped to the range)."""
+    merged mass q_M lies in [0, min(S - q_other, m * q_K')] (S: the method's mass outside the
+    BF16 tokens it lists; q_other: what it lists of other tokens, which stays in the rest); the
+    bound takes the q_M in that range with the least KL (the two-bucket term is convex in q_M:
+    its minimum is at S * p_M / (p_M + p_rest), clipped to the range)."""
     if m_lp.shape[1] < ref_k or ref_lp.shape[1] < ref_k:
         raise ValueError(f"top-K lists of {ref_lp.shape[1]} (BF16) and {m_lp.shape[1]} (method) entries "
                          f"cannot bound a KL over BF16's top {ref_k}")
@@ -61,8 +62,9 @@ def kl_topk_lower_bound(ref_lp: np.ndarray, ref_idx: np.ndarray, m_lp: np.ndarra
     p_missing = np.where(present, 0.0, p).sum(-1)
     p_rest = np.maximum(1.0 - p.sum(-1), 0.0)
     s = np.maximum(1.0 - np.where(present, np.exp(q_lp), 0.0).sum(-1), 0.0)
+    q_other = np.where(match.any(1), 0.0, np.exp(mlp)).sum(-1)
     n_missing = (~present).sum(-1)
-    cap = np.minimum(s, n_missing * np.exp(mlp[:, -1]))
+    cap = np.maximum(np.minimum(s - q_other, n_missing * np.exp(mlp[:, -1])), 0.0)
     both = p_missing + p_rest
     with np.errstate(divide="ignore", invalid="ignore"):
         q_m = np.clip(np.where(both > 0, s * p_missing / np.where(both > 0, both, 1.0), 0.0), 0.0, cap)
