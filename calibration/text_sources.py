@@ -53,22 +53,29 @@ def stdlib_test_files() -> list[str]:
     return sorted(files)
 
 
-def read_text_file(path: str, max_mean_line: int | None = None) -> str | None:
-    """A text file's contents, or None for binary / unreadable / generated-looking files (a line
-    over MAX_LINE_CHARS, or lines longer than ``max_mean_line`` on average: minified)."""
+def _text_or_reason(path: str, max_mean_line: int | None = None) -> tuple[str | None, str]:
+    """(the file's text, "") or (None, why it is not calibration text)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
-    except OSError:
-        return None
-    if not raw or b"\x00" in raw:
-        return None
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror})"
+    if not raw:
+        return None, "empty"
+    if b"\x00" in raw:
+        return None, "binary (it holds NUL bytes)"
     text = raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
     if max_mean_line is not None and len(text) / (text.count("\n") + 1) > max_mean_line:
-        return None
+        return None, f"minified (lines over {max_mean_line} characters on average)"
     if max(map(len, text.split("\n"))) > MAX_LINE_CHARS:
-        return None
-    return text
+        return None, f"generated-looking (a line over {MAX_LINE_CHARS} characters)"
+    return text, ""
+
+
+def read_text_file(path: str, max_mean_line: int | None = None) -> str | None:
+    """A text file's contents, or None for binary / unreadable / generated-looking files (a line
+    over MAX_LINE_CHARS, or lines longer than ``max_mean_line`` on average: minified)."""
+    return _text_or_reason(path, max_mean_line)[0]
 
 
 def _read_jsonl(path: str) -> Iterator[str]:
@@ -97,6 +104,35 @@ def expand_paths(paths: Iterable[str]) -> list[str]:
         else:
             raise FileNotFoundError(f"calibration text {p!r}: no such file or folder")
     return files
+
+
+def _path_problem(path: str) -> str | None:
+    """Why ``path`` (a file or folder of --data) yields no text; reads until its first text."""
+    files = expand_paths([path])
+    if not files:
+        return f"the folder holds no text files ({', '.join(TEXT_SUFFIXES[:4])}, ... or .jsonl)"
+    first = None
+    for f in files:
+        if f.endswith(".jsonl"):
+            found = next(_read_jsonl(f), None) is not None
+            why = "no record with a non-empty 'text'"
+        else:
+            found, why = _text_or_reason(f)
+        if found:
+            return None
+        first = first or (why if f == path else f"{f}: {why}")
+    if files == [path]:
+        return f"not calibration text: {first}"
+    return f"none of its {len(files)} files is calibration text (first: {first})"
+
+
+def check_texts(paths: Iterable[str]) -> None:
+    """Refuse, in one line naming the path and the problem, a --data path without text:
+    before a model loads, rather than after as '0 tokens'."""
+    for p in paths:
+        why = _path_problem(p)
+        if why:
+            raise ValueError(f"--data {p}: {why}")
 
 
 def read_texts(paths: Iterable[str]) -> Iterator[str]:

@@ -16,9 +16,9 @@ USAGE = """usage: oscar-sglang [serve] <model-path> | --model-path PATH [SGLang 
                     [--kv-cache-dtype oscar_int2 --oscar-rotations FILE [--oscar-* ...]]
 
 SGLang 0.5.17 with the OSCAR 2-bit KV cache, on CUDA GPUs. The server arguments are
-SGLang's own (`oscar-sglang --help` lists them); the oscar ones are in its group
-"OSCAR 2-bit KV cache".
+SGLang's own (`oscar-sglang --help-all` lists them); the oscar ones follow.
 """
+HELP_ALL = "--help-all"
 
 
 class LaunchError(RuntimeError):
@@ -86,10 +86,38 @@ def device_problem(device: str | None) -> str | None:
     return None
 
 
-def _device_arg(argv: list[str]) -> str | None:
+def rotations_problem(path: str | None) -> str | None:
+    """Why the --oscar-rotations file cannot be served (None: it loads and validates); checked
+    first, so that a bad file is named even where SGLang cannot start."""
+    if path is None:
+        return None
+    from oscar_kernels.contract.rotations_file import RotationsFileError, load_rotations
+
+    try:
+        load_rotations(path)
+    except RotationsFileError as e:
+        return f"--oscar-rotations: {e}"
+    return None
+
+
+def _early_args(argv: list[str]) -> argparse.Namespace:
+    """The flags checked before SGLang loads (--config files are read later, by SGLang)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--device")
-    return p.parse_known_args(argv)[0].device
+    p.add_argument("--oscar-rotations")
+    return p.parse_known_args(argv)[0]
+
+
+def oscar_help() -> str:
+    """The OSCAR flags' help from the plugin's own definitions: no SGLang import, so instant."""
+    from .server_args_hooks import extend_parser
+    from .settings import OSCAR_KV_DTYPE
+
+    p = argparse.ArgumentParser(prog="oscar-sglang", usage=argparse.SUPPRESS, add_help=False)
+    p.add_argument("--kv-cache-dtype", choices=[OSCAR_KV_DTYPE],
+                   help="KV cache storage (SGLang's own values: --help-all).")
+    extend_parser(p)
+    return p.format_help().replace("options:", "OSCAR KV cache dtype:", 1)
 
 
 def _normalise(argv: list[str]) -> list[str]:
@@ -101,10 +129,17 @@ def _normalise(argv: list[str]) -> list[str]:
 def serve(argv: list[str]) -> int:
     from .settings import OscarConfigError
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+    if HELP_ALL in argv:  # the OSCAR flags first, then SGLang's full help (which loads SGLang)
+        print(USAGE + "\n" + oscar_help())
+        argv = ["--help" if a == HELP_ALL else a for a in argv]
+    elif any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n" + oscar_help())
+        print("SGLang's server arguments (--model-path, --tp-size, --mem-fraction-static, ...): "
+              f"`oscar-sglang {HELP_ALL}` (it loads SGLang, which takes a while)")
+        return 0
     else:  # before SGLang starts: it fails on a machine without a GPU with a long traceback
-        why = device_problem(_device_arg(argv))
+        early = _early_args(argv)
+        why = rotations_problem(early.oscar_rotations) or device_problem(early.device)
         if why:
             print(f"oscar-sglang: {why}", file=sys.stderr)
             return 2
