@@ -327,3 +327,47 @@ def test_hybrid_sim_with_value_groups_of_their_own_tracks_fake_quantisation(tiny
     err = _gap_after_first_chunk(hyb, bf)
     assert err > 0.05 and _gap_after_first_chunk(hyb, fake) < 0.5 * err
     assert _gap_after_first_chunk(hyb, same) > 0.25 * err
+
+
+def test_lockstep_keeps_bf16_and_compares_each_method_past_the_first_chunk(tiny, stream):
+    """bf16 and two methods run chunk by chunk in lockstep: bf16's perplexity is the one it has
+    alone, a copy of bf16 agrees everywhere, the INT2 cache disagrees past the first chunk only."""
+    from calibration.fidelity import runner
+    _, sim_model, _, shape = tiny
+    bf16 = lambda: Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, L)
+    alone = runner.perplexity(sim_model, bf16(), stream, L, 2, CHUNK)
+    sims = {"bf16": bf16(), "copy": bf16(), "naive": _hybrid(shape, "naive", 4, 16, L)}
+    got = runner.perplexity_lockstep(sim_model, sims, stream, L, 2, CHUNK, topk=(5, 16))
+    assert {k: v for k, v in got["bf16"].items() if k != "seconds"} == {k: v for k, v in alone.items()
+                                                                        if k != "seconds"}
+    assert "agreement" not in got["bf16"]
+    copy, naive = got["copy"]["agreement"], got["naive"]["agreement"]
+    assert (copy["positions"], copy["from_position"]) == (2 * (L - CHUNK), CHUNK)
+    assert copy["top1"] == 1.0 and abs(copy["kl"]) < 1e-6 and abs(copy["kl_topk"]) < 1e-6
+    assert naive["kl"] > 0.01 and naive["top1"] < 1.0 and len(naive["by_window"]["kl"]) == 2
+    assert 0 <= naive["kl_topk"] <= naive["kl"]
+    inside = [b for k, b in naive["by_position"].items() if int(k.split("-")[1]) <= CHUNK]
+    assert len(inside) == 2  # 0-16, 16-32: fresh BF16 K/V, the same up to the kernels' rounding
+    assert all(b["kl"] < 0.01 * naive["kl"] and b["top1"] > 0.98 for b in inside)
+
+
+def test_oscar_eval_reports_every_length_and_the_agreement(tinylm_dir, tmp_path, capsys):
+    from calibration.fidelity import cli
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    rot_path = tmp_path / "naive.safetensors"
+    save_rotations(str(rot_path), baseline_rotations(shape, "tinylm-A", "naive", 32))
+    out = tmp_path / "fid.json"
+    assert cli.main(["--model", str(tinylm_dir), "--method", f"naive={rot_path}", "--ppl-len", "128,256",
+                     "--ppl-windows", "2", "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3",
+                     "--sink", "4", "--recent", "32", "--out", str(out), "--device", "cpu"]) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["ppl_len"] == [128, 256]
+    bf16, naive = res["methods"]["bf16"], res["methods"]["naive"]
+    for m in (bf16, naive):
+        assert set(m["ppl_details"]) == {"128", "256"} and m["ppl_detail"] == m["ppl_details"]["128"]
+        assert m["ppl_128"] == m["ppl_details"]["128"]["ppl"] and len(m["ppl_details"]["256"]["nll_by_window"]) == 2
+    assert set(naive["agreement"]) == {"128", "256"} and "agreement" not in bf16
+    assert naive["agreement"]["256"]["positions"] == 2 * (256 - 64)
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("oscar-eval: naive: "))
+    printed = json.loads(line.split(": ", 2)[2].rsplit(" (", 1)[0])
+    assert set(printed) == {"ppl_128", "ppl_256", "top1_128", "kl_128", "top1_256", "kl_256"}
