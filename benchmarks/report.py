@@ -324,7 +324,18 @@ def _ppl_passkey_caption(st: dict) -> str:
     return f"{ppl}; passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}"
 
 
-@per_results_file("server_*.json", "python3 -m benchmarks.server_fidelity --method NAME=FILE ...", "one GPU")
+# the real model's fidelity files (render_real_model), left out of the tinylm-A sections
+REAL_MODEL_SERVER = "server_smollm2.json"
+REAL_MODEL_SIM = "fidelity_smollm2.json"
+REAL_MODEL_FILES = (REAL_MODEL_SERVER, REAL_MODEL_SIM)
+
+
+def _not_real_model(path: str) -> bool:
+    return os.path.basename(path) not in REAL_MODEL_FILES
+
+
+@per_results_file("server_*.json", "python3 -m benchmarks.server_fidelity --method NAME=FILE ...", "one GPU",
+                  keep=_not_real_model)
 def render_server_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
@@ -332,6 +343,90 @@ def render_server_fidelity(path: str, data: dict) -> list[str]:
                  f"{_ppl_passkey_caption(st)}. Source: `{_rel(path)}`.")
     parts.append(fidelity_table(data.get("methods", {})))
     return parts
+
+
+def _lengths(data: dict) -> list[str]:
+    """The perplexity lengths of a fidelity file, shortest first ("2048", ...)."""
+    return sorted({n for m in data.get("methods", {}).values() for n in m.get("ppl_details", {})}, key=int)
+
+
+def _ppl_cells(m: dict, ref: dict, n: str, is_ref: bool) -> list[str]:
+    """'ppl (ratio to bf16)' and the paired NLL difference by window at length ``n``."""
+    d, rd = m.get("ppl_details", {}).get(n, {}), ref.get("ppl_details", {}).get(n, {})
+    if not d:
+        return ["-", "-"]
+    if is_ref or not rd:
+        return [f"{d['ppl']:.4f}", "-"]
+    w, rw = d.get("nll_by_window", []), rd.get("nll_by_window", [])
+    paired = _gap(*targets.paired_gap(w, rw), 4) if w and len(w) == len(rw) else "-"
+    return [f"{d['ppl']:.4f} ({d['ppl'] / rd['ppl']:.4f}x)", paired]
+
+
+def real_model_tables(data: dict, kl_keys: tuple[tuple[str, str], ...]) -> list[str]:
+    """Perplexity (ratio, paired NLL difference) and passkey per method and length; then
+    agreement with bf16 (top-1 and the ``kl_keys`` measures: (key, column label))."""
+    methods = data.get("methods", {})
+    ref = methods.get("bf16", {})
+    lengths = _lengths(data)
+    pk_lengths = list(ref.get("passkey", {}))
+    rows = []
+    for name, m in methods.items():
+        row = [name]
+        for n in lengths:
+            row += _ppl_cells(m, ref, n, name == "bf16")
+        rows.append(row + [_passkey_cell(m, ref, n, name == "bf16") for n in pk_lengths])
+    header = ["method"]
+    for n in lengths:
+        header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - bf16, {fmt(int(n))} (paired by window, 95%)"]
+    parts = [table(header + [f"passkey {n} (vs bf16, paired 95%)" for n in pk_lengths], rows)]
+    compared = {name: m["agreement"] for name, m in methods.items() if m.get("agreement")}
+    if compared:
+        header, rows = ["method"], []
+        for n in lengths:
+            header += [f"top-1 = bf16, {fmt(int(n))}"] + [f"{label}, {fmt(int(n))}" for _, label in kl_keys]
+        for name, ag in compared.items():
+            row = [name]
+            for n in lengths:
+                a = ag.get(n, {})
+                row += [fmt(a.get("top1"), 4)] + [fmt(a.get(k), 4) for k, _ in kl_keys]
+            rows.append(row)
+        parts.append(table(header, rows))
+    return parts
+
+
+def render_real_model(results_dir: str) -> str:
+    """The real model (SmolLM2-135M-Instruct) against bf16: through the server and in simulation."""
+    parts = []
+    served = _maybe_load(results_dir, REAL_MODEL_SERVER)
+    if served.get("methods"):
+        st = served.get("settings", {})
+        parts.append(
+            f"**{served.get('model', '?')} through the server** (SGLang 0.5.17, `--chunked-prefill-size "
+            f"{st.get('chunked_prefill_size')}`; bf16 = SGLang's BF16 cache and fp8_e4m3 its FP8 cache "
+            f"(`--kv-cache-dtype fp8_e4m3`), both on SGLang's triton attention; every other method "
+            f"`--kv-cache-dtype oscar_int2` with its rotations file): {st.get('ppl_windows')} held-out windows per "
+            f"length; passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
+            f"NLL - bf16: the mean over windows of each window's mean NLL minus bf16's on the same window, with its "
+            f"95% interval. Agreement, {st.get('agreement', 'not measured')}: the KL column is a lower bound. "
+            f"Source: `{_rel(os.path.join(results_dir, REAL_MODEL_SERVER))}`.")
+        parts += real_model_tables(served, (("kl_topk", "KL(bf16 || method) >="),))
+    sim = _maybe_load(results_dir, REAL_MODEL_SIM)
+    if sim.get("methods"):
+        st = sim.get("settings", {})
+        parts.append(
+            f"**{sim.get('model', '?')} in simulation** (`oscar-eval`, KV simulated with the server's kernels' "
+            f"reference numerics; {st.get('device')}): S={st.get('sink')}, W={st.get('recent')}, "
+            f"{_groups_caption(st)}, chunk {st.get('chunk')}; {st.get('ppl_windows')} held-out windows per length; "
+            f"passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
+            f"Agreement at the positions past the first chunk: top-1 agreement, KL(bf16 || method) over the whole "
+            f"vocabulary, and the lower bound the server's top-K lists give on the same logits (how tight the "
+            f"server's KL column is). Source: `{_rel(os.path.join(results_dir, REAL_MODEL_SIM))}`.")
+        parts += real_model_tables(sim, (("kl", "KL(bf16 || method)"), ("kl_topk", "its top-K lower bound")))
+    if not parts:
+        return none_yet(f"python3 -m benchmarks.server_fidelity --model DIR --fp8 --method oscar=F ... --out "
+                        f"benchmarks/results/{REAL_MODEL_SERVER}` and `oscar-eval --model DIR ... --out "
+                        f"benchmarks/results/{REAL_MODEL_SIM}", "one GPU")
+    return "\n\n".join(parts)
 
 
 FAKE_INT2 = "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
@@ -363,7 +458,7 @@ def _groups_caption(st: dict, one: str = "G={}", two: str = "G={} (keys) / {} (v
 
 
 @per_results_file("fidelity_*.json", "oscar-eval --model DIR --method naive=F --method hadamard=F --method oscar=F", "CPU or GPU",
-                  keep=lambda f: "sweep" not in f and "ablation" not in f)
+                  keep=lambda f: "sweep" not in f and "ablation" not in f and _not_real_model(f))
 def render_fidelity(path: str, data: dict) -> list[str]:
     parts = []
     st = data.get("settings", {})
@@ -615,6 +710,7 @@ def render_tp(path: str, data: dict) -> list[str]:
 HEADLINE_CAPACITY = "capacity_qwen3-8b-shape.json"
 HEADLINE_KERNELS = "kernels_h200.json"
 HEADLINE_SERVER = "server_tinylm-A.json"
+HEADLINE_REAL = (REAL_MODEL_SERVER, "oscar")  # the real model through the server, today's default
 HEADLINE_PASSKEY = ("server_passkey8k_quantizers_tinylm-A.json", "minmax")  # the newest run of the default
 HEADLINE_LONG = 65536  # the decode row's shortest context
 HEADLINE_HICACHE = "hicache_qwen3-8b-shape.json"
@@ -691,6 +787,22 @@ def _headline_server(results_dir: str) -> list[list[str]]:
     return rows
 
 
+def _headline_real_model(results_dir: str) -> list[list[str]]:
+    name, method = HEADLINE_REAL
+    data = _maybe_load(results_dir, name)
+    methods = data.get("methods", {})
+    ref, osc = methods.get("bf16", {}).get("ppl_details", {}), methods.get(method, {}).get("ppl_details", {})
+    lengths = [n for n in sorted(ref, key=int) if n in osc]
+    if not lengths:
+        return []
+    ppl = lambda d: " / ".join(f"{d[n]['ppl']:.3f}" for n in lengths)
+    ratios = " / ".join(f"{osc[n]['ppl'] / ref[n]['ppl']:.3f}" for n in lengths)
+    sizes = " / ".join(f"{int(n) // 1024}k" if int(n) % 1024 == 0 else n for n in lengths)
+    return [[f"perplexity at {sizes} tokens, {data.get('settings', {}).get('ppl_windows')} windows each, through "
+             f"the server ({data.get('model', '?')})",
+             _link(f"{ppl(osc)} ({ratios}x)", name), _link(ppl(ref), name)]]
+
+
 def _headline_hicache(results_dir: str) -> list[list[str]]:
     data = _maybe_load(results_dir, HEADLINE_HICACHE)
     osc, bf = (data.get("configs", {}).get(c, {}) for c in ("oscar_int2", "bf16"))
@@ -723,7 +835,7 @@ def _headline_steady(results_dir: str) -> list[list[str]]:
 
 def render_headline(results_dir: str) -> str:
     rows = (_headline_capacity(results_dir) + _headline_kernels(results_dir) + _headline_steady(results_dir)
-            + _headline_server(results_dir) + _headline_hicache(results_dir))
+            + _headline_server(results_dir) + _headline_real_model(results_dir) + _headline_hicache(results_dir))
     if not rows:
         return none_yet("python3 -m benchmarks.capacity", "one GPU; see benchmarks/RESULTS.md")
     return table(["measured", "oscar_int2", "BF16"], rows)
@@ -836,6 +948,7 @@ SECTIONS = {
     "e2e-decode-throughput": render_e2e_decode_throughput,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
+    "real-model": render_real_model,
     "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,
