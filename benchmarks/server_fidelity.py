@@ -260,6 +260,20 @@ def server_args(args, method: str, rotations: str | None) -> list[str]:
     return a
 
 
+def model_context(model: str, extra_server_args: str) -> int | None:
+    """The context length a server of ``model`` accepts: --context-length in the extra server
+    arguments, else the config's max_position_embeddings (None when neither says)."""
+    import shlex
+
+    extra = shlex.split(extra_server_args)
+    if "--context-length" in extra[:-1]:
+        return int(extra[extra.index("--context-length") + 1])
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    return cfg.get("max_position_embeddings")
+
+
 def _topk_path(args, name: str) -> str:
     stem = os.path.splitext(os.path.basename(args.out))[0]
     return os.path.join(args.topk_dir, f"{stem}.{name}.npz")
@@ -328,10 +342,18 @@ def main(argv=None) -> int:
         raise _fail("nothing to run (--no-bf16, no --fp8 and no --method)")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise _fail(f"{args.model}: not a model folder (no config.json)")
+    context = model_context(args.model, args.server_args)
+    if context and args.ppl_windows and max(args.ppl_len) + 2 > context:
+        raise _fail(f"--ppl-len {max(args.ppl_len)} needs {max(args.ppl_len) + 2} tokens per request (the window's "
+                    f"{max(args.ppl_len) + 1} input ids and one generated token), more than the model's context of "
+                    f"{context}: use at most {context - 2}")
     from transformers import AutoTokenizer
 
     log(f"model {args.model}; methods {', '.join(m for m, _ in methods)}")
-    tok = AutoTokenizer.from_pretrained(args.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        raise _fail(f"{args.model}: no tokenizer ({str(e).splitlines()[0]})") from None
     try:
         held = tasks.load_heldout_stream(tok)
         prompts = tasks.passkey_prompts(tasks.Passkey(tok, held.tokens), args.lengths, trials=args.passkey_trials)

@@ -315,3 +315,20 @@ def test_passkey_min_length_is_the_shortest_prompt_that_builds():
     assert len(p.ids) == low - tasks.PASSKEY_PROMPT_MARGIN
     with pytest.raises(ValueError, match="cannot hold"):
         pk.eval_prompt(np.random.default_rng(0), 54, 0.5)  # 1 + 26 + 27 bytes leave no filler
+
+
+def test_server_windows_must_fit_the_models_context(tmp_path, capsys):
+    """A window of L + 1 input ids and one generated token must fit the context SGLang allows."""
+    from benchmarks import server_fidelity
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert server_fidelity.model_context(str(tmp_path), "--mem-fraction-static 0.2") == 8192
+    assert server_fidelity.model_context(str(tmp_path), "--context-length 9000") == 9000
+    with pytest.raises(SystemExit) as e:
+        server_fidelity.main(["--model", str(tmp_path), "--ppl-len", "2048,8192"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "server_fidelity: error: --ppl-len 8192 needs 8194 tokens per request (the window's 8193 input ids and one "
+        "generated token), more than the model's context of 8192: use at most 8190")
+    with pytest.raises(SystemExit) as e:  # 8190 fits; the folder has no tokenizer: one line too
+        server_fidelity.main(["--model", str(tmp_path), "--ppl-len", "2048,8190"])
+    assert e.value.code == 2 and "no tokenizer" in capsys.readouterr().err.strip().splitlines()[-1]
