@@ -1,10 +1,12 @@
 """The two measurements, driven through a KV simulator like the server drives its cache:
 prompts are prefilled in chunks of ``chunk`` tokens and answers decoded token by token.
 
-- :func:`perplexity`: teacher-forced next-token NLL over held-out windows; each window is
-  one sequence prefilled chunk by chunk, so every chunk after the first reads the
+- :func:`perplexity_lockstep`: teacher-forced next-token NLL over held-out windows; each
+  window is one sequence prefilled chunk by chunk, so every chunk after the first reads the
   simulated cache of the previous ones; optionally its last tokens are fed one per step
-  (decode), where only the sink and the recent window are BF16.
+  (decode), where only the sink and the recent window are BF16. Several simulators advance
+  together, step by step, and each one's logits are compared with the reference's (bf16) of
+  the same step (calibration.fidelity.agreement); :func:`perplexity` runs one simulator.
 - :func:`passkey`: tinylm's passkey task (prompts from tasks.passkey_prompts): chunked
   prefill of the prompt, then greedy decoding of up to 10 tokens, each step reading the
   cache; stops early once the answer's first 6 characters are settled (exact, see
