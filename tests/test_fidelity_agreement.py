@@ -140,7 +140,7 @@ class _Generate(BaseHTTPRequestHandler):
         type(self).requests.append(req)
         ids, k = req["input_ids"], req.get("top_logprobs_num", 0)
         dists = [None] + [_distribution(ids, j, self.shift) for j in range(1, len(ids))]
-        meta = {"input_token_logprobs": [[None, ids[0], None]] + [[float(d[t]), t, None]
+        meta = {"input_token_logprobs": [[None, ids[0], None]] + [[float(d[t % V]), t, None]  # ids beyond V: any
                                                                  for d, t in zip(dists[1:], ids[1:])]}
         if k:
             tops = [None] + [_topk(d[None], k) for d in dists[1:]]
@@ -332,3 +332,82 @@ def test_server_windows_must_fit_the_models_context(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # 8190 fits; the folder has no tokenizer: one line too
         server_fidelity.main(["--model", str(tmp_path), "--ppl-len", "2048,8190"])
     assert e.value.code == 2 and "no tokenizer" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+class _StandInServer:
+    """server_harness.Server's interface over a stand-in /generate and /v1/completions in this
+    process: a method's distributions shift with its --kv-cache-dtype (bf16 none, fp8 a little,
+    oscar_int2 more), so a whole server_fidelity run can be checked without a GPU."""
+
+    SHIFT = {None: 0.0, "fp8_e4m3": 0.02, "oscar_int2": 0.8}
+    started: list = []
+
+    def __init__(self, name, args, log_dir, **_):
+        dtype = args[args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in args else None
+        shift = self.SHIFT[dtype]
+
+        class Handler(_Generate):
+            def do_POST(self):
+                if self.path == "/v1/completions":
+                    body = json.dumps({"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                                       "choices": [{"index": 0, "text": "abcdef" if shift < 0.5 else "zzz",
+                                                    "finish_reason": "length"}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                super().do_POST()
+
+        Handler.shift = shift
+        self.name, self.cmd, self.log_path = name, ["python", *args], f"{log_dir}/{name}.log"
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        type(self).started.append(name)
+
+    def start(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return 0.0
+
+    def stop(self):
+        self.httpd.shutdown()
+
+    def post(self, path, payload):
+        import urllib.request
+
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+
+def test_server_fidelity_runs_end_to_end_and_merges_side_by_side_runs(tinylm_dir, tmp_path, monkeypatch):
+    """bf16 + fp8 in one invocation, oscar in another, merged: every length's perplexity, the
+    agreement of fp8 and oscar with bf16, passkey; stand-in servers instead of SGLang."""
+    from benchmarks import server_fidelity
+
+    monkeypatch.setattr(server_fidelity, "Server", _StandInServer)
+    monkeypatch.setattr(_Generate, "requests", [])
+    rot = tmp_path / "oscar.safetensors"
+    rot.write_bytes(b"not read by the stand-in")
+    common = ["--model", str(tinylm_dir), "--ppl-len", "96,128", "--ppl-windows", "3", "--chunk", "32",
+              "--lengths", "256", "--passkey-trials", "2", "--topk", "12", "--topk-ref", "5", "--workers", "2",
+              "--topk-dir", str(tmp_path / "topk"), "--log-dir", str(tmp_path / "logs")]
+    assert server_fidelity.main([*common, "--fp8", "--out", str(tmp_path / "a.json")]) == 0
+    assert server_fidelity.main([*common, "--no-bf16", "--method", f"oscar={rot}", "--out", str(tmp_path / "b.json")]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert list(a["methods"]) == ["bf16", "fp8_e4m3"] and "agreement" in a["methods"]["fp8_e4m3"]
+    assert a["settings"]["ppl_len"] == [96, 128] and "LOWER BOUND" in a["settings"]["agreement"]
+    merged = server_fidelity.merge_outputs([str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                                           str(tmp_path / "all.json"))
+    bf16, fp8, oscar = (merged["methods"][n] for n in ("bf16", "fp8_e4m3", "oscar"))
+    for m in (bf16, fp8, oscar):
+        assert set(m["ppl_details"]) == {"96", "128"} and m["ppl_96"] == m["ppl_details"]["96"]["ppl"]
+        assert len(m["ppl_details"]["128"]["nll_by_window"]) == 3 and m["nll_by_window"] == m["ppl_details"]["96"]["nll_by_window"]
+        assert len(m["passkey_hits"]["256"]) == 6
+    assert bf16["passkey"]["256"] == 0.0 and oscar["passkey"]["256"] == 0.0  # "abcdef" is no hex value
+    assert oscar["ppl_128"] != bf16["ppl_128"] and fp8["agreement"]["128"]["positions"] == 3 * (128 - 32)
+    assert fp8["agreement"]["128"]["top1"] > oscar["agreement"]["128"]["top1"]
+    assert 0 < fp8["agreement"]["128"]["kl_topk"] < oscar["agreement"]["128"]["kl_topk"]
+    assert "--kv-cache-dtype" not in bf16["server_cmd"] and "fp8_e4m3" in fp8["server_cmd"]
