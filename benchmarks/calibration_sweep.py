@@ -4,7 +4,7 @@ Collects the calibration statistics once, builds every configuration from them, 
 rotations files, and measures them all on the same held-out windows with
 :mod:`calibration.proxy`. Writes ``benchmarks/results/calibration_proxy*.json``.
 
-    nice python -m benchmarks.calibration_sweep --model /work/shared/models/tinylm-A \
+    nice python -m benchmarks.calibration_sweep --model ../shared/models/tinylm-A \
         --tokens 65536 --eval-data stdlib-tests --out-dir /tmp/sweep
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Attribute a method's INT2 error to keys or values: oscar-eval with ``--int2-parts`` kv-fake,
 k and v on the same prompts (same seeds), merged into one JSON.
 
-    python -m benchmarks.fidelity_int2_parts --model /work/shared/models/tinylm-A \
+    python -m benchmarks.fidelity_int2_parts --model ../shared/models/tinylm-A \
         --method oscar=ROT.safetensors --out benchmarks/results/fidelity_int2_parts_tinylm-A.json \
         -- --threads 2 --ppl-windows 0 --passkey-trials 40 --lengths 8192 --depths 0.1
 
