@@ -169,8 +169,7 @@ def _summary(res: dict, lengths: list[int]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise _refuse("--device cuda but CUDA is not available")
     names = [n for n, _ in a.method]
