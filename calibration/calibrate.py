@@ -35,6 +35,10 @@ DEFAULT_VARIANT = "U-H-P"
 # raised decode-time perplexity on tinylm-A (benchmarks/results/fidelity_clip_ablation_tinylm-A.json).
 DEFAULT_CLIP = "none"
 DEFAULT_CLIP_OBJECTIVE = "attn"
+# Keys minus their calibrated mean (rotated space): softmax-invariant, and it halves the keys'
+# INT2 attention error on SmolLM2, whose key mean is ~0.8 of a key's norm (benchmarks/RESULTS.md).
+KEY_SHIFTS = ("mean", "none")
+DEFAULT_KEY_SHIFT = "mean"
 DEFAULT_TOKENS = {"cpu": 32768, "cuda": 262144}  # CPU: < 5 min for tinylm-A on 2 shared cores
 # a D x D covariance is full rank from D tokens on; 8 D keeps its relative sampling error (~ sqrt(D / n)) near 1/3
 MIN_TOKENS_PER_HEAD_DIM = 8
@@ -46,6 +50,7 @@ class CalibrationConfig:
     variant: str = DEFAULT_VARIANT
     clip: str | None = None  # None: DEFAULT_CLIP for oscar, "none" for the naive / hadamard baselines
     clip_objective: str = DEFAULT_CLIP_OBJECTIVE
+    key_shift: str | None = None  # None: DEFAULT_KEY_SHIFT for oscar, "none" for the naive / hadamard baselines
     clip_sample_tokens: int = 4096  # reservoir size per layer
     skip_first: int = 4  # positions of every window left out of the clip sample (BF16 sinks)
     group_size: int | None = None  # keys' INT2 group; None: head_dim / 4 (KVLayout.resolve)
@@ -67,6 +72,10 @@ class CalibrationConfig:
             raise ValueError(f"unknown variant {c.variant!r} (choose from {', '.join(VARIANTS)})")
         if c.clip is None:
             c.clip = DEFAULT_CLIP if c.recipe == "oscar" else "none"
+        if c.key_shift is None:
+            c.key_shift = DEFAULT_KEY_SHIFT if c.recipe == "oscar" else "none"
+        if c.key_shift not in KEY_SHIFTS:
+            raise ValueError(f"unknown key shift {c.key_shift!r} (choose from {', '.join(KEY_SHIFTS)})")
         if c.clip not in GRANULARITIES:
             raise ValueError(f"unknown clip {c.clip!r} (choose from {', '.join(GRANULARITIES)})")
         if c.clip_objective not in OBJECTIVES:
@@ -85,7 +94,7 @@ class CalibrationConfig:
 
     @property
     def needs_forward(self) -> bool:
-        return self.recipe == "oscar" or self.clip != "none"
+        return self.recipe == "oscar" or self.clip != "none" or self.key_shift == "mean"
 
 
 def check_at_least_one(**values: int) -> None:
@@ -226,8 +235,11 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
     layers, clip_detail = [], []
     search_device = cfg.device if cfg.device and cfg.device.startswith("cuda") else "cpu"
+    key_mean = stats.key_mean() if stats is not None and cfg.key_shift == "mean" else None
     for l, (r_k, r_v) in enumerate(rots):
         clips = []
+        k_shift = (key_mean[l].unsqueeze(1) @ r_k).squeeze(1) if key_mean is not None else \
+            torch.zeros(shape.num_kv_heads, shape.head_dim, dtype=torch.float64)
         if cfg.clip == "none":
             sample = None
         else:
@@ -237,7 +249,8 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                 lo, hi, det = search_clip(torch.empty(0, shape.num_kv_heads, shape.head_dim), "none",
                                           g, scale_dtype)
             else:
-                xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r).float().to(search_device)
+                xr = torch.einsum("nhd,hde->nhe", sample[x].double(), r)
+                xr = (xr - k_shift if x == "k" else xr).float().to(search_device)
                 w = None
                 if cfg.clip_objective == "attn":
                     m = c_q[l] if x == "k" else value_metric[l]
@@ -246,7 +259,8 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                 lo, hi = lo.cpu(), hi.cpu()
             clips += [lo, hi]
             clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
-        layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips))
+        layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips,
+                                    k_shift=k_shift.float().contiguous()))
     detail = {
         "order": "x' = x @ R (row vectors); " + (VARIANTS[cfg.variant] if cfg.recipe == "oscar" else
                                                    {"hadamard": "R = H", "naive": "R = I"}[cfg.recipe]),
@@ -255,6 +269,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
         "eigen_order": "descending" if cfg.recipe == "oscar" else None,
         "key_basis": "eig(C_Q), post-RoPE queries summed over the KV head's query heads" if cfg.recipe == "oscar" else None,
         "value_basis": "eig(C_S), C_S = O^T O of per-head attention outputs" if cfg.recipe == "oscar" else None,
+        "key_shift": cfg.key_shift if stats is not None else "none",
         "clip": cfg.clip,
         "clip_method": None if cfg.clip == "none" else
         f"mean +- m * std ({cfg.clip} granularity), m by a two-level grid search (1..8 std, then +-0.375 "

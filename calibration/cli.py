@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_TOKENS, DEFAULT_VARIANT,
+from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_KEY_SHIFT, DEFAULT_TOKENS, DEFAULT_VARIANT, KEY_SHIFTS,
                         MIN_TOKENS_PER_HEAD_DIM, CalibrationConfig)
 from .clip import GRANULARITIES, OBJECTIVES
 from .compose import VARIANTS
@@ -53,6 +53,9 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
     p.add_argument("--value-group-size", type=int, default=None,
                    help="values' INT2 quantisation group in channels (default: min(128, head_dim), "
                         "or the --group-size when that is given)")
+    p.add_argument("--key-shift", default=None, choices=KEY_SHIFTS,
+                   help=f"mean: store keys minus their calibrated mean (softmax ignores the shift; the INT2 "
+                        f"groups lose the offset) (default: {DEFAULT_KEY_SHIFT} for oscar, none for naive/hadamard)")
     p.add_argument("--scale-dtype", default=DEFAULT_SCALE_DTYPE, choices=SCALE_DTYPES,
                    help=f"dtype of the INT2 scales and minima, keys and values alike (default: {DEFAULT_SCALE_DTYPE})")
 
@@ -60,7 +63,7 @@ def _add_clip_args(p: argparse.ArgumentParser, default_clip: str | None) -> None
 def _config(a, **kw) -> CalibrationConfig:
     return CalibrationConfig(clip=a.clip, clip_objective=a.clip_objective, clip_sample_tokens=a.clip_sample,
                              skip_first=a.clip_skip_first, group_size=a.group_size,
-                             value_group_size=a.value_group_size, scale_dtype=a.scale_dtype,
+                             value_group_size=a.value_group_size, scale_dtype=a.scale_dtype, key_shift=a.key_shift,
                              data=a.data, tokens=a.tokens, seq_len=a.seq_len, batch_size=a.batch_size,
                              seed=a.seed, device=a.device, dtype=a.dtype, **kw)
 

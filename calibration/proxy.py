@@ -76,7 +76,9 @@ class ProxyErrors:
             qr = torch.einsum("bhtd,hde->bhte", q, r_k.repeat_interleave(rep, 0))
             kr = torch.einsum("bhtd,hde->bhte", k, r_k)
             vr = torch.einsum("bhtd,hde->bhte", v, r_v)
-            kq = self._fq(kr, lr.k_clip_min, lr.k_clip_max, rot.meta, rot.meta.group_size).repeat_interleave(rep, 1)
+            shift = lr.k_shift[None, :, None, :]  # stored keys are k' - shift; logits compare unshifted
+            kq = (self._fq(kr - shift, lr.k_clip_min, lr.k_clip_max, rot.meta, rot.meta.group_size)
+                  + shift).repeat_interleave(rep, 1)
             vq = self._fq(vr, lr.v_clip_min, lr.v_clip_max, rot.meta,
                           rot.meta.value_group_size).repeat_interleave(rep, 1)
             kr, vr = kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1)

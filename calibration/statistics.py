@@ -7,7 +7,7 @@ and KV head h it accumulates, in float64,
     C_S[l, h] = (1/N) sum_{tokens n} sum_{query heads j of h} o_{n,j}^T o_{n,j}    [D, D]
 
 (q post-RoPE query rows, o per-head attention output rows before o_proj, N tokens seen),
-and keeps a :class:`Reservoir` - a fixed-size uniform random sample of token positions with
+the mean post-RoPE key of each KV head over positions >= ``skip_first`` (the key shift), and keeps a :class:`Reservoir` - a fixed-size uniform random sample of token positions with
 their keys and values - for the clip search. Memory: 2 L H D^2 float64 + the reservoirs.
 """
 from __future__ import annotations
@@ -72,6 +72,8 @@ class AttentionStats:
         self.sum_qq = torch.zeros(shape, dtype=torch.float64, device=device)
         self.sum_oo = torch.zeros(shape, dtype=torch.float64, device=device)
         self.tokens = [0] * num_layers
+        self.sum_k = torch.zeros(num_layers, num_kv_heads, head_dim, dtype=torch.float64, device=device)
+        self.k_tokens = [0] * num_layers  # keys in sum_k (positions >= skip_first)
         self.skip_first = skip_first
         self.k_res = [Reservoir(reservoir_tokens, seed + 2 * l) for l in range(num_layers)]
         self.v_res = [Reservoir(reservoir_tokens, seed + 2 * l) for l in range(num_layers)]
@@ -85,6 +87,9 @@ class AttentionStats:
             rows = group_by_kv_head(x.detach(), hkv).to(acc.device, torch.float64)
             acc[layer] += rows.transpose(1, 2) @ rows
         self.tokens[layer] += b * t
+        if t > self.skip_first:
+            self.sum_k[layer] += k.detach()[:, :, self.skip_first:].to(self.sum_k.device, torch.float64).sum((0, 2))
+            self.k_tokens[layer] += b * (t - self.skip_first)
         if self.k_res[layer].capacity and t > self.skip_first:
             # [B, H, T, D] -> token rows [B * (T - skip), H, D]; both reservoirs draw the same slots
             kk = k.detach()[:, :, self.skip_first:].permute(0, 2, 1, 3).reshape(-1, hkv, d)
@@ -95,6 +100,13 @@ class AttentionStats:
     def c_q(self) -> torch.Tensor:
         """[L, Hkv, D, D] float64 second moment of the queries of each KV head."""
         return self._normalised(self.sum_qq)
+
+    def key_mean(self) -> torch.Tensor:
+        """[L, Hkv, D] float64 mean post-RoPE key of each KV head (positions >= skip_first)."""
+        n = torch.tensor(self.k_tokens, dtype=torch.float64, device=self.sum_k.device)
+        if (n == 0).any():
+            raise ValueError(f"some layers saw no key past the first {self.skip_first} positions")
+        return (self.sum_k / n.view(-1, 1, 1)).cpu()
 
     def c_s(self) -> torch.Tensor:
         """[L, Hkv, D, D] float64 Gram matrix of the attention outputs of each KV head."""

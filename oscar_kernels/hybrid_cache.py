@@ -36,15 +36,23 @@ from .int2 import DEFAULT_TORCH_SCALE_DTYPE
 
 @dataclass
 class LayerRotation:
-    """One layer's OSCAR transform, per KV head: x' = clamp(x @ R, clip_min, clip_max)."""
+    """One layer's OSCAR transform, per KV head: k' = clamp(k @ R_K - k_shift, clip_min, clip_max),
+    v' = clamp(v @ R_V, clip_min, clip_max). ``k_shift`` (the keys' calibrated mean in the rotated
+    space) is subtracted from every stored key, BF16 copies included: each query's logits all move
+    by -q'.k_shift, which softmax ignores, while the INT2 groups lose the offset that set their range."""
 
-    FIELDS = ("k_rot", "v_rot", "k_clip_min", "k_clip_max", "v_clip_min", "v_clip_max")
+    FIELDS = ("k_rot", "v_rot", "k_clip_min", "k_clip_max", "v_clip_min", "v_clip_max", "k_shift")
     k_rot: torch.Tensor  # [H, D, D]
     v_rot: torch.Tensor  # [H, D, D]
     k_clip_min: torch.Tensor  # [H, D]  (-inf = no clip)
     k_clip_max: torch.Tensor  # [H, D]  (+inf = no clip)
     v_clip_min: torch.Tensor
     v_clip_max: torch.Tensor
+    k_shift: torch.Tensor | None = None  # [H, D]; None: zeros (no shift)
+
+    def __post_init__(self):
+        if self.k_shift is None:
+            self.k_shift = torch.zeros(self.k_clip_min.shape, dtype=torch.float32, device=self.k_clip_min.device)
 
     def to(self, device) -> "LayerRotation":
         """float32 copies on ``device``."""

@@ -90,11 +90,15 @@ def quantise_rotated(
     clip_max: torch.Tensor | None,
     group_size: int,
     scale_dtype: torch.dtype = DEFAULT_TORCH_SCALE_DTYPE,
+    shift: torch.Tensor | None = None,
 ):
     """The whole write path for one of K/V: x [T, H, D] (unrotated), rotation [H, D, D],
-    clip_* [H, D] -> (x_rot float32 [T, H, D] (unclipped, for the BF16 side copies), packed
-    uint8 [T, H, D/4], scales [T, H, D/G, 2])."""
+    clip_* [H, D], shift [H, D] (subtracted after the rotation; None: none) -> (x_rot float32
+    [T, H, D] (shifted, unclipped, for the BF16 side copies), packed uint8 [T, H, D/4], scales
+    [T, H, D/G, 2])."""
     x_rot = torch.einsum("thd,hde->the", x.float(), rotation.float())
+    if shift is not None:
+        x_rot = x_rot - shift.float()
     codes, scales = quantise(clip(x_rot, clip_min, clip_max), group_size, scale_dtype)
     return x_rot, pack(codes), scales
 

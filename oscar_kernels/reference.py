@@ -33,11 +33,11 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
     ``>= seq_ends - W`` (seq_ends = the request's length after this batch). Extend must
     write the ring *after* attention (cells of the prefix window would be clobbered).
     slots/positions/rows/seq_ends: [T] integer tensors (rows = request row per token).
-    Returns the rotated (unclipped) k', v' as float32 [T, H, D]."""
+    Returns the rotated (unclipped; keys shifted) k', v' as float32 [T, H, D]."""
     gk, gv = layer.key_group_size, layer.value_group_size
     sdt = layer.k_scales.dtype
     r = rotation
-    k_rot, k_packed, k_scales = quantise_rotated(k, r.k_rot, r.k_clip_min, r.k_clip_max, gk, sdt)
+    k_rot, k_packed, k_scales = quantise_rotated(k, r.k_rot, r.k_clip_min, r.k_clip_max, gk, sdt, r.k_shift)
     v_rot, v_packed, v_scales = quantise_rotated(v, r.v_rot, r.v_clip_min, r.v_clip_max, gv, sdt)
     slots, positions, rows = slots.long(), positions.long(), rows.long()
     s, w = layer.sink_tokens, layer.recent_window

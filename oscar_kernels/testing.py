@@ -32,7 +32,7 @@ class Scenario:
 
 
 def random_rotation(h: int, d: int, generator: torch.Generator) -> LayerRotation:
-    """Per-head random orthogonal K/V rotations; half the channels get finite clips."""
+    """Per-head random orthogonal K/V rotations and key shifts; half the channels get finite clips."""
     def orth():
         return torch.linalg.qr(torch.randn(h, d, d, generator=generator, dtype=torch.float64))[0].float()
 
@@ -45,7 +45,7 @@ def random_rotation(h: int, d: int, generator: torch.Generator) -> LayerRotation
 
     klo, khi = clips()
     vlo, vhi = clips()
-    return LayerRotation(orth(), orth(), klo, khi, vlo, vhi)
+    return LayerRotation(orth(), orth(), klo, khi, vlo, vhi, k_shift=0.5 * torch.randn(h, d, generator=generator))
 
 
 def build(lens, *, H=2, D=64, G=16, S=4, W=8, page=8, sink_slots=4, seed=0,

@@ -2,7 +2,7 @@
 cache, and write their BF16 sink / ring copies, in one launch (no host sync).
 
 For each new token t (position p, request row r, slot s) and KV head h, for X in {K, V}:
-    x'   = x_t @ R_X[h]                       (float32; rotated, unclipped)
+    x'   = x_t @ R_X[h] - shift_X[h]          (float32; rotated, unclipped; shift_V = 0)
     x_c  = clamp(x', clip_min_X[h], clip_max_X[h])
     per group g of G channels (G = G_K for K, G_V for V): lo = min x_c, scale = (max x_c - lo) / 3, both cast to the
     scale dtype, code = clamp(floor((x_c - lo) / scale + 1/2), 0, 3)  (0 when scale == 0)
@@ -27,7 +27,7 @@ from .triton_common import (SCALE_TL_DTYPES, bf16_side_args, check_cache_layout,
 
 
 @triton.jit
-def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, clip_min_ptr, clip_max_ptr,
+def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, shift_ptr, clip_min_ptr, clip_max_ptr,
                codes_ptr, stride_code_slot, stride_code_head,
                scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
                sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
@@ -36,7 +36,8 @@ def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, clip_min_ptr, clip
                h, tok, tmask, slot, pos, row, end, sink_c,
                D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-               WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr):
+               WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
+               SHIFT: tl.constexpr):
     """Write one of K / V for a block of tokens of KV head ``h`` (see module doc). The rotation's
     float32 dots run as tf32x3 (three TF32 products: float32-level error, so the codes match
     the reference's except on rounding ties)."""
@@ -49,6 +50,8 @@ def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, clip_min_ptr, clip
         xs = tl.load(xrow + c0 + kb[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         rs = tl.load(rot + (c0 + kb)[:, None] * D + d[None, :]).to(tl.float32)
         xr = tl.dot(xs, rs, xr, input_precision="tf32x3")
+    if SHIFT:
+        xr = xr - tl.load(shift_ptr + h * D + d).to(tl.float32)[None, :]
     xb = xr.to(tl.bfloat16)
     if WRITE_ROT:
         tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_out_token + h * stride_out_head + d[None, :], xb,
@@ -99,7 +102,7 @@ def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, clip_min_ptr, clip
 def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, stride_v_head,
                   slots_ptr, pos_ptr, rows_ptr, ends_ptr, T,
                   req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr, page_of_sink_slot_ptr, page_size,
-                  k_rot_ptr, v_rot_ptr, k_clip_min_ptr, k_clip_max_ptr, v_clip_min_ptr, v_clip_max_ptr,
+                  k_rot_ptr, v_rot_ptr, k_shift_ptr, k_clip_min_ptr, k_clip_max_ptr, v_clip_min_ptr, v_clip_max_ptr,
                   k_codes_ptr, v_codes_ptr, stride_code_slot, stride_code_head,
                   k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
                   k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
@@ -125,23 +128,23 @@ def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, s
     else:
         sink_c = tl.full([BLOCK_T], -1, tl.int64)
     if kv == 0:
-        _store_one(k_ptr, stride_k_token, stride_k_head, k_rot_ptr, k_clip_min_ptr, k_clip_max_ptr,
+        _store_one(k_ptr, stride_k_token, stride_k_head, k_rot_ptr, k_shift_ptr, k_clip_min_ptr, k_clip_max_ptr,
                    k_codes_ptr, stride_code_slot, stride_code_head,
                    k_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
                    k_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
                    k_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    k_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT)
+                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, True)
     if kv == 1:
-        _store_one(v_ptr, stride_v_token, stride_v_head, v_rot_ptr, v_clip_min_ptr, v_clip_max_ptr,
+        _store_one(v_ptr, stride_v_token, stride_v_head, v_rot_ptr, k_shift_ptr, v_clip_min_ptr, v_clip_max_ptr,
                    v_codes_ptr, stride_code_slot, stride_code_head,
                    v_scales_ptr, stride_scale_slot, stride_scale_head, stride_scale_group,
                    v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
                    v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    v_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT)
+                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, False)
 
 
 STORE_BLOCK_T = 16  # new tokens per program
@@ -173,7 +176,7 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         raise ValueError(f"head_dim {d} must be a multiple of 16 and >= 32 for the Triton kernels")
     for name, x in (("k", k), ("v", v), ("req_to_token", req_to_token)):
         check_last_dim_contiguous(name, x)
-    rot = [x.contiguous() for x in (rotation.k_rot, rotation.v_rot, rotation.k_clip_min,
+    rot = [x.contiguous() for x in (rotation.k_rot, rotation.v_rot, rotation.k_shift, rotation.k_clip_min,
                                     rotation.k_clip_max, rotation.v_clip_min, rotation.v_clip_max)]
     if rotated_out is not None:
         ko, vo = rotated_out

@@ -162,6 +162,32 @@ def test_non_orthogonal_rotation_is_refused(tmp_path):
     assert "v_rot.0 is not orthogonal" in _error(_rewrite(path, str(tmp_path / "bad.safetensors"), tensors=scale))
 
 
+def test_key_shift_round_trips_and_version_1_files_load_without_it(tmp_path):
+    """Version 2 files carry k_shift.{l} (the rotated keys' calibrated mean); version-1 files,
+    which predate it, load with a zero shift; a version-1 file with a shift tensor is refused."""
+    path = _good_file(tmp_path)
+    rot = load_rotations(path)
+    assert rot.meta.recipe_detail["key_shift"] == "mean"
+    assert all(lr.k_shift.abs().sum() > 0 for lr in rot.layers)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata()["version"] == "2"
+        assert torch.equal(f.get_tensor("k_shift.1"), rot.layers[1].k_shift)
+
+    def drop_shift(t):
+        for name in [n for n in t if n.startswith("k_shift.")]:
+            del t[name]
+
+    v1 = _rewrite(path, str(tmp_path / "v1.safetensors"), tensors=drop_shift,
+                  meta=lambda m: m.__setitem__("version", "1"))
+    old = load_rotations(v1)
+    assert all(torch.equal(lr.k_shift, torch.zeros_like(lr.k_clip_min)) for lr in old.layers)
+    assert torch.equal(old.layers[0].k_rot, rot.layers[0].k_rot)
+    mixed = _rewrite(path, str(tmp_path / "v1s.safetensors"), meta=lambda m: m.__setitem__("version", "1"))
+    assert "unexpected k_shift.0, k_shift.1" in _error(mixed)
+    no_shift = _rewrite(path, str(tmp_path / "v2.safetensors"), tensors=drop_shift)
+    assert "missing k_shift.0, k_shift.1" in _error(no_shift)
+
+
 def test_unknown_version_is_refused(tmp_path):
     path = _good_file(tmp_path)
     bad = _rewrite(path, str(tmp_path / "v.safetensors"), meta=lambda m: m.__setitem__("version", "99"))
@@ -282,7 +308,7 @@ def test_layer_count_mismatch_between_metadata_and_tensors_is_refused(tmp_path):
     path = _good_file(tmp_path)
     bad = _rewrite(path, str(tmp_path / "l.safetensors"), meta=lambda m: m.__setitem__("num_layers", "3"))
     assert _error(bad).endswith(": tensor set does not match metadata: missing k_clip_max.2, k_clip_min.2, "
-                                "k_rot.2 and 3 more")
+                                "k_rot.2 and 4 more")
     bad = _rewrite(path, str(tmp_path / "u.safetensors"), tensors=lambda t: t.__setitem__("x", torch.ones(1)))
     assert _error(bad).endswith(": tensor set does not match metadata: unexpected x")
 

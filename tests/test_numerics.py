@@ -223,8 +223,10 @@ def test_reference_read_rule_hand_built():
     assert k[:2, 0, 0].tolist() == [8, 9]
 
 
-def test_reference_decode_equals_exact_attention_in_bf16_windows():
-    """With n <= S + W every key/value is BF16: decode is exact attention on rotated q, k, v."""
+@pytest.mark.parametrize("shift", [0.0, 1.0])
+def test_reference_decode_equals_exact_attention_in_bf16_windows(shift):
+    """With n <= S + W every key/value is BF16: decode is exact attention on rotated q, k, v,
+    with or without a key shift (every logit of a query moves by the same -q'.shift)."""
     torch.manual_seed(0)
     S, W, H, Hq, D, page = 4, 12, 2, 4, 16, 4
     layer = allocate_layer(64, H, D, 4, S, W, num_sink_slots=2, num_rows=2)
@@ -232,7 +234,7 @@ def test_reference_decode_equals_exact_attention_in_bf16_windows():
     rot = torch.linalg.qr(torch.randn(H, D, D))[0]
     from oscar_kernels.hybrid_cache import LayerRotation
     inf = torch.full((H, D), float("inf"))
-    rotation = LayerRotation(rot, rot.flip(-1), -inf, inf, -inf, inf)
+    rotation = LayerRotation(rot, rot.flip(-1), -inf, inf, -inf, inf, k_shift=shift * torch.randn(H, D))
     n = 14
     req_to_token = torch.zeros(2, 32, dtype=torch.int32)
     req_to_token[1, :n] = torch.arange(16, 16 + n)
@@ -267,3 +269,23 @@ def test_quantise_float8_scales_error_bound():
     assert bool(((xg - xh.reshape(64, 4, 2, 64)).abs() <= bound.unsqueeze(-1)).all())
     assert KVLayout(64, 64, "float8_e4m3fn").bytes_per_token_per_head(128) == KVLayout(
         128, 128, "float16").bytes_per_token_per_head(128)  # groups of 64 in float8 cost what groups of 128 in float16 do
+
+
+def test_key_shift_removes_a_common_key_offset_from_the_int2_error():
+    """Keys with a large common offset (as real models' keys have): quantising k' - mean and
+    adding the mean back errs far less than quantising k' (the offset no longer sets each
+    group's range), and quantise_rotated returns the shifted keys it quantised."""
+    from oscar_kernels.int2 import dequantise, quantise_rotated, unpack
+
+    torch.manual_seed(0)
+    t, h, d, g = 256, 2, 64, 16
+    offset = 4.0 * torch.randn(h, d)
+    k = torch.randn(t, h, d) + offset
+    eye = torch.eye(d).expand(h, d, d)
+    errs = {}
+    for name, shift in (("none", None), ("mean", k.mean(0))):
+        k_rot, packed, scales = quantise_rotated(k, eye, None, None, g, torch.float32, shift)
+        assert torch.allclose(k_rot, k - (0 if shift is None else shift))
+        k_hat = dequantise(unpack(packed), scales) + (0 if shift is None else shift)
+        errs[name] = float((k_hat - k).pow(2).mean())
+    assert errs["mean"] < 0.3 * errs["none"], errs

@@ -124,10 +124,10 @@ class FakeInt2KVSim(Bf16KVSim):
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
-    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype):
-        """Per-token minmax on x [B, T, H, D]: rotate, clip, fake INT2, rotate back."""
-        x_rot = clip(torch.einsum("bthd,hde->bthe", x.float(), rot), clip_min, clip_max)
-        x_hat = fake_quantise(x_rot, group_size, None, None, scale_dtype)
+    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype, shift=0.0):
+        """Per-token minmax on x [B, T, H, D]: rotate, shift, clip, fake INT2, unshift, rotate back."""
+        x_rot = clip(torch.einsum("bthd,hde->bthe", x.float(), rot) - shift, clip_min, clip_max)
+        x_hat = fake_quantise(x_rot, group_size, None, None, scale_dtype) + shift
         return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
 
     def _store(self, layer_idx, b, n0, n, k, v):
@@ -135,7 +135,7 @@ class FakeInt2KVSim(Bf16KVSim):
         r = self.rotations[layer_idx]
         if self.kq is not None:
             self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                                                      self.group_size, self.scale_dtype)
+                                                      self.group_size, self.scale_dtype, r.k_shift)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
                                                       self.value_group_size, self.value_scale_dtype)

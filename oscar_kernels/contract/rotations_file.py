@@ -5,6 +5,9 @@ safetensors (never pickle). Tensors, per layer l (float32):
     k_clip_min.{l}, k_clip_max.{l},
     v_clip_min.{l}, v_clip_max.{l}      [num_kv_heads, head_dim]  per-channel clip of the
                                         rotated values (-inf / +inf = no clip)
+    k_shift.{l}                         [num_kv_heads, head_dim]  subtracted from the rotated
+                                        keys before storing (version 2; version-1 files, which
+                                        lack it, load with zeros)
 Metadata (strings): format, version, architecture, model_name, num_layers, num_q_heads,
 num_kv_heads, head_dim, group_size (the keys' INT2 group), value_group_size (the values';
 absent in older files, which load with value_group_size = group_size), bits, scale_dtype
@@ -32,8 +35,9 @@ from .layout import SCALE_DTYPES, KVLayout, group_size_problem
 from .model_shape import ModelShape, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
-VERSION = "1"
-SUPPORTED_VERSIONS = (VERSION,)
+VERSION = "2"
+SUPPORTED_VERSIONS = ("1", VERSION)
+_V1_TENSOR_KINDS = tuple(k for k in LayerRotation.FIELDS if k != "k_shift")
 RECIPES = ("oscar", "hadamard", "naive")
 ORTHOGONALITY_TOL = 1e-3
 _TENSOR_KINDS = LayerRotation.FIELDS
@@ -132,7 +136,7 @@ def save_rotations(path: str, rotations: Rotations) -> None:
         for kind in _TENSOR_KINDS:
             tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone(memory_format=torch.contiguous_format)
     md = {
-        "format": FORMAT, "version": meta.version, "architecture": meta.architecture,
+        "format": FORMAT, "version": VERSION, "architecture": meta.architecture,
         "model_name": meta.model_name, "recipe": meta.recipe,
         "recipe_detail": json.dumps(meta.recipe_detail, sort_keys=True),
         "calib_data": meta.calib_data, "scale_dtype": meta.scale_dtype,
@@ -215,7 +219,7 @@ def _validate(rot: Rotations, path: str) -> None:
                 raise _fail(path, f"{kind}.{l} has shape {tuple(t.shape)}, expected {want}")
             if torch.isnan(t).any():
                 raise _fail(path, f"{kind}.{l} contains NaN")
-            if kind.endswith("rot") and not torch.isfinite(t).all():
+            if kind in ("k_rot", "v_rot", "k_shift") and not torch.isfinite(t).all():
                 raise _fail(path, f"{kind}.{l} contains Inf")
         for kind in ("k_rot", "v_rot"):
             err = orthogonality_error(getattr(lr, kind))
@@ -285,10 +289,11 @@ def load_rotations(path: str, expect: ModelShape | None = None) -> Rotations:
         with safe_open(path, framework="pt") as f:
             meta = _parse_meta(path, f.metadata())
             keys = set(f.keys())
-            want = {f"{k}.{l}" for k in _TENSOR_KINDS for l in range(meta.num_layers)}
+            kinds = _V1_TENSOR_KINDS if meta.version == "1" else _TENSOR_KINDS
+            want = {f"{k}.{l}" for k in kinds for l in range(meta.num_layers)}
             if keys != want:
                 raise _fail(path, _tensor_set_mismatch(sorted(want - keys), sorted(keys - want)))
-            layers = [LayerRotation(*(f.get_tensor(f"{k}.{l}").to(torch.float32) for k in _TENSOR_KINDS))
+            layers = [LayerRotation(**{k: f.get_tensor(f"{k}.{l}").to(torch.float32) for k in kinds})
                       for l in range(meta.num_layers)]
     except RotationsFileError:
         raise
