@@ -110,14 +110,19 @@ def version_of(cmd: list[str]) -> str:
     return (r.stdout or r.stderr).strip().splitlines()[0] if r.returncode == 0 else "unknown"
 
 
-def image_facts(name: str) -> dict | None:
-    r = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}|{{.Size}}|{{.Created}}", name],
-                       capture_output=True, text=True)
+def image_facts(name: str, runtime: bool = False) -> dict | None:
+    """Id, size and creation time of a local image; ``runtime``: also what `docker run` uses."""
+    r = subprocess.run(["podman", "image", "inspect", name], capture_output=True, text=True)
     if r.returncode != 0:
         return None
-    iid, size, created = r.stdout.strip().split("|", 2)
-    return {"name": name, "id": iid, "size_bytes": int(size), "size_gb": round(int(size) / 1e9, 2),
-            "created": created}
+    info = json.loads(r.stdout)[0]
+    facts = {"name": name, "id": info["Id"], "size_bytes": info["Size"], "size_gb": round(info["Size"] / 1e9, 2),
+             "created": info["Created"]}
+    if runtime:
+        cfg = info.get("Config") or {}
+        facts["runtime"] = {k: cfg.get(k) for k in ("User", "Entrypoint", "Cmd", "ExposedPorts", "Volumes")}
+        facts["runtime"]["Healthcheck"] = info.get("HealthCheck")
+    return facts
 
 
 class Recorder:
@@ -148,7 +153,9 @@ class Recorder:
 
 def build_cmd(containerfile: Path, tag: str, context: Path, ca: str | None, build_args: dict,
               no_cache: bool = False) -> list[str]:
-    cmd = ["podman", "build", "--isolation", "chroot", "--pull=never", "-f", str(containerfile), "-t", tag]
+    # docker format: the OCI format drops HEALTHCHECK
+    cmd = ["podman", "build", "--isolation", "chroot", "--format", "docker", "--pull=never",
+           "-f", str(containerfile), "-t", tag]
     for k, v in build_args.items():
         cmd += ["--build-arg", f"{k}={v}"]
     if ca:
@@ -261,7 +268,7 @@ def run(a) -> int:
     subprocess.run(["podman", "rmi", CHECK_IMAGE], capture_output=True)
 
     images = {"rootfs": image_facts(ROOTFS_IMAGE), "standin_base": image_facts(BASE_IMAGE),
-              "image": image_facts(IMAGE), "check_image_removed": check_image}
+              "image": image_facts(IMAGE, runtime=True), "check_image_removed": check_image}
     images["image"]["added_over_base_bytes"] = images["image"]["size_bytes"] - images["standin_base"]["size_bytes"]
     record = {
         "what": "docker/Dockerfile built with podman on a stand-in base (Debian bookworm from Debian's archive "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"image check: --tokens must be >= 1, got {a.tokens}")
 
     out, wall = run("help", ["oscar-sglang", "--help"])
-    flags = sorted({w.strip("[],") for w in out.split() if w.startswith(("--oscar-", "[--oscar-"))})
+    flags = sorted(set(re.findall(r"--oscar-[a-z][a-z0-9-]*[a-z0-9]", out)))
     if "--oscar-rotations" not in flags:
         sys.exit(f"image check: `oscar-sglang --help` lists no --oscar-rotations flag ({len(out.splitlines())} lines)")
     print(f"image check: oscar-sglang --help: {len(out.splitlines())} lines, {len(flags)} --oscar-* flags "
