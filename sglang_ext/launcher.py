@@ -117,7 +117,7 @@ def oscar_help() -> str:
     p.add_argument("--kv-cache-dtype", choices=[OSCAR_KV_DTYPE],
                    help="KV cache storage (SGLang's own values: --help-all).")
     extend_parser(p)
-    return p.format_help().replace("options:", "OSCAR KV cache dtype:", 1)
+    return p.format_help().replace("options:", "KV cache:", 1)
 
 
 def _normalise(argv: list[str]) -> list[str]:

@@ -83,6 +83,30 @@ def test_serve_on_another_device_is_refused():
     assert line.startswith("oscar-sglang: --device cpu is not supported: oscar-sglang serves on CUDA GPUs only")
 
 
+def test_serve_checks_the_rotations_file_before_anything_else(tmp_path):
+    bad = tmp_path / "r.safetensors"
+    bad.write_bytes(b"not a tensor file at all" * 100)
+    r = _run("sglang_ext.launcher", "--model-path", "some/model", "--kv-cache-dtype", "oscar_int2",
+             "--oscar-rotations", bad)
+    assert one_line_error(r, "oscar-sglang: ") == (
+        f"oscar-sglang: --oscar-rotations: oscar rotations file {bad}: not a safetensors file (no valid "
+        "safetensors header)")
+
+
+def test_help_lists_the_oscar_flags_without_loading_sglang():
+    from sglang_ext.settings import FLAGS
+
+    code = ("import sys; from sglang_ext.launcher import main; rc = main(['--help']); "
+            "print('loaded:', sorted(m for m in ('sglang', 'torch') if m in sys.modules)); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    out = r.stdout
+    assert out.startswith("usage: oscar-sglang") and out.rstrip().endswith("loaded: []")
+    assert "--kv-cache-dtype {oscar_int2}" in out and all(f.cli in out for f in FLAGS)
+    assert "`oscar-sglang --help-all`" in out and len(out.splitlines()) < 60
+
+
 def test_serve_without_arguments_says_how_to_list_them():
     r = _run("sglang_ext.launcher")
     line = one_line_error(r, "oscar-sglang: ")
@@ -228,6 +252,31 @@ def test_too_small_token_budget_is_refused_before_the_model_loads(tmp_path, tiny
         "oscar-calibrate: error: --tokens 300 (whole windows of --seq-len 200 hold 200) is too few: the head_dim "
         "32 statistics need at least 256 tokens (8 x head_dim)")
     assert "on cpu/" not in r.stderr  # the model was never loaded
+
+
+@pytest.mark.parametrize("kind", ["empty folder", "binary file", "jsonl without text"])
+def test_calibration_text_without_text_is_refused_before_the_model_loads(tmp_path, tiny_dir, kind):
+    data = {"empty folder": tmp_path / "texts", "binary file": tmp_path / "data.txt",
+            "jsonl without text": tmp_path / "d.jsonl"}[kind]
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "image.png").write_bytes(b"\x89PNG")  # not a text suffix: not read
+    (tmp_path / "data.txt").write_bytes(b"text\x00and bytes")
+    (tmp_path / "d.jsonl").write_text('{"text": ""}\n')
+    r = _run("calibration.cli", "--model", tiny_dir, "--out", tmp_path / "r.safetensors", "--data", data)
+    line = one_line_error(r, "oscar-calibrate: error: ")
+    assert line == f"oscar-calibrate: error: --data {data}: " + {
+        "empty folder": "the folder holds no text files (.py, .pyi, .txt, .md, ... or .jsonl)",
+        "binary file": "not calibration text: binary (it holds NUL bytes)",
+        "jsonl without text": "not calibration text: no record with a non-empty 'text'"}[kind]
+    assert "on cpu/" not in r.stderr  # the model was never loaded
+
+
+@pytest.mark.parametrize("cmd, flag", [((), "--tokens"), ((), "--seq-len"), (("proxy",), "--tokens"),
+                                       (("proxy",), "--seq-len")])
+def test_counts_below_one_name_their_flag(tmp_path, tiny_dir, tiny_rot, cmd, flag):
+    out = ["--rotations", tiny_rot] if cmd else ["--out", tmp_path / "r.safetensors", "--device", "cpu"]
+    r = _run("calibration.cli", *cmd, "--model", tiny_dir, *out, flag, "0")
+    assert one_line_error(r, "oscar-calibrate: error: ") == f"oscar-calibrate: error: {flag} must be >= 1 (got 0)"
 
 
 def test_calibration_text_below_the_budget_warns_and_records_the_real_count(tmp_path, tiny_dir):

@@ -526,11 +526,12 @@ def test_launcher_bf16_needs_no_plugin(tinylm_dir):
 
 
 @pytest.mark.slow
-def test_launcher_help_is_sglangs_plus_oscar_flags():
-    r = subprocess.run([sys.executable, "-m", "sglang_ext.launcher", "--help"], capture_output=True,
+def test_launcher_help_all_is_the_oscar_flags_then_sglangs():
+    r = subprocess.run([sys.executable, "-m", "sglang_ext.launcher", "--help-all"], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "usage: oscar-sglang" in r.stdout and OPTION_GROUP_TITLE in r.stdout
+    assert r.stdout.startswith("usage: oscar-sglang") and OPTION_GROUP_TITLE in r.stdout
     for flag in ("--model-path", "--kv-cache-dtype", "--mem-fraction-static", "--chunked-prefill-size",
                  *(f.cli for f in FLAGS)):
         assert flag in r.stdout, flag
+    assert r.stdout.index(OPTION_GROUP_TITLE) < r.stdout.index("--model-path")
