@@ -221,6 +221,7 @@ def run(a) -> int:
                          f"{a.min_free_gb:.0f} GB (--min-free-gb)")
     ca = host_ca_bundle()
     rec = Recorder()
+    previous = {name: (image_facts(name) or {}).get("id") for name in (IMAGE, BASE_IMAGE, ROOTFS_IMAGE)}
     versions = {"podman": version_of(["podman", "--version"]), "kernel": platform.release(),
                 "cpus": os.cpu_count()}
 
@@ -266,9 +267,14 @@ def run(a) -> int:
         raise BuildError("the check build succeeded but printed no 'image check passed' line")
     check_image = image_facts(CHECK_IMAGE)
     subprocess.run(["podman", "rmi", CHECK_IMAGE], capture_output=True)
+    # the images this run replaced (untagged now), newest first: children before their base
+    replaced = [iid for name, iid in previous.items() if iid and iid != (image_facts(name) or {}).get("id")]
+    for iid in replaced:
+        subprocess.run(["podman", "rmi", iid], capture_output=True)
 
     images = {"rootfs": image_facts(ROOTFS_IMAGE), "standin_base": image_facts(BASE_IMAGE),
-              "image": image_facts(IMAGE, runtime=True), "check_image_removed": check_image}
+              "image": image_facts(IMAGE, runtime=True), "check_image_removed": check_image,
+              "replaced_images_removed": replaced}
     images["image"]["added_over_base_bytes"] = images["image"]["size_bytes"] - images["standin_base"]["size_bytes"]
     record = {
         "what": "docker/Dockerfile built with podman on a stand-in base (Debian bookworm from Debian's archive "
