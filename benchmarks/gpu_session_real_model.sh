@@ -33,6 +33,10 @@ run_all() {
   cal smol_hadamard --recipe hadamard
   cal smol_naive --recipe naive
   step "calibrated: $(ls "$rot" | tr '\n' ' ')"
+  # per-layer attention error of every file (fake INT2, sinks and ring exact), held-out stdlib tests text
+  $PY -m calibration.cli proxy --model "$smol" --quiet --sink 16 --recent 128 --json "$R/proxy_smollm2.json" \
+      --rotations "$rot"/smol_oscar.safetensors "$rot"/smol_oscar_noshift.safetensors "$rot"/smol_oscar_g8.safetensors \
+      "$rot"/smol_hadamard.safetensors "$rot"/smol_naive.safetensors > "$R/logs/proxy.log" 2>&1 &
 
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
              --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
