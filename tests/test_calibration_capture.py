@@ -96,10 +96,11 @@ def test_covariances_equal_direct_computation(family, kv_heads):
 
 
 @pytest.mark.slow
-def test_capture_on_tinylm_is_exact(tinylm_dir):
+def test_capture_on_a_real_model_is_exact(real_model_dir):
+    """SmolLM2-135M-Instruct: trained weights, 3 query heads per KV head, head_dim 64."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tinylm_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(3))
     attn_out, seen = {}, {}
     hooks = [m.register_forward_hook(lambda mod, a, out: attn_out.__setitem__(mod.layer_idx, out[0]))
@@ -115,7 +116,7 @@ def test_capture_on_tinylm_is_exact(tinylm_dir):
     ref = _independent_attention(model, ids)
     for layer, mod in enumerate(attention_modules(model)):
         q, k, v, o = seen[layer]
-        assert q.shape == (1, 4, 128, 128) and k.shape == (1, 2, 128, 128) and o.shape == q.shape
+        assert q.shape == (1, 9, 128, 64) and k.shape == (1, 3, 128, 64) and o.shape == q.shape
         for got, want in zip((q, k, v, o), ref[layer]):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # the captured per-head output, through o_proj, is the attention module's output

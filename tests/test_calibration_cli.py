@@ -1,4 +1,4 @@
-"""oscar-calibrate end to end: tinylm-A, tiny random models, import-oscar-zoo, proxy."""
+"""oscar-calibrate end to end: SmolLM2-135M-Instruct, tiny random models, import-oscar-zoo, proxy."""
 import json
 
 import pytest
@@ -19,24 +19,28 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tinylm_end_to_end_small_budget(tinylm_dir, tmp_path):
-    out = str(tmp_path / "tinylm.safetensors")
-    rc = main(["--model", str(tinylm_dir), "--out", out, "--tokens", "1024", "--seq-len", "512",
-               "--clip-sample", "512", "--device", "cpu", "--quiet"])
+def test_real_model_end_to_end_small_budget(real_model_dir, tmp_path):
+    """SmolLM2-135M-Instruct on the CPU: 3 query heads per KV head, head_dim 64 (key group 16)."""
+    out = str(tmp_path / "smollm2.safetensors")
+    rc = main(["--model", str(real_model_dir), "--out", out, "--tokens", "1024", "--seq-len", "512",
+               "--device", "cpu", "--quiet"])
     assert rc == 0
-    shape = model_shape(str(tinylm_dir))
+    shape = model_shape(str(real_model_dir))
+    assert shape == ModelShape("LlamaForCausalLM", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64)
     rot = load_rotations(out, expect=shape)
     m = rot.meta
-    assert (m.architecture, m.num_layers, m.num_kv_heads, m.head_dim) == ("Qwen3ForCausalLM", 8, 2, 128)
+    assert (m.architecture, m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim) == ("LlamaForCausalLM", 30, 9, 3, 64)
     assert m.recipe == "oscar" and m.calib_tokens == 1024
-    # the default layout: keys one group per plane, values one group, float8 (scale, min)
-    assert (m.group_size, m.value_group_size, m.scale_dtype) == (32, 128, "float8_e4m3fn")
+    # the default layout at head_dim 64: keys one group per plane, values one group, float8 (scale, min)
+    assert (m.group_size, m.value_group_size, m.scale_dtype) == (16, 64, "float8_e4m3fn")
     d = m.recipe_detail
     assert d["tokens"] == 1024 and d["clip"] == "none" and d["variant"] == "U-H-P" and d["seq_len"] == 512
     assert "stdlib" in m.calib_data
     for lr in rot.layers:
-        assert orthogonality_error(lr.k_rot) < 1e-5
-        assert torch.isfinite(lr.k_clip_min).any() or torch.isinf(lr.k_clip_min).all()
+        assert lr.k_rot.shape == lr.v_rot.shape == (3, 64, 64)
+        assert orthogonality_error(lr.k_rot) < 1e-5 and orthogonality_error(lr.v_rot) < 1e-5
+    # calibrated, not a data-free fallback: each layer's key rotations differ between KV heads
+    assert not torch.allclose(rot.layers[0].k_rot[0], rot.layers[0].k_rot[1])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mistral", "qwen2"])
