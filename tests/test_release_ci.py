@@ -33,12 +33,20 @@ def test_readme_test_command_is_one_venv_install_and_pytest():
     assert steps[-1].startswith(".venv/bin/python -m pytest")
 
 
-def test_readme_main_command_installs_and_calibrates():
+def test_readme_main_command_fetches_calibrates_and_checks_the_example_model():
+    """Nothing outside the checkout: the example model is fetched, calibrated on the CPU with the
+    base install plus the `example` extra (no CUDA wheels of `serve`), and oscar-eval compares it."""
     cmd = blocks.marked_block((ROOT / "README.md").read_text(), "main-command")
-    steps = [s.strip() for s in cmd.strip().split("&&")]
-    assert steps[0] == "python3 -m venv .venv" and steps[1].startswith(".venv/bin/pip install -e ")
-    calib = shlex.split(steps[2])
-    assert calib[0] == ".venv/bin/oscar-calibrate" and "--model" in calib and "--out" in calib
+    steps = [shlex.split(s) for s in cmd.replace("\\\n", " ").strip().split("&&")]
+    assert steps[0] == ["python3", "-m", "venv", ".venv"]
+    assert steps[1] == [".venv/bin/pip", "install", "-e", ".[example]"]
+    assert steps[2][:2] == [".venv/bin/oscar-calibrate", "example-model"]
+    model = steps[2][2]
+    calib, ev = dict(zip(steps[3][1::2], steps[3][2::2])), dict(zip(steps[4][1::2], steps[4][2::2]))
+    assert steps[3][0] == ".venv/bin/oscar-calibrate" and calib["--model"] == model and calib["--device"] == "cpu"
+    assert steps[4][0] == ".venv/bin/oscar-eval" and ev["--model"] == model and ev["--device"] == "cpu"
+    assert ev["--method"] == f"oscar={calib['--out']}" and "--out" in ev
+    assert not any(a.startswith("..") for step in steps for a in step)
 
 
 @pytest.mark.parametrize("text, why", [
