@@ -429,6 +429,70 @@ def render_real_model(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+REAL_MODEL_STUDY = "study_smollm2.json"
+
+
+def _study_change(name: str, row: dict) -> str:
+    """What a study row changes against the default, in words."""
+    run, _, method = name.rpartition("/")
+    what = []
+    if row.get("int2_parts") in ("k", "v"):
+        what.append(f"INT2 {'keys' if row['int2_parts'] == 'k' else 'values'} only (fake quantisation)")
+    if row.get("key_shift") == "none" and row.get("recipe") == "oscar":
+        what.append("no key shift")
+    if row.get("group_size") is not None:
+        what.append(f"key groups {row['group_size']}, value groups {row['value_group_size']}")
+    if run and run.startswith(("S", "W", "sink", "recent")):
+        what.append(f"S={row.get('sink')}, W={row.get('recent')}")
+    return (row.get("recipe") or method) + ": " + "; ".join(what)
+
+
+def render_real_model_study(results_dir: str) -> str:
+    """Issue 46's study: every candidate against bf16 and the default, paired by window."""
+    data = _maybe_load(results_dir, REAL_MODEL_STUDY)
+    if not data.get("rows"):
+        return none_yet("python3 -m benchmarks.real_model_study --main fidelity_smollm2.json --run NAME=FILE ...",
+                        "CPU, from one GPU session's oscar-eval outputs")
+    st, rows = data["settings"], data["rows"]
+    lengths = sorted({n for r in rows.values() for n in r["ppl"]}, key=int)
+    header = ["candidate", "changes", "INT2 B / token / KV head", "BF16 ring MB / request"]
+    for n in lengths:
+        header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - default, {fmt(int(n))} (95%)", f"top-1 / KL, {fmt(int(n))}"]
+    out = []
+    for name, r in rows.items():
+        cells = [name, _study_change(name, r), fmt(r.get("bytes_per_token_head")),
+                 fmt(r["ring_bytes_per_request"] / 1e6, 1)]
+        for n in lengths:
+            c = r["ppl"].get(n)
+            if not c:
+                cells += ["-", "-", "-"]
+                continue
+            gap = c.get("nll_vs_default")
+            cells += [f"{c['ppl']:.4f} ({c['ratio']:.4f}x)" if c.get("ratio") else fmt(c["ppl"], 4),
+                      _gap(*gap, 4) if gap else ("(default)" if name == data["default"] else "-"),
+                      f"{c['top1']:.4f} / {c['kl']:.4f}" if c.get("top1") is not None else "-"]
+        out.append(cells)
+    bf16 = ", ".join(f"{fmt(int(n))}: {v:.4f}" for n, v in sorted(data["bf16"].items(), key=lambda kv: int(kv[0])))
+    caption = (f"{data.get('model')} in simulation (`oscar-eval`, {st.get('device')}; chunk {st.get('chunk')}, "
+               f"{st.get('ppl_windows')} held-out windows per length, S={st.get('sink')} and W={st.get('recent')} "
+               f"unless a row says otherwise). bf16 ppl {bf16}. NLL - default: each window's mean NLL minus the "
+               f"default's ({data['default']}) on the same window, mean and 95% half-width over windows. "
+               f"Source: `{_rel(os.path.join(results_dir, REAL_MODEL_STUDY))}`.")
+    parts = [caption, table(header, out)]
+    proxy = data.get("proxy")
+    if proxy and proxy.get("results"):
+        res = proxy["results"]
+        names = list(res)
+        layers = len(next(iter(res.values())).get("layers", []))
+        if layers:
+            rows_p = [[str(l)] + [fmt(res[n]["layers"][l].get("out_rel"), 4) for n in names] for l in range(layers)]
+            parts.append(f"Per layer: relative attention-output error of each file with fake INT2 K/V "
+                         f"(`oscar-calibrate proxy`, {proxy.get('tokens')} tokens of {proxy.get('data')}, "
+                         f"S={proxy.get('sink')}, W={proxy.get('recent')}).")
+            parts.append(table(["layer"] + names, rows_p))
+    return "\n\n".join(parts)
+
+
 FAKE_INT2 = "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
 INT2_PART_NAMES = {"k": "keys", "v": "values", "kv-fake": "keys and values"}
 
@@ -949,6 +1013,7 @@ SECTIONS = {
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
     "real-model": render_real_model,
+    "real-model-study": render_real_model_study,
     "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,
