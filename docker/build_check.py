@@ -12,8 +12,9 @@ be pulled, but Debian's archive and PyPI can be. This script, end to end:
 4. builds the real docker/Dockerfile on it as ``localhost/oscar-sglang:latest``
    (``--build-arg BASE_IMAGE=...``, without the layer cache, so every step runs);
 5. builds docker/check.Containerfile FROM that image, whose last step runs the image's tools
-   (docker/check_image.py: ``oscar-sglang --help``, ``oscar-calibrate example-model`` and
-   ``oscar-calibrate --device cpu`` on SmolLM2-135M-Instruct). The check image is removed after.
+   (docker/check_image.py: ``oscar-sglang --help`` and ``--help-all``, ``oscar-calibrate
+   example-model`` and ``oscar-calibrate --device cpu`` on SmolLM2-135M-Instruct). The check
+   image is removed after, and so are the images a run replaces.
 
 Every build uses ``podman build --isolation chroot`` (``podman run`` is not needed). The host's
 CA bundle, when there is one, is mounted read-only over the image's during the RUN steps (a

