@@ -59,6 +59,24 @@ def test_read_texts_errors(tmp_path):
         list(text_sources.read_texts([str(bad)]))
 
 
+def test_check_texts_says_why_a_path_holds_no_text(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.txt").write_bytes(b"\x00\x01")
+    (tmp_path / "bin" / "b.py").write_bytes(b"")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_bytes(b"\x00")
+    (tmp_path / "mixed" / "b.md").write_text("# text\n")
+    text_sources.check_texts([str(tmp_path / "mixed")])  # one text file is enough
+    with pytest.raises(ValueError) as e:
+        text_sources.check_texts([str(tmp_path / "mixed"), str(tmp_path / "bin")])
+    assert str(e.value) == (f"--data {tmp_path / 'bin'}: none of its 2 files is calibration text (first: "
+                            f"{tmp_path / 'bin' / 'a.txt'}: binary (it holds NUL bytes))")
+    long_line = tmp_path / "gen.txt"
+    long_line.write_text("x" * (text_sources.MAX_LINE_CHARS + 1))
+    with pytest.raises(ValueError, match=r"gen.txt: not calibration text: generated-looking \(a line over 5000"):
+        text_sources.check_texts([str(long_line)])
+
+
 def test_token_stream_windows():
     tok = CharTokenizer()
     texts = ["abcdefghij", "klmnopqrstuvwxyz"]  # 11 + 17 = 28 tokens with separators

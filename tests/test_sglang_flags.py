@@ -52,10 +52,10 @@ def clean_env():
 
 
 @pytest.fixture
-def tiny_rot(tmp_path, tinylm_dir):
+def tiny_rot(tmp_path, real_model_dir):
     import json
 
-    cfg = json.loads((tinylm_dir / "config.json").read_text())
+    cfg = json.loads((real_model_dir / "config.json").read_text())
     return write_hadamard_file(tmp_path / "tiny.safetensors", cfg, group_size=32)
 
 
@@ -314,12 +314,12 @@ def test_model_kinds_refused(kind, match, small_rot):
 
 # ------------------------------------------------------------------ whole path on CPU
 
-def _prepare(tinylm_dir, *extra):
-    return prepare_server_args(["--model-path", str(tinylm_dir), "--device", "cpu", *extra])
+def _prepare(real_model_dir, *extra):
+    return prepare_server_args(["--model-path", str(real_model_dir), "--device", "cpu", *extra])
 
 
-def test_plugin_path_end_to_end(tinylm_dir, tiny_rot):
-    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+def test_plugin_path_end_to_end(real_model_dir, tiny_rot):
+    sa = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
                   "--oscar-sink-tokens", "8", "--oscar-recent-window", "64")
     assert (sa.oscar_rotations, sa.oscar_sink_tokens, sa.oscar_recent_window) == (tiny_rot, 8, 64)
     assert oscar_settings(sa) == OscarSettings(tiny_rot, 8, 64, None)
@@ -328,18 +328,18 @@ def test_plugin_path_end_to_end(tinylm_dir, tiny_rot):
     sa.check_server_args()  # the backstop hook passes on an accepted configuration
 
 
-def test_deterministic_inference_keeps_oscar_and_drops_the_radix_cache(tinylm_dir, tiny_rot):
+def test_deterministic_inference_keeps_oscar_and_drops_the_radix_cache(real_model_dir, tiny_rot):
     """oscar is one of SGLang's deterministic backends (batch-invariant decode, INT2 prefix
     read) but not of its deterministic radix-cache backends: SGLang turns the radix cache off."""
-    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+    sa = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
                   "--enable-deterministic-inference")
     assert sa.attention_backend == "oscar" and sa.disable_radix_cache
     sa.check_server_args()
 
 
-def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
+def test_plugin_path_yaml_config(real_model_dir, tiny_rot, tmp_path):
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\nkv-cache-dtype: {OSCAR_KV_DTYPE}\n"
+    cfg.write_text(f"model-path: {real_model_dir}\ndevice: cpu\nkv-cache-dtype: {OSCAR_KV_DTYPE}\n"
                    f"oscar-rotations: {tiny_rot}\noscar-sink-slots: 5\npage-size: 32\n")
     sa = prepare_server_args(["--config", str(cfg)])
     assert oscar_settings(sa) == OscarSettings(tiny_rot, DEFAULT_SINK_TOKENS, DEFAULT_RECENT_WINDOW, 5)
@@ -362,62 +362,63 @@ def test_plugin_path_yaml_config(tinylm_dir, tiny_rot, tmp_path):
      "--oscar-sink-tokens 64 or fewer)"),
     (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is not supported"),
 ])
-def test_refusals_through_post_init(extra, match, tinylm_dir, tiny_rot):
+def test_refusals_through_post_init(extra, match, real_model_dir, tiny_rot):
     with pytest.raises(OscarConfigError) as ei:
-        _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *extra)
+        _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *extra)
     assert match in one_line(ei)
 
 
-def test_rotations_for_another_model_refused(tinylm_dir, small_rot):
+def test_rotations_for_another_model_refused(real_model_dir, small_rot):
     with pytest.raises(OscarConfigError) as ei:
-        _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", small_rot)
-    assert "--oscar-rotations" in one_line(ei) and "num_layers" in str(ei.value)
+        _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", small_rot)
+    assert one_line(ei).startswith("--oscar-rotations: oscar rotations file ")
+    assert "made for architecture=Qwen3ForCausalLM (test), but the served model has architecture=LlamaForCausalLM" in str(ei.value)
 
 
-def test_tp_split_refused(tinylm_dir, tiny_rot):
-    sa = oscar_bare(tiny_rot, page_size=64, tp_size=3)
-    sa.model_path = str(tinylm_dir)
+def test_tp_split_refused(real_model_dir, tiny_rot):
+    sa = oscar_bare(tiny_rot, page_size=64, tp_size=2)  # 9 query heads
+    sa.model_path = str(real_model_dir)
     with mock.patch.object(ServerArgs, "get_model_config",
-                           lambda self: _fake_model_config(hf_config=_tiny_hf(tinylm_dir))):
+                           lambda self: _fake_model_config(hf_config=_model_hf(real_model_dir))):
         with pytest.raises(OscarConfigError) as ei:
             refusals.check_oscar_server_args(sa)
-    assert "--tp-size 3" in one_line(ei)
+    assert one_line(ei).startswith("--tp-size 2: 9 query heads cannot be split over tp_size 2")
 
 
-def _tiny_hf(tinylm_dir):
+def _model_hf(model_dir):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(tinylm_dir))
+    return AutoConfig.from_pretrained(str(model_dir))
 
 
-def test_stray_cli_flag_refused(tinylm_dir, tiny_rot):
+def test_stray_cli_flag_refused(real_model_dir, tiny_rot):
     with pytest.raises(OscarConfigError) as ei:
-        _prepare(tinylm_dir, "--oscar-rotations", tiny_rot)
+        _prepare(real_model_dir, "--oscar-rotations", tiny_rot)
     assert "add --kv-cache-dtype oscar_int2" in one_line(ei)
 
 
-def test_bf16_serving_unchanged(tinylm_dir):
-    sa = _prepare(tinylm_dir)
+def test_bf16_serving_unchanged(real_model_dir):
+    sa = _prepare(real_model_dir)
     assert sa.kv_cache_dtype == "auto" and sa.attention_backend != "oscar"
     assert all(getattr(sa, f.field) is None for f in FLAGS)
 
 
 # ------------------------------------------------------------------ fields as keywords
 
-def test_engine_keywords_are_server_args_fields(tinylm_dir, tiny_rot):
+def test_engine_keywords_are_server_args_fields(real_model_dir, tiny_rot):
     """sgl.Engine(**kw) builds ServerArgs(**kw): the oscar keywords are taken like SGLang's
     own fields, resolved by the same __post_init__, and kept by dataclasses.replace/asdict."""
-    sa = ServerArgs(model_path=str(tinylm_dir), device="cpu", kv_cache_dtype=OSCAR_KV_DTYPE,
+    sa = ServerArgs(model_path=str(real_model_dir), device="cpu", kv_cache_dtype=OSCAR_KV_DTYPE,
                     oscar_rotations=tiny_rot, oscar_sink_tokens=4, oscar_sink_slots=2,
                     oscar_extend_prefix="bf16")
     assert oscar_settings(sa) == OscarSettings(tiny_rot, 4, DEFAULT_RECENT_WINDOW, 2, "bf16")
     assert sa.attention_backend == "oscar" and sa.page_size == DEFAULT_PAGE_SIZE
     assert dataclasses.asdict(sa)["oscar_sink_slots"] == 2
     with pytest.raises(OscarConfigError) as ei:
-        ServerArgs(model_path=str(tinylm_dir), device="cpu", oscar_rotations=tiny_rot)
+        ServerArgs(model_path=str(real_model_dir), device="cpu", oscar_rotations=tiny_rot)
     assert "--oscar-rotations given but --kv-cache-dtype is 'auto'" in one_line(ei)
     with pytest.raises(TypeError, match="oscar_rotation"):
-        ServerArgs(model_path=str(tinylm_dir), device="cpu", oscar_rotation=tiny_rot)  # a typo stays one
+        ServerArgs(model_path=str(real_model_dir), device="cpu", oscar_rotation=tiny_rot)  # a typo stays one
 
 
 def test_bare_replace_keeps_the_oscar_fields(small_rot):
@@ -428,11 +429,11 @@ def test_bare_replace_keeps_the_oscar_fields(small_rot):
 
 
 @pytest.mark.slow
-def test_the_settings_reach_a_spawned_process_with_the_server_args(tinylm_dir, tiny_rot):
+def test_the_settings_reach_a_spawned_process_with_the_server_args(real_model_dir, tiny_rot):
     """SGLang starts its scheduler processes with multiprocessing's spawn and hands them the
     ServerArgs object (pickled): the oscar fields arrive with it, no environment needed, and
     the child reads the same settings without having loaded the plugin."""
-    sa = _prepare(tinylm_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+    sa = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
                   "--oscar-sink-tokens", "8", "--oscar-extend-prefix", "int2")
     assert not any(k.startswith("SGLANG_OSCAR") for k in os.environ)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -463,12 +464,12 @@ def _serve(argv, reason=None, backend_registered=True):
     return rc, run, kill
 
 
-def test_launcher_serves_through_sglang_launch_path(tinylm_dir, tiny_rot):
-    rc, run, kill = _serve(["serve", str(tinylm_dir), "--device", "cpu", "--kv-cache-dtype", OSCAR_KV_DTYPE,
+def test_launcher_serves_through_sglang_launch_path(real_model_dir, tiny_rot):
+    rc, run, kill = _serve(["serve", str(real_model_dir), "--device", "cpu", "--kv-cache-dtype", OSCAR_KV_DTYPE,
                             "--oscar-rotations", tiny_rot])
     assert rc == 0 and run.call_count == 1 and kill.call_count == 1
     sa = run.call_args.args[0]
-    assert sa.model_path == str(tinylm_dir) and oscar_settings(sa).rotations_path == tiny_rot
+    assert sa.model_path == str(real_model_dir) and oscar_settings(sa).rotations_path == tiny_rot
 
 
 @pytest.mark.parametrize("argv_tail,kw,match", [
@@ -480,20 +481,20 @@ def test_launcher_serves_through_sglang_launch_path(tinylm_dir, tiny_rot):
     (["--oscar-rotations", "ROT", "--oscar-sink-tokens", "100", "--page-size", "64"], {},
      "(use --page-size 128, or --oscar-sink-tokens 64 or fewer)"),
 ])
-def test_launcher_bad_configuration_one_line_exit_2(argv_tail, kw, match, tinylm_dir, tiny_rot, capsys):
+def test_launcher_bad_configuration_one_line_exit_2(argv_tail, kw, match, real_model_dir, tiny_rot, capsys):
     argv_tail = [tiny_rot if a == "ROT" else a for a in argv_tail]
-    rc, run, _ = _serve(["--model-path", str(tinylm_dir), "--device", "cpu",
+    rc, run, _ = _serve(["--model-path", str(real_model_dir), "--device", "cpu",
                          "--kv-cache-dtype", OSCAR_KV_DTYPE, *argv_tail], **kw)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and run.call_count == 0
     assert err and err[-1].startswith("oscar-sglang: ") and match in err[-1]
 
 
-def test_launcher_refuses_a_device_other_than_cuda_from_a_config_file(tinylm_dir, tmp_path, capsys):
+def test_launcher_refuses_a_device_other_than_cuda_from_a_config_file(real_model_dir, tmp_path, capsys):
     from sglang_ext import launcher
 
     cfg = tmp_path / "server.yaml"
-    cfg.write_text(f"model-path: {tinylm_dir}\ndevice: cpu\n")
+    cfg.write_text(f"model-path: {real_model_dir}\ndevice: cpu\n")
     with mock.patch.object(launcher, "device_problem", wraps=launcher.device_problem) as check, \
             mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("sglang_ext.sglang_bridge.run_server") as run:
@@ -520,8 +521,8 @@ def test_launcher_says_in_one_line_what_the_installed_sglang_lacks(capsys):
                        f"(AttributeError: type object 'ServerArgs' has no attribute 'add_cli_argz')")
 
 
-def test_launcher_bf16_needs_no_plugin(tinylm_dir):
-    rc, run, _ = _serve([str(tinylm_dir), "--device", "cpu"], reason="not installed", backend_registered=False)
+def test_launcher_bf16_needs_no_plugin(real_model_dir):
+    rc, run, _ = _serve([str(real_model_dir), "--device", "cpu"], reason="not installed", backend_registered=False)
     assert rc == 0 and run.call_args.args[0].kv_cache_dtype == "auto"
 
 
@@ -534,4 +535,4 @@ def test_launcher_help_all_is_the_oscar_flags_then_sglangs():
     for flag in ("--model-path", "--kv-cache-dtype", "--mem-fraction-static", "--chunked-prefill-size",
                  *(f.cli for f in FLAGS)):
         assert flag in r.stdout, flag
-    assert r.stdout.index(OPTION_GROUP_TITLE) < r.stdout.index("--model-path")
+    assert r.stdout.index(OPTION_GROUP_TITLE) < r.stdout.index("--mem-fraction-static")

@@ -22,21 +22,21 @@ DIRECT = HICACHE + ("--hicache-io-backend", "direct")
 
 
 @pytest.fixture
-def tiny_rot(tmp_path, tinylm_dir):
-    cfg = json.loads((tinylm_dir / "config.json").read_text())
+def tiny_rot(tmp_path, real_model_dir):
+    cfg = json.loads((real_model_dir / "config.json").read_text())
     return write_hadamard_file(tmp_path / "tiny.safetensors", cfg, group_size=32)
 
 
-def prepare(tinylm_dir, rot, *extra):
-    sa = prepare_server_args(["--model-path", str(tinylm_dir), "--device", "cpu",
+def prepare(real_model_dir, rot, *extra):
+    sa = prepare_server_args(["--model-path", str(real_model_dir), "--device", "cpu",
                               "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", rot, *extra])
     sa.check_server_args()
     return sa
 
 
-def refusal(tinylm_dir, rot, *extra) -> str:
+def refusal(real_model_dir, rot, *extra) -> str:
     with pytest.raises(OscarConfigError) as ei:
-        prepare(tinylm_dir, rot, *extra)
+        prepare(real_model_dir, rot, *extra)
     msg = str(ei.value)
     assert msg and "\n" not in msg, msg
     assert OSCAR_KV_DTYPE in msg
@@ -52,8 +52,8 @@ def refusal(tinylm_dir, rot, *extra) -> str:
      "page_first_direct"),
     (DIRECT + ("--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "file"), "layer_first"),
 ])
-def test_what_the_int2_host_tier_carries_starts(extra, layout, tinylm_dir, tiny_rot):
-    sa = prepare(tinylm_dir, tiny_rot, *extra)
+def test_what_the_int2_host_tier_carries_starts(extra, layout, real_model_dir, tiny_rot):
+    sa = prepare(real_model_dir, tiny_rot, *extra)
     assert sa.enable_hierarchical_cache and sa.kv_cache_dtype == OSCAR_KV_DTYPE
     assert (sa.hicache_io_backend, sa.hicache_mem_layout) == ("direct", layout)
     assert sa.attention_backend == "oscar"
@@ -75,8 +75,8 @@ def test_what_the_int2_host_tier_carries_starts(extra, layout, tinylm_dir, tiny_
      "BF16 K/V pages; use file, which writes the cells' bytes)"),
     (DIRECT + ("--hicache-storage-backend", "hf3fs"), "--hicache-storage-backend hf3fs is not supported"),
 ])
-def test_what_it_cannot_carry_is_refused_in_one_line(extra, match, tinylm_dir, tiny_rot):
-    assert match in refusal(tinylm_dir, tiny_rot, *extra)
+def test_what_it_cannot_carry_is_refused_in_one_line(extra, match, real_model_dir, tiny_rot):
+    assert match in refusal(real_model_dir, tiny_rot, *extra)
 
 
 def _choices(flag):
