@@ -27,11 +27,9 @@ run_all() {
   step "calibrate smollm2"
   cal() { local name="$1"; shift; $PY -m calibration.cli --model "$smol" --quiet --out "$rot/$name.safetensors" "$@" \
             > "$R/logs/cal_$name.log" 2>&1 || step "FAILED calibrate $name"; }
-  cal smol_oscar
-  cal smol_oscar_noshift --key-shift none
-  cal smol_oscar_g8 --group-size 8 --value-group-size 64
-  cal smol_hadamard --recipe hadamard
-  cal smol_naive --recipe naive
+  cal smol_oscar & cal smol_oscar_noshift --key-shift none & cal smol_oscar_g8 --group-size 8 --value-group-size 64 &
+  cal smol_hadamard --recipe hadamard & cal smol_naive --recipe naive &
+  wait
   step "calibrated: $(ls "$rot" | tr '\n' ' ')"
   # per-layer attention error of every file (fake INT2, sinks and ring exact), held-out stdlib tests text
   $PY -m calibration.cli proxy --model "$smol" --quiet --sink 16 --recent 128 --json "$R/proxy_smollm2.json" \
