@@ -122,7 +122,7 @@ def image_facts(name: str, runtime: bool = False) -> dict | None:
     if runtime:
         cfg = info.get("Config") or {}
         facts["runtime"] = {k: cfg.get(k) for k in ("User", "Entrypoint", "Cmd", "ExposedPorts", "Volumes")}
-        facts["runtime"]["Healthcheck"] = info.get("HealthCheck")
+        facts["runtime"]["Healthcheck"] = info.get("Healthcheck")
     return facts
 
 
