@@ -175,6 +175,26 @@ def test_build_check_refuses_bad_input_in_one_line(capsys):
     assert err == "docker/build_check.py: error: --tokens must be >= 1, got 0"
 
 
+def test_build_check_says_podman_is_missing_in_one_line(monkeypatch, capsys):
+    bc = _build_check()
+    monkeypatch.setattr(bc.shutil, "which", lambda name: None)  # neither podman nor apt-get
+    assert bc.main([]) == 1
+    assert capsys.readouterr().err.strip() == ("docker/build_check.py: error: podman is not installed and cannot "
+                                               "be installed here (needs root and apt-get: apt-get install podman)")
+
+
+def test_build_check_refuses_too_little_disk_in_one_line(monkeypatch, capsys):
+    bc = _build_check()
+    monkeypatch.setattr(bc.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(bc.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "/var/lib/containers/storage\n", ""))
+    monkeypatch.setattr(bc.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100e9, 95e9, 5e9))
+    assert bc.main([]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "docker/build_check.py: error: only 5.0 GB free under /var/lib/containers/storage; "
+        "the build needs about 30 GB (--min-free-gb)")
+
+
 def test_check_stage_runs_the_images_tools():
     stage = instructions((ROOT / "docker" / "check.Containerfile").read_text())
     assert stage[0] == ("ARG", "IMAGE=localhost/oscar-sglang:latest") and stage[1] == ("FROM", "${IMAGE}")
