@@ -168,7 +168,7 @@ class Sim:
                 exact = True
             else:  # prefix position: ring if in the own window, else INT2
                 exact = j >= max(window_end - W, valid_from)
-            kr, kp, ks = quantise_rotated(k, rot.k_rot, rot.k_clip_min, rot.k_clip_max, G)
+            kr, kp, ks = quantise_rotated(k, rot.k_rot, rot.k_clip_min, rot.k_clip_max, G, shift=rot.k_shift)
             vr, vp, vs = quantise_rotated(v, rot.v_rot, rot.v_clip_min, rot.v_clip_max, G)
             if exact:
                 keys.append(kr.bfloat16().float()); vals.append(vr.bfloat16().float())
