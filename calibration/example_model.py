@@ -9,6 +9,7 @@ replaces the download. A folder that already holds this conversion is reused.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -119,7 +120,13 @@ def convert(gguf_path: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    kwargs = {}
+    with contextlib.suppress(ImportError):  # transformers >= 5.17 keeps GGUF blocks packed unless told
+        from transformers import GgufConfig
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16, **kwargs)
+    if getattr(model, "hf_quantizer", None) is not None:  # dense bf16 now; the marker only blocks saving
+        model.hf_quantizer.remove_quantization_config(model)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     fix_special_tokens(tok, model.config)
     check_tokenizer(tok)
