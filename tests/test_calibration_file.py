@@ -306,7 +306,10 @@ def test_values_are_composed_and_clipped_at_their_own_group_size(variant):
 
 def test_layer_count_mismatch_between_metadata_and_tensors_is_refused(tmp_path):
     path = _good_file(tmp_path)
-    bad = _rewrite(path, str(tmp_path / "l.safetensors"), meta=lambda m: m.__setitem__("num_layers", "3"))
+    def three_layers_no_field(m):  # a file from before the layers field: it covers every layer
+        m["num_layers"] = "3"
+        del m["layers"]
+    bad = _rewrite(path, str(tmp_path / "l.safetensors"), meta=three_layers_no_field)
     assert _error(bad).endswith(": tensor set does not match metadata: missing k_clip_max.2, k_clip_min.2, "
                                 "k_rot.2 and 4 more")
     bad = _rewrite(path, str(tmp_path / "u.safetensors"), tensors=lambda t: t.__setitem__("x", torch.ones(1)))

@@ -1,6 +1,6 @@
 """The rotations file: the only contract between calibration and serving.
 
-safetensors (never pickle). Tensors, per layer l (float32):
+safetensors (never pickle). Tensors, per covered model layer l (float32):
     k_rot.{l}, v_rot.{l}                [num_kv_heads, head_dim, head_dim]  (x' = x @ R)
     k_clip_min.{l}, k_clip_max.{l},
     v_clip_min.{l}, v_clip_max.{l}      [num_kv_heads, head_dim]  per-channel clip of the
@@ -11,7 +11,24 @@ safetensors (never pickle). Tensors, per layer l (float32):
 Metadata (strings): format, version, architecture, model_name, num_layers, num_q_heads,
 num_kv_heads, head_dim, group_size (the keys' INT2 group), value_group_size (the values';
 absent in older files, which load with value_group_size = group_size), bits, scale_dtype
-(shared by K and V), recipe, recipe_detail (JSON), calib_data, calib_tokens, created.
+(shared by K and V), recipe, recipe_detail (JSON), calib_data, calib_tokens, created,
+layers (JSON list).
+
+Covered layers. Only a model's full-attention layers get the INT2 cache (hybrid
+linear-attention models such as Qwen3-Next, sliding-window models such as gpt-oss and
+Gemma-3: see :mod:`.model_shape`). ``layers`` names the model layers the file covers,
+ascending, unique, each in [0, num_layers); ``num_layers`` stays the model's total layer
+count. Files without the field (every file before it) cover every layer. The tensor suffix
+l is the *model* layer index, not the position in ``layers``: ``k_rot.11`` is layer 11's
+rotation whatever else the file holds, so a tensor names its layer without the metadata, a
+file for an all-full-attention model is named exactly as before (suffix = position = model
+layer), and a reader that ignores ``layers`` cannot mistake layer 11's rotation for layer
+2's: it finds the tensor set wrong instead. In memory, ``Rotations.layers[i]`` is the
+rotation of model layer ``meta.layer_ids[i]``; look layers up by model index with
+:meth:`Rotations.for_model_layers` / :meth:`Rotations.by_model_layer`, never by position.
+Version: a file that covers every layer is written as version 2 (older readers ignore the
+extra ``layers`` key and read it correctly); a file that covers only some layers is version
+3, which older readers refuse by its version instead of by its tensor names.
 
 :func:`load_rotations` validates everything and raises :class:`RotationsFileError` with a
 one-line reason; nothing is half-loaded.
@@ -32,11 +49,12 @@ import torch
 
 from ..hybrid_cache import LayerRotation
 from .layout import SCALE_DTYPES, KVLayout, group_size_problem
-from .model_shape import ModelShape, kv_heads_for_rank
+from .model_shape import ModelShape, format_layers, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
-VERSION = "2"
-SUPPORTED_VERSIONS = ("1", VERSION)
+VERSION = "3"  # the newest: a file that covers some layers only (see the module doc)
+ALL_LAYERS_VERSION = "2"  # what a file covering every layer is written as
+SUPPORTED_VERSIONS = ("1", "2", VERSION)
 _V1_TENSOR_KINDS = tuple(k for k in LayerRotation.FIELDS if k != "k_shift")
 RECIPES = ("oscar", "hadamard", "naive")
 ORTHOGONALITY_TOL = 1e-3
@@ -69,10 +87,19 @@ class RotationsMeta:
     created: str = ""
     version: str = VERSION
     value_group_size: int | None = None  # the values' INT2 group size; None: group_size
+    # the model layers the file covers (ascending); None: every layer (range(num_layers))
+    layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.value_group_size is None:
             self.value_group_size = self.group_size
+        if self.layer_ids is None:
+            self.layer_ids = tuple(range(self.num_layers))
+        self.layer_ids = tuple(self.layer_ids)
+
+    @property
+    def covers_every_layer(self) -> bool:
+        return self.layer_ids == tuple(range(self.num_layers))
 
     @property
     def layout(self) -> KVLayout:
@@ -81,13 +108,28 @@ class RotationsMeta:
     @property
     def shape(self) -> ModelShape:
         return ModelShape(self.architecture, self.num_layers, self.num_q_heads,
-                          self.num_kv_heads, self.head_dim)
+                          self.num_kv_heads, self.head_dim, self.layer_ids)
 
 
 @dataclass
 class Rotations:
     meta: RotationsMeta
-    layers: list[LayerRotation]
+    layers: list[LayerRotation]  # layers[i] rotates model layer meta.layer_ids[i]
+
+    def by_model_layer(self) -> dict[int, LayerRotation]:
+        """{model layer index: its rotation} for the covered layers."""
+        return dict(zip(self.meta.layer_ids, self.layers))
+
+    def for_model_layers(self, model_layers) -> list[LayerRotation]:
+        """The rotations of ``model_layers`` (model layer indices), in that order; a layer the
+        file does not cover is a ValueError (one line)."""
+        by_layer = self.by_model_layer()
+        model_layers = list(model_layers)
+        lack = [l for l in model_layers if l not in by_layer]
+        if lack:
+            raise ValueError(f"the rotations file covers model layers {format_layers(self.meta.layer_ids)}, "
+                             f"not {format_layers(lack)}")
+        return [by_layer[l] for l in model_layers]
 
     def for_kv_heads(self, heads: list[int]) -> "Rotations":
         idx = torch.tensor(heads, dtype=torch.long)
@@ -105,7 +147,8 @@ def make_meta(shape: ModelShape, model_name: str, layout: KVLayout, recipe: str,
                          num_layers=shape.num_layers, num_q_heads=shape.num_q_heads,
                          num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                          group_size=layout.key_group_size, value_group_size=layout.value_group_size,
-                         scale_dtype=layout.scale_dtype, recipe=recipe, **kw)
+                         scale_dtype=layout.scale_dtype, recipe=recipe,
+                         layer_ids=shape.attention_layers, **kw)
 
 
 def check_output_path(path: str) -> None:
@@ -132,11 +175,12 @@ def save_rotations(path: str, rotations: Rotations) -> None:
     _validate(rotations, path)  # never write a file we would refuse to load
     meta = rotations.meta
     tensors = {}
-    for l, lr in enumerate(rotations.layers):
+    for l, lr in zip(meta.layer_ids, rotations.layers):  # the suffix is the model layer
         for kind in _TENSOR_KINDS:
             tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone(memory_format=torch.contiguous_format)
     md = {
-        "format": FORMAT, "version": VERSION, "architecture": meta.architecture,
+        "format": FORMAT, "version": ALL_LAYERS_VERSION if meta.covers_every_layer else VERSION,
+        "architecture": meta.architecture, "layers": json.dumps(list(meta.layer_ids)),
         "model_name": meta.model_name, "recipe": meta.recipe,
         "recipe_detail": json.dumps(meta.recipe_detail, sort_keys=True),
         "calib_data": meta.calib_data, "scale_dtype": meta.scale_dtype,
@@ -180,10 +224,41 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
         detail = json.loads(md.get("recipe_detail") or "{}")
     except json.JSONDecodeError:
         raise _fail(path, "metadata recipe_detail is not valid JSON") from None
-    return RotationsMeta(architecture=md["architecture"], model_name=md.get("model_name", ""),
+    layer_ids = _parse_layers(path, md, ints["num_layers"])
+    return RotationsMeta(layer_ids=layer_ids, architecture=md["architecture"], model_name=md.get("model_name", ""),
                          recipe=md["recipe"], recipe_detail=detail,
                          calib_data=md.get("calib_data", ""), scale_dtype=md["scale_dtype"],
                          created=md.get("created", ""), version=md["version"], **ints)
+
+
+def _parse_layers(path: str, md: dict, num_layers: int) -> tuple[int, ...] | None:
+    """The ``layers`` field (None when absent: every layer); a bad one is refused in one line."""
+    if "layers" not in md:
+        if md["version"] not in ("1", ALL_LAYERS_VERSION):
+            raise _fail(path, f"version {md['version']} file without the metadata 'layers' field")
+        return None
+    try:
+        layers = json.loads(md["layers"])
+    except json.JSONDecodeError:
+        layers = None
+    if not isinstance(layers, list) or not all(type(l) is int for l in layers):
+        raise _fail(path, f"metadata layers={md['layers']!r} is not a JSON list of layer numbers")
+    _check_layer_ids(path, layers, num_layers)
+    if md["version"] == ALL_LAYERS_VERSION and layers != list(range(num_layers)):
+        raise _fail(path, f"version {ALL_LAYERS_VERSION} file covering only layers {format_layers(layers)} "
+                          f"of {num_layers} (such a file is version {VERSION})")
+    return tuple(layers)
+
+
+def _check_layer_ids(path: str, layers, num_layers: int) -> None:
+    if not layers:
+        raise _fail(path, "metadata layers is empty: the file covers no layer")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise _fail(path, f"metadata layers {format_layers(layers)} is not ascending without repeats")
+    out = [l for l in layers if not 0 <= l < num_layers]
+    if out:
+        raise _fail(path, f"metadata layers names {format_layers(out)}, outside the model's "
+                          f"{num_layers} layers (0..{num_layers - 1})")
 
 
 def orthogonality_error(r: torch.Tensor) -> float:
@@ -208,10 +283,12 @@ def _validate(rot: Rotations, path: str) -> None:
         why = group_size_problem(m.head_dim, g)
         if why:
             raise _fail(path, f"{name} {g} {why}")
-    if len(rot.layers) != m.num_layers:
-        raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {m.num_layers}")
+    _check_layer_ids(path, list(m.layer_ids), m.num_layers)
+    if len(rot.layers) != len(m.layer_ids):
+        raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {len(m.layer_ids)} "
+                          f"(layers {format_layers(m.layer_ids)})")
     h, d = m.num_kv_heads, m.head_dim
-    for l, lr in enumerate(rot.layers):
+    for l, lr in zip(m.layer_ids, rot.layers):
         for kind in _TENSOR_KINDS:
             t = getattr(lr, kind)
             want = (h, d, d) if kind.endswith("rot") else (h, d)
@@ -233,12 +310,16 @@ def _validate(rot: Rotations, path: str) -> None:
 
 
 def check_matches_model(meta: RotationsMeta, shape: ModelShape, path: str = "") -> None:
-    """Refuse a file made for another model (one line naming the first mismatch)."""
+    """Refuse a file made for another model (one line naming the first mismatch), or one whose
+    covered layers are not the model's full-attention layers."""
     for name in ("architecture", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
         have, want = getattr(meta, name), getattr(shape, name)
         if have != want:
             raise _fail(path, f"made for {name}={have} ({meta.model_name or 'unknown model'}), "
                               f"but the served model has {name}={want}")
+    if tuple(meta.layer_ids) != tuple(shape.attention_layers):
+        raise _fail(path, f"covers layers {format_layers(meta.layer_ids)} but the model's full-attention "
+                          f"layers are {format_layers(shape.attention_layers)}")
 
 
 def _tensor_set_mismatch(lack: list[str], extra: list[str]) -> str:
@@ -290,11 +371,11 @@ def load_rotations(path: str, expect: ModelShape | None = None) -> Rotations:
             meta = _parse_meta(path, f.metadata())
             keys = set(f.keys())
             kinds = _V1_TENSOR_KINDS if meta.version == "1" else _TENSOR_KINDS
-            want = {f"{k}.{l}" for k in kinds for l in range(meta.num_layers)}
+            want = {f"{k}.{l}" for k in kinds for l in meta.layer_ids}
             if keys != want:
                 raise _fail(path, _tensor_set_mismatch(sorted(want - keys), sorted(keys - want)))
             layers = [LayerRotation(**{k: f.get_tensor(f"{k}.{l}").to(torch.float32) for k in kinds})
-                      for l in range(meta.num_layers)]
+                      for l in meta.layer_ids]
     except RotationsFileError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
