@@ -7,6 +7,9 @@ Pipeline (recipe ``oscar``):
   2. eigendecompose C_Q (keys) and C_S (values), compose R per KV head
      (:func:`calibration.compose.compose`, ``variant``);
   3. rotate the reservoir and search clip thresholds (:func:`calibration.clip.search_clip`).
+Only the model's full-attention layers (:attr:`ModelShape.attention_layers`: every layer of a
+plain model; one in four of Qwen3-Next, the global layers of gpt-oss / Gemma-3) are captured
+and get rotations; the file's ``layers`` field names them.
 Recipes ``hadamard`` (R = H) and ``naive`` (R = I) skip step 2 and default to no clip (the
 data-free baselines), in which case no forward pass is needed at all; ``--clip`` adds
 calibrated thresholds to them.
@@ -25,7 +28,7 @@ from oscar_kernels.contract.rotations_file import RECIPES, Rotations, make_meta
 from oscar_kernels.hybrid_cache import LayerRotation
 
 from . import text_sources
-from .capture import attention_modules, capture_attention
+from .capture import attention_modules, capture_attention, full_attention_modules
 from .clip import GRANULARITIES, OBJECTIVES, search_clip
 from .compose import VARIANTS, compose, hadamard_rotation, identity_rotation, sorted_eigh
 from .statistics import AttentionStats
@@ -110,16 +113,30 @@ def model_shape(model_dir: str) -> ModelShape:
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"{model_dir}: not a model folder (no config.json)")
-    return ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    if not shape.attention_layers:
+        raise ValueError(f"{model_dir}: its config names no full-attention layer among its {shape.num_layers} "
+                         f"layers (layer_types), so there is nothing for the INT2 cache to hold")
+    return shape
+
+
+def attn_implementation(config) -> str:
+    """``sdpa`` where the model class supports it, else ``eager`` (gpt-oss: learned sinks)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def load_model(model_dir: str, device: str, dtype: str):
-    """(model, tokenizer) from a local folder, eval mode, SDPA attention, on ``device``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) from a local folder, eval mode, SDPA attention (eager where the
+    model has no SDPA path), on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_shape(model_dir)  # a clear error for a wrong path
+    impl = attn_implementation(AutoConfig.from_pretrained(model_dir, local_files_only=True))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                 attn_implementation="sdpa", local_files_only=True)
+                                                 attn_implementation=impl, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model.to(device).eval(), tok
 
@@ -158,14 +175,14 @@ def collect_stats(model, tokenizer, cfg: CalibrationConfig, progress: bool = Tru
 
     shape = ModelShape.from_hf_config(model.config)
     acc_device = cfg.device if cfg.device.startswith("cuda") else "cpu"
-    stats = AttentionStats(shape.num_layers, shape.num_kv_heads, shape.head_dim, device=acc_device,
+    stats = AttentionStats(len(shape.attention_layers), shape.num_kv_heads, shape.head_dim, device=acc_device,
                            reservoir_tokens=cfg.clip_sample_tokens if cfg.clip != "none" else 0,
-                           skip_first=cfg.skip_first, seed=cfg.seed)
+                           skip_first=cfg.skip_first, seed=cfg.seed, layers=shape.attention_layers)
     windows = calibration_windows(tokenizer, cfg)
     decoder = getattr(model, model.base_model_prefix, model)  # no LM head: it is not needed
     total = token_budget(cfg)
     bar = tqdm(total=total, unit="tok", desc="calibrating", disable=not progress, smoothing=0.1)
-    with capture_attention(model, stats):
+    with capture_attention(model, stats, layers=shape.attention_layers):
         for batch in text_sources.batched(windows, cfg.batch_size):
             decoder(input_ids=batch.to(cfg.device), use_cache=False)
             bar.update(batch.numel())
@@ -179,11 +196,12 @@ def collect_stats(model, tokenizer, cfg: CalibrationConfig, progress: bool = Tru
     return stats
 
 
-def o_proj_weights(model, num_kv_heads: int, head_dim: int) -> list[torch.Tensor]:
-    """Per layer [Hkv, D, D] float64: sum over the query heads j of a KV head of W_j^T W_j,
-    W_j = o_proj.weight[:, j*D:(j+1)*D] (the residual-stream metric of a value error)."""
+def o_proj_weights(model, num_kv_heads: int, head_dim: int, layers=None) -> list[torch.Tensor]:
+    """Per layer of ``layers`` (model layer indices; None: every attention module) [Hkv, D, D]
+    float64: sum over the query heads j of a KV head of W_j^T W_j, W_j = o_proj.weight[:, j*D:(j+1)*D]
+    (the residual-stream metric of a value error)."""
     out = []
-    for m in attention_modules(model):
+    for m in attention_modules(model) if layers is None else full_attention_modules(model, layers):
         w = m.o_proj.weight.detach().double().cpu()  # [hidden, Hq*D]
         hq = w.shape[1] // head_dim
         wj = w.reshape(w.shape[0], hq, head_dim).permute(1, 2, 0)  # [Hq, D, hidden]
@@ -193,8 +211,8 @@ def o_proj_weights(model, num_kv_heads: int, head_dim: int) -> list[torch.Tensor
 
 
 def rotations_for(cfg: CalibrationConfig, shape: ModelShape, stats: AttentionStats | None):
-    """Per layer (R_K, R_V) [Hkv, D, D] float64 for the recipe."""
-    h, d, n = shape.num_kv_heads, shape.head_dim, shape.num_layers
+    """Per full-attention layer (shape.attention_layers) (R_K, R_V) [Hkv, D, D] float64 for the recipe."""
+    h, d, n = shape.num_kv_heads, shape.head_dim, len(shape.attention_layers)
     if cfg.recipe == "naive":
         return [(identity_rotation(h, d), identity_rotation(h, d)) for _ in range(n)]
     if cfg.recipe == "hadamard":
@@ -258,7 +276,7 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                 lo, hi, det = search_clip(xr, cfg.clip, g, scale_dtype, weight=w)
                 lo, hi = lo.cpu(), hi.cpu()
             clips += [lo, hi]
-            clip_detail.append({"layer": l, "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
+            clip_detail.append({"layer": shape.attention_layers[l], "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
         layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips,
                                     k_shift=k_shift.float().contiguous()))
     detail = {
@@ -322,7 +340,7 @@ def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log
     if stats.tokens[0] < token_budget(cfg):
         log(f"oscar-calibrate: warning: the calibration text ran out after {stats.tokens[0]} of "
             f"{token_budget(cfg)} tokens; the rotations file records {stats.tokens[0]}")
-    metric = o_proj_weights(model, shape.num_kv_heads, shape.head_dim) \
+    metric = o_proj_weights(model, shape.num_kv_heads, shape.head_dim, shape.attention_layers) \
         if cfg.clip != "none" and cfg.clip_objective == "attn" else None
     rot = build_rotations(cfg, shape, name, stats, metric, fixed=fixed, extra_detail=extra_detail)
     log(f"oscar-calibrate: {stats.tokens[0]} tokens, {time.time() - t0:.1f}s")

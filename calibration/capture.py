@@ -16,18 +16,28 @@ Works for every model that dispatches attention through ``ALL_ATTENTION_FUNCTION
 modules are found by what the callback needs (``layer_idx``, ``o_proj``,
 ``num_key_value_groups``), not by projection names, so fused ``qkv_proj``, partial rotary,
 q/k/v biases, qk-norm and MoE blocks need nothing special (:mod:`calibration.architectures`).
+A model loaded with ``attn_implementation="eager"`` (gpt-oss: its learned sinks have no SDPA
+path in transformers) is wrapped as :data:`CAPTURE_ATTN_EAGER` instead: its own modeling
+file's ``eager_attention_forward`` runs, with its eager mask.
+
+Hybrid models (Qwen3-Next's Gated DeltaNet layers, gpt-oss / Gemma-3 sliding layers): only
+the model layers passed as ``layers`` (their full-attention layers) report to the callback;
+every layer still runs through the same attention function, unchanged. Qwen3-Next gates the
+attention output (``o * sigmoid(gate)``) before ``o_proj``; ``o`` is the output before the gate.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 CAPTURE_ATTN = "oscar_capture"
+CAPTURE_ATTN_EAGER = "oscar_capture_eager"
 Callback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _CALLBACK_ATTR = "_oscar_capture_callback"
 
@@ -40,10 +50,22 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
+def _capture_eager_attention(module, query, key, value, attention_mask, **kwargs):
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # the model's own
+    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    callback = getattr(module, _CALLBACK_ATTR, None)
+    if callback is not None:
+        callback(module.layer_idx, query, key, value, out.transpose(1, 2))
+    return out, weights
+
+
 def register() -> None:
-    """Make ``attn_implementation=CAPTURE_ATTN`` known to transformers (idempotent)."""
+    """Make ``attn_implementation=CAPTURE_ATTN`` (and ``CAPTURE_ATTN_EAGER``) known to
+    transformers (idempotent)."""
     AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
     AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
+    AttentionInterface.register(CAPTURE_ATTN_EAGER, _capture_eager_attention)
+    AttentionMaskInterface.register(CAPTURE_ATTN_EAGER, eager_mask)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -57,13 +79,26 @@ def attention_modules(model) -> list[torch.nn.Module]:
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
+def full_attention_modules(model, layers: Sequence[int]) -> list[torch.nn.Module]:
+    """The attention modules of model layers ``layers`` (its full-attention layers), in that
+    order; a layer without one is a ValueError (one line)."""
+    by_layer = {m.layer_idx: m for m in attention_modules(model)}
+    lack = [l for l in layers if l not in by_layer]
+    if lack:
+        raise ValueError(f"{type(model).__name__}: no attention module with layer_idx/o_proj found for the "
+                         f"full-attention layer(s) {', '.join(map(str, lack))} named by its config "
+                         f"(attention modules found at layers {', '.join(map(str, sorted(by_layer))) or 'none'})")
+    return [by_layer[l] for l in layers]
+
+
 @contextmanager
-def capture_attention(model, callback: Callback):
-    """Within the block every forward of ``model`` calls ``callback`` once per layer."""
+def capture_attention(model, callback: Callback, layers: Sequence[int] | None = None):
+    """Within the block every forward of ``model`` calls ``callback`` once per layer of
+    ``layers`` (model layer indices; None: every attention module)."""
     register()
     before = model.config._attn_implementation
-    mods = attention_modules(model)
-    model.set_attn_implementation(CAPTURE_ATTN)
+    mods = attention_modules(model) if layers is None else full_attention_modules(model, layers)
+    model.set_attn_implementation(CAPTURE_ATTN_EAGER if before == "eager" else CAPTURE_ATTN)
     for m in mods:
         setattr(m, _CALLBACK_ATTR, callback)
     try:

@@ -45,10 +45,13 @@ class ProxyErrors:
         self.rotations = rotations
         self.sink, self.recent = sink, recent
         self.query_stride = query_stride
-        n_layers = {r.meta.num_layers for r in rotations.values()}
-        if len(n_layers) != 1:
-            raise ValueError("all rotations files must be for the same model")
-        self.num_layers = n_layers.pop()
+        covered = {(r.meta.num_layers, tuple(r.meta.layer_ids)) for r in rotations.values()}
+        if len(covered) != 1:
+            raise ValueError("all rotations files must be for the same model and cover the same layers")
+        # the capture callback names model layers; rotations and sums are per covered layer
+        self.layer_ids = covered.pop()[1]
+        self._row = {l: i for i, l in enumerate(self.layer_ids)}
+        self.num_layers = len(self.layer_ids)
         zeros = lambda: [dict.fromkeys(("dl2", "l2", "kl", "nq", "do2", "o2"), 0.0) for _ in range(self.num_layers)]
         self.sums = {name: zeros() for name in rotations}
 
@@ -59,7 +62,8 @@ class ProxyErrors:
         return y.transpose(1, 2)
 
     @torch.no_grad()
-    def __call__(self, layer: int, q, k, v, o) -> None:
+    def __call__(self, model_layer: int, q, k, v, o) -> None:
+        layer = self._row[model_layer]
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         rep = hq // hkv
@@ -101,7 +105,8 @@ class ProxyErrors:
             s["o2"] += float(out.double().pow(2).sum())
 
     def results(self) -> dict:
-        """{name: {"layers": [{metric: value}], "mean": {metric: mean over layers}}}."""
+        """{name: {"layers": [{metric: value}] (one per covered layer, in ``layer_ids`` order),
+    "mean": {metric: mean over layers}}}."""
         out = {}
         for name, per_layer in self.sums.items():
             rows = []
@@ -125,7 +130,7 @@ def run_proxy(model, windows, rotations: dict[str, Rotations], sink: int = 0, re
 
     acc = ProxyErrors(rotations, sink=sink, recent=recent, query_stride=query_stride)
     decoder = getattr(model, model.base_model_prefix, model)
-    with capture_attention(model, acc):
+    with capture_attention(model, acc, layers=acc.layer_ids):
         for w in tqdm(list(windows), desc="proxy", unit="window", disable=not progress):
             decoder(input_ids=w[None].to(device), use_cache=False)
     return acc.results()

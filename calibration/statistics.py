@@ -63,11 +63,19 @@ class Reservoir:
 
 
 class AttentionStats:
-    """Capture callback accumulating C_Q, C_S and K/V reservoirs for every layer."""
+    """Capture callback accumulating C_Q, C_S and K/V reservoirs for ``num_layers`` layers:
+    the model layers ``layers`` (default 0 .. num_layers - 1; a hybrid model's full-attention
+    layers, :attr:`ModelShape.attention_layers`). Row i of every statistic (``tokens[i]``,
+    ``c_q()[i]``, ``k_res[i]``, ...) belongs to model layer ``layers[i]``; the callback takes
+    model layer indices and refuses any other layer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device="cpu",
-                 reservoir_tokens: int = 0, skip_first: int = 0, seed: int = 0):
+                 reservoir_tokens: int = 0, skip_first: int = 0, seed: int = 0, layers=None):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(int(l) for l in layers)
+        if len(self.layers) != num_layers or len(set(self.layers)) != num_layers:
+            raise ValueError(f"AttentionStats: layers {self.layers} are not {num_layers} distinct model layers")
+        self._row = {l: i for i, l in enumerate(self.layers)}
         shape = (num_layers, num_kv_heads, head_dim, head_dim)
         self.sum_qq = torch.zeros(shape, dtype=torch.float64, device=device)
         self.sum_oo = torch.zeros(shape, dtype=torch.float64, device=device)
@@ -78,10 +86,14 @@ class AttentionStats:
         self.k_res = [Reservoir(reservoir_tokens, seed + 2 * l) for l in range(num_layers)]
         self.v_res = [Reservoir(reservoir_tokens, seed + 2 * l) for l in range(num_layers)]
 
-    def __call__(self, layer: int, q, k, v, o) -> None:
+    def __call__(self, model_layer: int, q, k, v, o) -> None:
         b, hkv, t, d = k.shape
-        if hkv != self.num_kv_heads or d != self.head_dim or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer}: captured K/V of shape {tuple(k.shape)}, expected "
+        layer = self._row.get(model_layer)
+        if layer is None:
+            raise ValueError(f"layer {model_layer} captured, but the statistics are for model layers "
+                             f"{', '.join(map(str, self.layers))}")
+        if hkv != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(f"layer {model_layer}: captured K/V of shape {tuple(k.shape)}, expected "
                              f"{self.num_kv_heads} KV heads of head_dim {self.head_dim}")
         for acc, x in ((self.sum_qq, q), (self.sum_oo, o)):
             rows = group_by_kv_head(x.detach(), hkv).to(acc.device, torch.float64)

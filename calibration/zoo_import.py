@@ -48,6 +48,10 @@ def import_oscar_zoo(src: str, shape: ModelShape, model_name: str, transpose: bo
     """Rotations (no clip) from upstream per-layer ``{k,v}_rotation_<layer>.pt`` in ``src``
     (group sizes and scale dtype default as oscar-calibrate's: KVLayout.resolve)."""
     layout = KVLayout.resolve(shape.head_dim, group_size, value_group_size, scale_dtype)
+    if shape.is_hybrid:  # upstream files number the layers of all-full-attention models
+        raise ValueError(f"import-oscar-zoo: the model has layers other than full attention (its full-attention "
+                         f"layers are {', '.join(map(str, shape.attention_layers))} of {shape.num_layers}); "
+                         f"upstream OSCAR rotation files are for models whose every layer is full attention")
     if not os.path.isdir(src):
         raise ValueError(f"{src}: no such folder")
     found: dict[tuple[str, int], str] = {}

@@ -31,7 +31,7 @@ def baseline_rotations(shape: ModelShape, model_name: str, recipe: str, group_si
     r = torch.eye(d) if recipe == "naive" else hadamard_matrix(d, torch.float32)
     r = r.expand(h, d, d).contiguous()
     layers = [LayerRotation(r.clone(), r.clone(), *no_clip(h, d), *no_clip(h, d))
-              for _ in range(shape.num_layers)]
+              for _ in shape.attention_layers]  # the full-attention layers (make_meta's layer_ids)
     layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
     meta = make_meta(shape, model_name, layout, recipe,
                      recipe_detail={"rotation": "identity" if recipe == "naive" else "hadamard(head_dim)",

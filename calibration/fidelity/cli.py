@@ -194,6 +194,10 @@ def main(argv=None) -> int:
             raise _refuse(f"{a.model}: not a model folder (no config.json)")
         model, tok = _load_model(a.model, a.device, a.dtype)
         shape = ModelShape.from_hf_config(model.config)
+        if shape.is_hybrid:  # the simulated caches index their rotations by the model's layer index
+            raise _refuse(f"{a.model}: only layers {', '.join(map(str, shape.attention_layers))} of its "
+                          f"{shape.num_layers} are full attention; the simulated cache serves models whose "
+                          f"every layer is full attention")
         for path, rot in rotations.values():
             check_matches_model(rot.meta, shape, path)
     except RotationsFileError as e:
