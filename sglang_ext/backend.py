@@ -215,10 +215,10 @@ class OscarAttnBackend(AttentionBackend):
         hq, h, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         t = q.numel() // (hq * d)
         o = out if out is not None else q.new_empty((t, hq * d))
+        cache_layer = self.pool.cache_layer(layer.layer_id)  # model layer -> the pool's layer (and rotation)
         if self.pool.layer_transfer_counter is not None:  # HiCache: this layer's load from host is done
-            self.pool.layer_transfer_counter.wait_until(layer.layer_id - self.pool.start_layer)
-        run(layer.layer_id - self.pool.start_layer, q.reshape(t, hq, d), k.view(t, h, d), v.view(t, h, d),
-            out=o.view(t, hq, d))
+            self.pool.layer_transfer_counter.wait_until(cache_layer)
+        run(cache_layer, q.reshape(t, hq, d), k.view(t, h, d), v.view(t, h, d), out=o.view(t, hq, d))
         return o
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -39,6 +39,16 @@ class RankLayout:
     page_size: int
     tp_rank: int
     tp_size: int
+    # the model layers (SGLang layer_id) whose KV this rank's pool holds, cache layer i = layer_ids[i];
+    # None: start_layer .. start_layer + num_layers - 1 (every layer of a full-attention model)
+    layer_ids: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self):
+        ids = tuple(range(self.start_layer, self.start_layer + self.num_layers)) if self.layer_ids is None \
+            else tuple(self.layer_ids)
+        if len(ids) != self.num_layers:
+            raise ValueError(f"RankLayout: {len(ids)} layer ids for {self.num_layers} layers")
+        object.__setattr__(self, "layer_ids", ids)
 
 
 @lru_cache(maxsize=4)
@@ -48,12 +58,16 @@ def _load_validated(path: str, shape: ModelShape) -> Rotations:
 
 def load_rank_rotations(path: str, hf_config, layout: RankLayout
                         ) -> tuple[list[LayerRotation], RotationsMeta]:
-    """The rotations of this rank's layers and KV heads, validated against the model
-    (the loader refuses a file for another model with a one-line reason). Loaded once
-    per process: pool sizing and pool construction share it."""
+    """The rotations of this rank's layers (``layout.layer_ids``, looked up by model layer
+    index, never by position in the file) and KV heads, validated against the model (the
+    loader refuses a file for another model with a one-line reason). Loaded once per
+    process: pool sizing and pool construction share it."""
     rot = _load_validated(path, ModelShape.from_hf_config(hf_config))
     rot = rot.for_tp_rank(layout.tp_rank, layout.tp_size)
-    layers = rot.layers[layout.start_layer:layout.start_layer + layout.num_layers]
+    try:
+        layers = rot.for_model_layers(layout.layer_ids)
+    except ValueError as e:
+        raise ValueError(f"oscar rotations file {path}: {e} (this rank's pool holds those)") from None
     if len(layers) != layout.num_layers or rot.meta.num_kv_heads != layout.num_kv_heads:
         raise ValueError(f"oscar rotations file {path}: holds {len(layers)} layers x "
                          f"{rot.meta.num_kv_heads} KV heads for this rank, the pool needs "
@@ -77,8 +91,9 @@ def _refuse(what: str):
 
 class OscarKVPool(MHATokenToKVPool):
     """Hybrid INT2/BF16 KV pool (see module doc). ``rotations``: this rank's layers
-    (float32, [H, D, D] and [H, D] clips); ``req_to_token``: SGLang's table, whose row
-    count sizes the rings."""
+    (float32, [H, D, D] and [H, D] clips), ``rotations[i]`` for model layer ``layer_ids[i]``
+    (default: start_layer + i); ``req_to_token``: SGLang's table, whose row count sizes the
+    rings. SGLang's ``layer_id`` (a model layer) reaches cache layer ``cache_layer(layer_id)``."""
 
     def __init__(self, size: int, page_size: int, head_num: int, head_dim: int,
                  layer_num: int, device: str, *, rotations: Sequence[LayerRotation],
@@ -86,8 +101,14 @@ class OscarKVPool(MHATokenToKVPool):
                  group_size: int, scale_dtype: str = DEFAULT_SCALE_DTYPE,
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
-                 enable_alt_stream: bool = True, value_group_size: Optional[int] = None):
+                 enable_alt_stream: bool = True, value_group_size: Optional[int] = None,
+                 layer_ids: Optional[Sequence[int]] = None):
         num_rows = req_to_token.shape[0]
+        first = start_layer or 0
+        self.layer_ids = tuple(range(first, first + layer_num)) if layer_ids is None else tuple(layer_ids)
+        if len(self.layer_ids) != layer_num:
+            raise ValueError(f"oscar pool: {len(self.layer_ids)} layer ids for {layer_num} layers")
+        self.cache_layer_of = {l: i for i, l in enumerate(self.layer_ids)}  # model layer -> cache layer
         self.plan = OscarMemoryPlan(
             num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
             group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
@@ -144,11 +165,19 @@ class OscarKVPool(MHATokenToKVPool):
             if hasattr(self, name):
                 delattr(self, name)
 
+    def cache_layer(self, layer_id: int) -> int:
+        """The cache layer (index into ``layers`` / ``rotations``) of SGLang's model ``layer_id``."""
+        i = self.cache_layer_of.get(layer_id)
+        if i is None:
+            raise ValueError(f"oscar pool: model layer {layer_id} has no INT2 cache here (this pool holds "
+                             f"layers {', '.join(map(str, self.layer_ids))})")
+        return i
+
     def _get_key_buffer(self, layer_id: int):  # packed codes, never a dtype view
-        return self.k_buffer[layer_id - self.start_layer]
+        return self.k_buffer[self.cache_layer(layer_id)]
 
     def _get_value_buffer(self, layer_id: int):
-        return self.v_buffer[layer_id - self.start_layer]
+        return self.v_buffer[self.cache_layer(layer_id)]
 
     def get_kv_size_bytes(self):
         """True bytes (K half, V half): codes, scales, sinks, rings and rotations of each,
@@ -229,4 +258,4 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
         start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
-        value_group_size=meta.value_group_size)
+        value_group_size=meta.value_group_size, layer_ids=layout.layer_ids)
