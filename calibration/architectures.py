@@ -3,7 +3,15 @@
 Each :class:`Architecture` row holds the *real* attention geometry of one public model
 (query / KV heads, head_dim, RoPE parameters, q/k/v biases, tied embeddings, MoE routing) and
 cuts only what attention does not see: layers (2), MLP / expert widths, expert count and the
-vocabulary (the in-process tokenizer's). :func:`build_model_dir` turns a row into a local HF
+vocabulary (the in-process tokenizer's).
+
+:data:`ARCHITECTURES`: every layer full attention (what the server serves today).
+:data:`LAYER_PATTERN_ARCHITECTURES`: models whose full-attention layers are a subset, in the
+public model's own order (Qwen3-Next: linear attention, one full layer in four; gpt-oss:
+alternating sliding (128) / full; Gemma-3: 5 sliding : 1 full); each row sets its own layer
+count so that both kinds appear, and states its full-attention layers
+(``full_attention_layers``), which only get the INT2 cache and rotations.
+:data:`ALL_ARCHITECTURES` is both; :func:`get` finds any row by name. :func:`build_model_dir` turns a row into a local HF
 model folder (config.json, seeded random safetensors weights, tokenizer) that
 ``oscar-calibrate --model`` reads and that SGLang 0.5.17 can serve with ``--load-format dummy``
 (every ``architecture`` below is an SGLang 0.5.17 EntryClass). Nothing is ever downloaded.
@@ -33,6 +41,8 @@ class Architecture:
     config: dict
     features: tuple[str, ...] = ()  # what this row exercises beyond plain GQA
     notes: str = ""  # where the config departs from the source model, and why
+    # the model layers that are full attention (None: every layer), as the row's layer pattern gives them
+    full_attention_layers: tuple[int, ...] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -113,6 +123,31 @@ ARCHITECTURES: tuple[Architecture, ...] = (
              intermediate_size=512, num_hidden_layers=LAYERS),
         features=("partial rotary 0.5", "q/k/v bias", "16 query heads per KV head")),
     Architecture(
+        "glm-4.7", "GLM-4.7", "zai-org/GLM-4.7", "glm4_moe", "Glm4MoeForCausalLM",
+        dict(hidden_size=5120, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+             partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+             max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             n_routed_experts=16, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=64,
+             first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+             intermediate_size=256, num_hidden_layers=LAYERS),
+        features=("12 query heads per KV head", "partial rotary 0.5", "qk-norm", "q/k/v bias",
+                  "MoE (first layer dense)"),
+        notes="16 routed experts of width 64 (the model has 160 of width 1536); layer 0 dense, layer 1 MoE"),
+    Architecture(
+        "glm-4.5-air", "GLM-4.5-Air", "zai-org/GLM-4.5-Air", "glm4_moe", "Glm4MoeForCausalLM",
+        dict(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+             partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+             max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             n_routed_experts=16, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=64,
+             first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+             intermediate_size=256, num_hidden_layers=LAYERS),
+        features=("12 query heads per KV head", "partial rotary 0.5", "no qk-norm", "q/k/v bias",
+                  "MoE (first layer dense)"),
+        notes="the GLM-4.x MoE geometry without qk-norm; 16 routed experts of width 64 (the model has 128 "
+              "of width 1408)"),
+    Architecture(
         "gemma-2b", "Gemma", "google/gemma-2b", "gemma", "GemmaForCausalLM",
         dict(hidden_size=2048, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="gelu_pytorch_tanh",
@@ -122,7 +157,53 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         notes="Gemma 1 has no sliding window (Gemma 2/3 do); SGLang 0.5.17 serves it from models/gemma.py"),
 )
 
-BY_NAME = {a.name: a for a in ARCHITECTURES}
+LAYER_PATTERN_ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        "qwen3-next-80b-a3b", "Qwen3-Next", "Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next",
+        "Qwen3NextForCausalLM",
+        dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+             full_attention_interval=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
+             tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64, intermediate_size=256, decoder_sparse_step=1,
+             norm_topk_prob=True, num_hidden_layers=8),
+        features=("hybrid: Gated DeltaNet linear attention, full attention every 4th layer",
+                  "gated attention output", "qk-norm", "partial rotary 0.25", "head_dim 256", "MoE"),
+        notes="8 layers (the model has 48) so that both kinds appear: full attention at 3 and 7; linear "
+              "attention heads 2 key / 4 value (the model has 16 / 32) and 8 experts of width 64 (512 of "
+              "512): attention does not see them",
+        full_attention_layers=(3, 7)),
+    Architecture(
+        "gpt-oss-20b", "gpt-oss", "openai/gpt-oss-20b", "gpt_oss", "GptOssForCausalLM",
+        dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+             sliding_window=128, attention_bias=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+             max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, num_hidden_layers=4),
+        features=("alternating sliding (window 128) / full layers", "learned attention sinks",
+                  "8 query heads per KV head", "q/k/v bias", "rope_type yarn", "MoE"),
+        notes="4 layers (the model has 24): sliding at 0 and 2, full at 1 and 3; 4 experts of width 64 "
+              "(the model has 32 of width 2880)",
+        full_attention_layers=(1, 3)),
+    Architecture(
+        "gemma-3-1b", "Gemma-3", "google/gemma-3-1b-it", "gemma3_text", "Gemma3ForCausalLM",
+        dict(hidden_size=1152, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+             sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+             hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768, rms_norm_eps=1e-6,
+             tie_word_embeddings=True, intermediate_size=512, num_hidden_layers=6),
+        features=("5 sliding (window 512) : 1 full layers", "qk-norm", "head_dim 256", "one KV head (MQA)",
+                  "two RoPE bases (local 10k, global 1M)"),
+        notes="6 layers (the model has 26): sliding 0-4, full at 5",
+        full_attention_layers=(5,)),
+)
+
+ALL_ARCHITECTURES = ARCHITECTURES + LAYER_PATTERN_ARCHITECTURES
+BY_NAME = {a.name: a for a in ALL_ARCHITECTURES}
 
 
 def get(name: str) -> Architecture:
