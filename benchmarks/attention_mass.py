@@ -24,6 +24,7 @@ from benchmarks.server_harness import ROOT, save_json
 from calibration.capture import attention_modules, capture_attention
 from calibration.fidelity import tasks
 from oscar_kernels.contract.layout import torch_scale_dtype
+from oscar_kernels.contract.model_shape import ModelShape, format_layers
 from oscar_kernels.contract.rotations_file import load_rotations
 from oscar_kernels.int2 import fake_quantise
 
@@ -44,8 +45,9 @@ def run(model, window: torch.Tensor, rot, sink: int, recent: int, chunk: int, ke
         tokenizer) -> dict:
     layers = {}
     decoder = getattr(model, model.base_model_prefix, model)
+    by_layer = rot.by_model_layer()  # the captured layer index is the model's, not the file's position
     with torch.no_grad(), capture_attention(model, lambda l, q, k, v, o: layers.__setitem__(
-            l, (q[0].float(), k[0].float(), v[0].float()))):
+            l, (q[0].float(), k[0].float(), v[0].float())), layers=rot.meta.layer_ids):
         decoder(input_ids=window.view(1, -1), use_cache=False)
     hist_lo, hist_hi = sink, chunk - recent
     sdt, g = torch_scale_dtype(rot.meta.scale_dtype), rot.meta.group_size
@@ -53,7 +55,7 @@ def run(model, window: torch.Tensor, rot, sink: int, recent: int, chunk: int, ke
     errors = dict.fromkeys(keep, 0.0)
     for l in sorted(layers):
         q, k, v = layers[l]
-        lr = rot.layers[l]
+        lr = by_layer[l]
         p, o_ref = attention(q, k, v, chunk)
         got = p.mean((0, 1))  # [T] attention each key receives in this layer
         mass += got
@@ -104,8 +106,10 @@ def main(argv=None) -> int:
     rot = load_rotations(a.rotations)
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, local_files_only=True).eval()
-    if len(attention_modules(model)) != rot.meta.num_layers:
-        raise SystemExit(f"attention_mass: {a.rotations} is for {rot.meta.num_layers} layers, the model has "
+    full = ModelShape.from_hf_config(model.config).attention_layers
+    if len(attention_modules(model)) != rot.meta.num_layers or tuple(rot.meta.layer_ids) != full:
+        raise SystemExit(f"attention_mass: {a.rotations} is for layers {format_layers(rot.meta.layer_ids)} of "
+                         f"{rot.meta.num_layers}, the model's full-attention layers are {format_layers(full)} of "
                          f"{len(attention_modules(model))}")
     stream = tasks.load_heldout_stream(tok, corpus_mb=max(1.0, (a.start + a.len) * 4 / 1e6))
     window = torch.from_numpy(stream.tokens[a.start:a.start + a.len]).long()

@@ -220,6 +220,10 @@ def main() -> None:
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "calibration_architectures.json"))
     a = p.parse_args()
     rows = [archs.get(n) for n in a.only.split(",")] if a.only else list(archs.ARCHITECTURES)
+    mixed = [r.name for r in rows if r.full_attention_layers is not None]
+    if mixed:  # its statistics and candidates are indexed by model layer, one per layer
+        raise SystemExit(f"calibration_architectures: {', '.join(mixed)} have layers other than full attention; "
+                         f"this benchmark compares candidates on the all-full-attention rows")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work_dir or tmp

@@ -2,12 +2,13 @@
 error on a tiny random Llama with a random rotation."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from benchmarks import attention_mass
+from oscar_kernels.contract.layout import KVLayout
+from oscar_kernels.contract.model_shape import ModelShape
+from oscar_kernels.contract.rotations_file import Rotations, make_meta
 from oscar_kernels.testing import random_rotation
 from tests.calibration_helpers import save_tiny_model_dir
 
@@ -34,8 +35,8 @@ def tiny(tmp_path_factory):
 
 def _rotations(layers: int, h: int, d: int):
     g = torch.Generator().manual_seed(1)
-    meta = types.SimpleNamespace(scale_dtype="float16", group_size=8)
-    return types.SimpleNamespace(meta=meta, layers=[random_rotation(h, d, g) for _ in range(layers)])
+    meta = make_meta(ModelShape("LlamaForCausalLM", layers, 4, h, d), "tiny", KVLayout(8, 8, "float16"), "oscar")
+    return Rotations(meta, [random_rotation(h, d, g) for _ in range(layers)])
 
 
 def test_mass_splits_the_cache_and_keeping_the_whole_history_leaves_no_error(tiny):
