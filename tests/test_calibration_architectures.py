@@ -3,6 +3,7 @@ models with the real attention geometry of Llama-3, Llama-3.2, Mistral, Qwen2.5,
 Qwen3-MoE, Phi-3 (head_dim 96), GLM-4 and Gemma (head_dim 256), built from a config on CPU."""
 import ast
 import importlib.util
+import json
 import math
 import os
 
@@ -64,7 +65,117 @@ def test_every_architecture_is_an_sglang_entry_class():
     served = _sglang_entry_classes()
     if served is None:
         pytest.skip("sglang is not installed")
-    assert [a.architecture for a in ROWS if a.architecture not in served] == []
+    assert [a.architecture for a in archs.ALL_ARCHITECTURES if a.architecture not in served] == []
+
+
+# ---------------------------------------------------------------- rows with a layer pattern (hybrid, sliding)
+
+PATTERN_ROWS = archs.LAYER_PATTERN_ARCHITECTURES
+PATTERN_IDS = [a.name for a in PATTERN_ROWS]
+
+
+@pytest.mark.parametrize("arch", PATTERN_ROWS, ids=PATTERN_IDS)
+def test_pattern_row_has_the_full_attention_layers_it_states(arch):
+    cfg = archs.hf_config(arch, archs.TOKENIZER_VOCAB)
+    shape = ModelShape.from_hf_config(cfg)
+    g = arch.geometry
+    assert (shape.architecture, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.num_layers) == (
+        arch.architecture, g["num_q_heads"], g["num_kv_heads"], g["head_dim"], g["num_layers"])
+    assert shape.attention_layers == arch.full_attention_layers
+    assert 0 < len(shape.attention_layers) < shape.num_layers  # both kinds, in the model's own order
+    assert archs.get(arch.name) is arch
+
+
+def test_pattern_rows_are_the_ones_stated():
+    got = {a.name: (a.architecture, a.full_attention_layers) for a in PATTERN_ROWS}
+    assert got == {"qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", (3, 7)),
+                   "gpt-oss-20b": ("GptOssForCausalLM", (1, 3)), "gemma-3-1b": ("Gemma3ForCausalLM", (5,))}
+    assert all(a.full_attention_layers is None for a in ROWS)
+
+
+@pytest.mark.parametrize("arch", PATTERN_ROWS, ids=PATTERN_IDS)
+def test_capture_reports_the_full_attention_layers_only(arch):
+    model = archs.build_model(arch, archs.TOKENIZER_VOCAB, seed=1)
+    ids = torch.randint(0, archs.TOKENIZER_VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    with torch.no_grad(), capture_attention(model, lambda l, q, k, v, o: seen.__setitem__(l, (q, k, v, o)),
+                                            layers=arch.full_attention_layers):
+        model(input_ids=ids, use_cache=False)
+    assert tuple(sorted(seen)) == arch.full_attention_layers
+    g = arch.geometry
+    for q, k, v, o in seen.values():
+        assert k.shape == v.shape == (1, g["num_kv_heads"], 24, g["head_dim"]) and o.shape == q.shape
+
+
+def test_gpt_oss_capture_includes_the_learned_sinks():
+    """gpt-oss has no SDPA path: capture runs its own eager attention, whose softmax has one more
+    term per head (the sink logit); the captured o is that attention's output."""
+    arch = archs.get("gpt-oss-20b")
+    model = archs.build_model(arch, archs.TOKENIZER_VOCAB, seed=1)
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(0, archs.TOKENIZER_VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    with torch.no_grad(), capture_attention(model, lambda l, q, k, v, o: seen.__setitem__(l, (q, k, v, o)),
+                                            layers=(3,)):
+        model(input_ids=ids, use_cache=False)
+    q, k, v, o = seen[3]
+    mod = attention_modules(model)[3]
+    rep, t = arch.geometry["q_per_kv"], 24
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    logits = ((q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * mod.scaling).masked_fill(~causal, -math.inf)
+    sinks = mod.sinks.detach().reshape(1, -1, 1, 1).expand(1, -1, t, 1)
+    att = torch.softmax(torch.cat([logits, sinks], -1).double(), -1)[..., :-1].float()
+    torch.testing.assert_close(att @ v.repeat_interleave(rep, 1), o, rtol=1e-4, atol=1e-5)
+    plain = torch.softmax(logits.double(), -1).float() @ v.repeat_interleave(rep, 1)
+    assert not torch.allclose(plain, o, rtol=1e-3, atol=1e-4)  # the sinks take mass
+
+
+def test_no_attention_module_for_a_stated_layer_is_one_line():
+    from calibration.capture import full_attention_modules
+
+    model = archs.build_model(archs.get("qwen3-next-80b-a3b"), archs.TOKENIZER_VOCAB)
+    assert [m.layer_idx for m in full_attention_modules(model, (3, 7))] == [3, 7]
+    with pytest.raises(ValueError, match=r"^Qwen3NextForCausalLM: no attention module with layer_idx/o_proj "
+                                         r"found for the full-attention layer\(s\) 0 named by its config "
+                                         r"\(attention modules found at layers 3, 7\)$"):
+        full_attention_modules(model, (0, 3))
+
+
+def test_calibrate_on_a_config_without_full_attention_layers_is_one_line(tmp_path, capsys):
+    arch = archs.get("gpt-oss-20b")
+    model_dir = str(tmp_path / "all-sliding")
+    os.makedirs(model_dir)
+    cfg = archs.hf_config(arch, archs.TOKENIZER_VOCAB)
+    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    cfg.save_pretrained(model_dir)
+    assert main(["--model", model_dir, "--out", str(tmp_path / "x.safetensors"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"oscar-calibrate: error: {model_dir}: its config names no full-attention layer among its 4 "
+                   f"layers (layer_types), so there is nothing for the INT2 cache to hold"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", PATTERN_ROWS, ids=PATTERN_IDS)
+def test_calibrate_writes_exactly_the_full_attention_layers(tmp_path, arch, capsys):
+    from safetensors import safe_open
+
+    model_dir = archs.build_model_dir(arch, str(tmp_path / arch.name), seed=0)
+    out = str(tmp_path / "r.safetensors")
+    assert main(["--model", model_dir, "--out", out, "--tokens", str(min_calibration_tokens(arch.head_dim)),
+                 "--seq-len", "256", "--device", "cpu", "--quiet"]) == 0
+    assert "error" not in capsys.readouterr().err
+    with safe_open(out, framework="pt") as f:
+        layers, suffixes = json.loads(f.metadata()["layers"]), {int(k.split(".")[1]) for k in f.keys()}
+    assert tuple(layers) == tuple(sorted(suffixes)) == arch.full_attention_layers
+    shape = model_shape(model_dir)
+    rot = load_rotations(out, expect=shape)
+    assert rot.meta.calib_tokens == min_calibration_tokens(arch.head_dim)
+    for lr in rot.layers:
+        assert orthogonality_error(lr.k_rot) < 1e-5
+        assert not torch.allclose(lr.k_rot, torch.eye(arch.head_dim).expand_as(lr.k_rot))
+    every = ModelShape(shape.architecture, shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    with pytest.raises(RotationsFileError, match="but the model's full-attention layers are 0,1,2"):
+        check_matches_model(rot.meta, every, out)
 
 
 # ---------------------------------------------------------------- capture on each architecture
