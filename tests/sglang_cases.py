@@ -22,7 +22,7 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
     rot = h.expand(shape.num_kv_heads, -1, -1).contiguous()
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(rot.clone(), rot.clone(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
-              for _ in range(shape.num_layers)]
+              for _ in shape.attention_layers]
     return Rotations(make_meta(shape, model_name, KVLayout(group_size, group_size, "float16"), "hadamard"), layers)
 
 
@@ -41,7 +41,7 @@ def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
 
     lo, hi = no_clip(shape.num_kv_heads, shape.head_dim)
     layers = [LayerRotation(orth(), orth(), lo.clone(), hi.clone(), lo.clone(), hi.clone())
-              for _ in range(shape.num_layers)]
+              for _ in shape.attention_layers]
     layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
     meta = make_meta(shape, "test", layout, "oscar")
     save_rotations(str(path), Rotations(meta, layers))

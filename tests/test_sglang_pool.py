@@ -220,6 +220,41 @@ def test_each_rank_loads_exactly_its_kv_heads(tmp_path, tp):
             assert torch.equal(layer.k_rot, ref_layer.k_rot[want]) and torch.equal(layer.v_rot, ref_layer.v_rot[want])
 
 
+HYBRID_QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                     "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 64, "hidden_size": 256, "full_attention_interval": 4}
+
+
+def test_rank_rotations_are_looked_up_by_model_layer(tmp_path):
+    """A file covering model layers 3 and 7: the pool holding those layers gets their rotations in
+    that order; a pool that would hold layers 0 and 1 is refused in one line, never handed 3 and 7."""
+    from oscar_kernels.contract.rotations_file import load_rotations
+
+    path = write_distinct_heads_file(tmp_path / "rot.safetensors", HYBRID_QWEN3_NEXT)
+    by_layer = load_rotations(path).by_model_layer()
+    layout = RankLayout(start_layer=0, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, tp_rank=0,
+                        tp_size=1, layer_ids=(3, 7))
+    layers, meta = load_rank_rotations(path, HYBRID_QWEN3_NEXT, layout)
+    assert meta.layer_ids == (3, 7)
+    assert [torch.equal(a.k_rot, b.k_rot) for a, b in zip(layers, (by_layer[3], by_layer[7]))] == [True, True]
+    plain = RankLayout(start_layer=0, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, tp_rank=0, tp_size=1)
+    assert plain.layer_ids == (0, 1)
+    with pytest.raises(ValueError, match=rf"^oscar rotations file {path}: the rotations file covers model layers "
+                                         r"3,7, not 0,1 \(this rank's pool holds those\)$"):
+        load_rank_rotations(path, HYBRID_QWEN3_NEXT, plain)
+
+
+def test_pool_maps_model_layers_to_cache_layers():
+    pool = small_pool(layer_ids=(3, 7))
+    assert pool.cache_layer_of == {3: 0, 7: 1} and pool.cache_layer(7) == 1
+    assert pool.get_key_buffer(7) is pool.k_buffer[1] and pool.get_value_buffer(3) is pool.v_buffer[0]
+    with pytest.raises(ValueError, match=r"^oscar pool: model layer 4 has no INT2 cache here \(this pool holds "
+                                         r"layers 3, 7\)$"):
+        pool.cache_layer(4)
+    staged = small_pool(start_layer=2, end_layer=3)  # pipeline stage: model layers 2 and 3, as before
+    assert staged.cache_layer_of == {2: 0, 3: 1}
+
+
 def test_float8_scale_file_sizes_the_pool_like_float16_groups_of_twice_the_size(tmp_path):
     f8 = write_distinct_heads_file(tmp_path / "f8.safetensors", SMALL_QWEN3, group_size=32, scale_dtype="float8_e4m3fn")
     f16 = write_distinct_heads_file(tmp_path / "f16.safetensors", SMALL_QWEN3, group_size=64)
