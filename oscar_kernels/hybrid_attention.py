@@ -101,10 +101,13 @@ class HybridAttention:
     "bf16" / "flashinfer": materialised, then our BF16 attention / FlashInfer's prefill, which
     off CUDA is "bf16"); ``decode_config``: a triton_decode.DecodeConfig
     (e.g. batch_invariant_config); ``padding_page``: a page that never gets BF16 sinks
-    (SGLang's padding page 0, which padded batches write)."""
+    (SGLang's padding page 0, which padded batches write); ``learned_sinks``: the model's layers
+    pass learned sink logits to decode/extend (gpt-oss): FlashInfer's prefill has no such term,
+    so the "flashinfer" prefix read becomes "bf16"."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
-                 prefix_read: str = "int2", decode_config=None, padding_page: int | None = None):
+                 prefix_read: str = "int2", decode_config=None, padding_page: int | None = None,
+                 learned_sinks: bool = False):
         if prefix_read not in PREFIX_READS:
             raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
         layer = cache.layers[0]
@@ -115,7 +118,7 @@ class HybridAttention:
         device = cache.req_to_token.device
         self.triton = use_triton(cache.req_to_token)
         self.flashinfer = None
-        if prefix_read == "flashinfer" and device.type == "cuda":
+        if prefix_read == "flashinfer" and device.type == "cuda" and not learned_sinks:
             from .flashinfer_extend import FlashInferExtend
             self.flashinfer = FlashInferExtend(device)
         self.prefix_read = "int2" if prefix_read == "int2" else "bf16"  # the Triton / reference read
@@ -187,8 +190,9 @@ class HybridAttention:
     # -- runs (once per layer) --------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Store the batch's new tokens in layer ``layer`` and attend: o [B, Hq, D]."""
+               out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the batch's new tokens in layer ``layer`` and attend: o [B, Hq, D]. ``sinks``:
+        the layer's learned sink logits [Hq] (natural units, beside sm_scale * q.k), or None."""
         plan = self._decode
         if plan is None or q.shape[0] != plan.rows.shape[0]:
             raise RuntimeError(f"decode of {q.shape[0]} requests, but the planned decode batch has "
@@ -198,18 +202,22 @@ class HybridAttention:
         if self.triton:
             from .triton_decode import triton_decode
             return triton_decode(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
-                                 launch=plan.launch)
-        o_rot = ref.reference_decode(_rotate(q, rot.k_rot), lc, index, r2t, plan.rows, plan.seq_lens, self.sm_scale)
+                                 launch=plan.launch, sinks=sinks)
+        o_rot = ref.reference_decode(_rotate(q, rot.k_rot), lc, index, r2t, plan.rows, plan.seq_lens, self.sm_scale,
+                                     sinks)
         return _output(o_rot, rot, q, out)
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the batch's new tokens in layer ``layer``, attend, write their ring cells:
-        o [T, Hq, D]."""
+        o [T, Hq, D]. ``sinks``: as in :meth:`decode`."""
         plan = self._extend
         if plan is None or q.shape[0] != plan.slots.shape[0]:
             raise RuntimeError(f"extend of {q.shape[0]} tokens, but the planned extend batch has "
                                f"{None if plan is None else plan.slots.shape[0]}")
+        if sinks is not None and plan.flashinfer:
+            raise RuntimeError("learned sinks need HybridAttention(..., learned_sinks=True): FlashInfer's "
+                               "prefill has no sink term")
         lc, rot, index, r2t = self._layer(layer)
         meta = (plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends)
         k_rot, v_rot = self._store(layer, k, v, *meta, write_ring=False, rotated_out=(plan.k_rot, plan.v_rot))
@@ -218,10 +226,10 @@ class HybridAttention:
         elif self.triton:
             from .triton_extend import triton_extend
             o = triton_extend(q, k_rot, v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens, plan.qo_indptr,
-                              plan.max_extend_len, self.sm_scale, out, launch=plan.launch)
+                              plan.max_extend_len, self.sm_scale, out, launch=plan.launch, sinks=sinks)
         else:
             o_rot = ref.reference_extend(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
-                                         plan.prefix_lens, plan.qo_indptr, self.sm_scale)
+                                         plan.prefix_lens, plan.qo_indptr, self.sm_scale, sinks)
             o = _output(o_rot, rot, q, out)
         self._store(layer, k, v, *meta, write_int2=False, write_ring=True)
         return o

@@ -94,38 +94,45 @@ def reference_materialize_prefix(layer: HybridLayerCache, index: HybridCacheInde
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] softmax attention, GQA, float32."""
+            mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] softmax attention, GQA, float32.
+    ``sinks`` [Hq]: a learned logit per query head (gpt-oss) that joins every row's softmax
+    as one more column with no value: o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})."""
     hq = q.shape[1]
     k = expand_gqa(k.transpose(0, 1), hq)  # [Hq, Tk, D]
     v = expand_gqa(v.transpose(0, 1), hq)
     logits = torch.einsum("qhd,hkd->hqk", q.float(), k.float()) * sm_scale
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(hq, 1, 1).expand(hq, logits.shape[1], 1)
+        p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(logits, dim=-1)
     return torch.einsum("hqk,hkd->qhd", p, v.float())
 
 
 def reference_decode(q_rot: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
                      req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     sm_scale: float) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request (q' [B, Hq, D]) over its n = seq_lens[b] cached
-    positions (the new token already stored). Returns o' [B, Hq, D] float32."""
+    positions (the new token already stored); ``sinks`` [Hq] as in :func:`_attend`.
+    Returns o' [B, Hq, D] float32."""
     out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
     for b in range(q_rot.shape[0]):
         k, v = hybrid_kv(layer, index, req_to_token, int(rows[b]), int(seq_lens[b]))
-        out[b] = _attend(q_rot[b:b + 1], k, v, sm_scale)[0]
+        out[b] = _attend(q_rot[b:b + 1], k, v, sm_scale, sinks=sinks)[0]
     return out
 
 
 def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                      rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
-                     sm_scale: float) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill / chunked prefill. New tokens (q', k', v' [T, *, D], request b owns rows
     qo_indptr[b]:qo_indptr[b+1]) attend to the hybrid prefix of length prefix_lens[b]
-    (read rule with n = prefix length) and causally to the new BF16 tokens themselves.
-    Returns o' [T, Hq, D] float32."""
+    (read rule with n = prefix length) and causally to the new BF16 tokens themselves;
+    ``sinks`` [Hq] as in :func:`_attend`. Returns o' [T, Hq, D] float32."""
     out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
     for b in range(rows.shape[0]):
         lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
@@ -139,5 +146,5 @@ def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
         qi = torch.arange(e, device=q_rot.device).unsqueeze(1)
         kj = torch.arange(n_pre + e, device=q_rot.device).unsqueeze(0)
         mask = kj <= qi + n_pre  # [e, n_pre + e]
-        out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0))
+        out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0), sinks)
     return out

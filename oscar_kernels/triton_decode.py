@@ -17,7 +17,8 @@ no allocation when a :class:`DecodeWorkspace` is given):
    under NS = clamp(target_programs // (B * H), 1, max_splits) of the batch size (by default
    the stage-1 programs resident at once, so batch 1 still fills the GPU). NS is a runtime
    argument: one compiled kernel serves every batch size.
-3. ``_decode_merge_row`` log-sum-exp merge of the 1 + NS partials, then o = o' @ R_V[h]^T,
+3. ``_decode_merge_row`` log-sum-exp merge of the 1 + NS partials (plus, for models with learned
+   attention sinks, the query head's sink logit as one more denominator term), then o = o' @ R_V[h]^T,
    one program per query head (up to SPLIT_MERGE_MAX_BATCH requests: ``_decode_merge_split``,
    one program per query head and channel block, then the un-rotation by ``_rotate_q_kernel``).
 
@@ -184,16 +185,28 @@ def merge_stats(lse_all, sps):
     return m, l, used
 
 
+@triton.jit
+def add_sink(m, l, sinks_ptr, hq, HAS_SINK: tl.constexpr):
+    """A query head's merge statistics (scalars m, l = sum_s 2^(lse_s - m), log2) with its learned
+    sink logit (natural units, gpt-oss) joined as one more term of the denominator, no value."""
+    if HAS_SINK:
+        s2 = tl.load(sinks_ptr + hq).to(tl.float32) * 1.4426950408889634  # LOG2E
+        m_new = tl.maximum(m, s2)
+        l = l * tl.exp2(m - m_new) + tl.exp2(s2 - m_new)
+        m = m_new
+    return m, l
+
+
 @triton.jit(do_not_specialize=["NSP"])
-def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch, stride_out_head,
+def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch, stride_out_head, sinks_ptr,
                       NSP, NSP2: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, EB: tl.constexpr,
-                      SPB: tl.constexpr, PDL: tl.constexpr = False):
+                      SPB: tl.constexpr, HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with h = hq // GQ
     and m the max of the lse_s (one vector load), one query head per program, grid (B, Hq);
     the partials up to the last one that attended to something, SPB at a time as [SPB, D]
     tiles (independent loads, no running rescale); the un-rotation o[e] = sum_d o'[d]
-    R_V[h][e, d] as float32 products and sums. PDL: launched with programmatic dependent
-    launch (waits for stage 1 first)."""
+    R_V[h][e, d] as float32 products and sums. HAS_SINK: sinks_ptr[hq] joins the denominator
+    (add_sink). PDL: launched with programmatic dependent launch (waits for stage 1 first)."""
     wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -203,7 +216,7 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch
     sps = tl.arange(0, NSP2)  # NSP2: power of two >= every NSP of the workspace (host-computed)
     lse_all = tl.load(mid_lse_ptr + base + sps[None, :], mask=(sps < NSP)[None, :], other=float("-inf"))
     m, l, used = merge_stats(lse_all, sps)
-    m, l = tl.max(m, 0), tl.max(l, 0)  # the one row's values as scalars
+    m, l = add_sink(tl.max(m, 0), tl.max(l, 0), sinks_ptr, hq, HAS_SINK)  # the one row's values as scalars
     acc = tl.zeros([D], tl.float32)
     spb = tl.arange(0, SPB)
     for sp0 in range(0, used, SPB):
@@ -222,12 +235,12 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch
 
 
 @triton.jit(do_not_specialize=["NSP"])
-def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, NSP, NSP2: tl.constexpr, D: tl.constexpr,
-                        DB: tl.constexpr, PDL: tl.constexpr = False):
+def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, sinks_ptr, NSP, NSP2: tl.constexpr, D: tl.constexpr,
+                        DB: tl.constexpr, HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False):
     """o'[b, hq, c] = sum_s 2^{lse_s - m} o~_s[c] / sum_s 2^{lse_s - m} for the DB channels c of
     program (b, hq, channel block), every partial in one [NSP2, DB] load (no loop: the
     latency of one load instead of a chain); float32 o' in the rotated space (the
-    un-rotation o = o' R_V^T is a separate launch). Grid (B, Hq, D / DB). PDL: as
+    un-rotation o = o' R_V^T is a separate launch). Grid (B, Hq, D / DB). HAS_SINK, PDL: as
     _decode_merge_row."""
     wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -237,8 +250,8 @@ def _decode_merge_split(mid_o_ptr, mid_lse_ptr, o_rot_ptr, NSP, NSP2: tl.constex
     sps = tl.arange(0, NSP2)
     lse = tl.load(mid_lse_ptr + base + sps[None, :], mask=(sps < NSP)[None, :], other=float("-inf"))
     m, l, _ = merge_stats(lse, sps)
-    w = tl.exp2(tl.reshape(lse, [NSP2]) - tl.max(m, 0))
-    l = tl.max(l, 0)  # the one row's values as scalars
+    m, l = add_sink(tl.max(m, 0), tl.max(l, 0), sinks_ptr, hq, HAS_SINK)  # the one row's values as scalars
+    w = tl.exp2(tl.reshape(lse, [NSP2]) - m)
     c = tl.program_id(2) * DB + tl.arange(0, DB)
     o = tl.load(mid_o_ptr + (base + sps)[:, None] * D + c[None, :], mask=(w > 0)[:, None], other=0.0)
     acc = tl.sum(w[:, None] * o, 0) / tl.where(l > 0, l, 1.0)
@@ -430,6 +443,13 @@ def _block_h(gq: int) -> int:
     return max(triton.next_power_of_2(gq), MIN_BLOCK_H)
 
 
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int) -> None:
+    """Learned sink logits are one contiguous value per query head."""
+    if sinks is not None and (sinks.shape != (num_q_heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous [{num_q_heads}] tensor (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+
+
 def check_decode_inputs(q, layer, rotation, rows, seq_lens):
     b, hq, d = q.shape
     h = layer.num_kv_heads
@@ -492,9 +512,11 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   rotation: LayerRotation, req_to_token: torch.Tensor, rows: torch.Tensor,
                   seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
                   workspace: DecodeWorkspace | None = None,
-                  config: DecodeConfig | None = None, launch: DecodeLaunch | None = None) -> torch.Tensor:
+                  config: DecodeConfig | None = None, launch: DecodeLaunch | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (reference.reference_decode between the rotations): returns o [B, Hq, D] (q.dtype or
-    ``out``'s dtype), un-rotated. ``launch``: the batch's resolved launch
+    ``out``'s dtype), un-rotated. ``sinks``: [Hq] learned sink logits (any float dtype) or None.
+    ``launch``: the batch's resolved launch
     (DecodeWorkspace.launch; else resolved here from ``workspace``, or from a workspace made
     here with ``config``). Allocates only when ``launch``/``workspace`` and ``out`` are None."""
     check_decode_inputs(q, layer, rotation, rows, seq_lens)
@@ -515,6 +537,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
     check_last_dim_contiguous("out", out)
     check_last_dim_contiguous("req_to_token", req_to_token)
+    check_sinks(sinks, hq)
     ns, tiles, pdl = launch.splits, launch.tiles, launch.pdl
     q_rot, mid_o, mid_lse = launch.q_rot, launch.mid_o, launch.mid_lse
     rotate_queries(q, rotation.k_rot.contiguous(), q_rot, out_block=ROTATE_OUT_BLOCK, pdl_release=pdl)
@@ -531,15 +554,17 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     )
     if launch.split_merge:
         db = min(32, d)
-        _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, launch.o_rot, NSP=ns + 1, NSP2=launch.merge_width,
-                                               D=d, DB=db, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, launch.o_rot, mid_lse if sinks is None else sinks,
+                                               NSP=ns + 1, NSP2=launch.merge_width, D=d, DB=db,
+                                               HAS_SINK=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
         rotate_queries(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, out_block=ROTATE_OUT_BLOCK,
                        pdl_wait=pdl)
     else:
         _decode_merge_row[(b, hq)](
             mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
+            mid_lse if sinks is None else sinks,
             NSP=ns + 1, NSP2=launch.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=MERGE_PARTIALS_PER_STEP,
-            PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HAS_SINK=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
 

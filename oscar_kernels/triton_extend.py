@@ -24,7 +24,7 @@ import triton.language as tl
 from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, bf16_side_args, check_cache_layout, check_last_dim_contiguous, group_scale_args,
                             head_index, mma, needs_int64_slots, pair_views, scale_args, sink_index_args)
-from .triton_decode import LOG2E, rotate_tokens
+from .triton_decode import LOG2E, check_sinks, rotate_tokens
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state,
                                  online_softmax, request_layout, store_pairs)
 from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
@@ -41,11 +41,11 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
                    k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
                    k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    k_prefix_ptr, v_prefix_ptr, stride_prefix_token, stride_prefix_head, prefix_offsets_ptr,
-                   o_ptr, stride_o_token, stride_o_head, qk_scale,
+                   o_ptr, stride_o_token, stride_o_head, qk_scale, sinks_ptr,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-                   BF16_PREFIX: tl.constexpr):
+                   BF16_PREFIX: tl.constexpr, HAS_SINK: tl.constexpr = False):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
     BF16_PREFIX: the prefix was materialised (triton_materialize) as BF16 rows
@@ -53,7 +53,8 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
     Otherwise two phases keep the live state small: (1) the INT2 prefix with plane
     accumulators, normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring,
     causal new tokens) with one [R, D] accumulator, then the log-sum-exp merge with the
-    parked part."""
+    parked part. HAS_SINK: each query head's learned sink logit sinks_ptr[hq] (natural units)
+    joins every row's denominator, with no value (gpt-oss)."""
     HALF: tl.constexpr = GK >= D // 4  # key codes unpack as float16 when a key group spans a plane
     mb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -117,17 +118,24 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
             p, alpha, m_i, l_i = online_softmax(s, causal, m_i, l_i)
             v = tl.load(v_new_ptr + joff[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
             acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], INTERP)
+        s2 = tl.full([R], float("-inf"), tl.float32)
+        if HAS_SINK:
+            s2 = tl.load(sinks_ptr + hq, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         if BF16_PREFIX:  # every row attends to its own token at least: l_i > 0
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            m = tl.maximum(m_i, s2)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            f1 = tl.exp2(m_i - m_safe)
+            den = l_i * f1 + tl.exp2(s2 - m_safe)
+            o = acc * f1[:, None] / tl.where(den > 0, den, 1.0)[:, None]
         else:
             # ---- merge the parked INT2 part (written by other threads of this program)
             tl.debug_barrier()
             o2 = tl.load(o_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-            m = tl.maximum(m_i, m2)
+            m = tl.maximum(tl.maximum(m_i, m2), s2)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             f1 = tl.exp2(m_i - m_safe)
             f2 = tl.exp2(m2 - m_safe) * l2
-            den = l_i * f1 + f2
+            den = l_i * f1 + f2 + tl.exp2(s2 - m_safe)
             den = tl.where(den > 0, den, 1.0)
             o = (acc * f1[:, None] + o2 * f2[:, None]) / den[:, None]
             tl.debug_barrier()
@@ -215,9 +223,10 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
                   prefix_read: str = "int2", prefix_lens_host: Sequence[int] | None = None,
-                  launch: ExtendLaunch | None = None) -> torch.Tensor:
+                  launch: ExtendLaunch | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Extend attention (reference.reference_extend between the rotations): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
+    ``sinks``: [Hq] learned sink logits (any float dtype) or None.
     ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
     ``launch``: the batch's resolved launch (plan_extend_launch); else resolved here from
     ``prefix_read`` (check_prefix_read) and ``prefix_lens_host`` (prefix_lens as host ints,
@@ -237,6 +246,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     check_cache_layout(layer)
     for name, x in (("k_rot", k_rot), ("v_rot", v_rot), ("req_to_token", req_to_token)):
         check_last_dim_contiguous(name, x)
+    check_sinks(sinks, hq)
     if out is None:
         out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     check_last_dim_contiguous("out", out)
@@ -265,10 +275,11 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
         rows, prefix_lens, qo_indptr, *sink_index_args(index, req_to_token), index.ring_valid_from,
         *pair_views(layer), *scale_args(layer), *scale_pairs[:4], *bf16_side_args(layer),
         k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
-        o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E,
+        o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E, o_rot if sinks is None else sinks,
         GQ=gq, GQP=gqp, BM=bm, D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens,
         W=layer.recent_window, BN=tiles.block_n, BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
-        SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, num_warps=EXTEND_WARPS,
+        SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, HAS_SINK=sinks is not None,
+        num_warps=EXTEND_WARPS,
         num_stages=tiles.num_stages,
     )
     return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

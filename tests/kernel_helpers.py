@@ -116,25 +116,26 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=ATTENTION_ATOL)
 
 
-def decode_reference(sc: Scenario, q: torch.Tensor) -> torch.Tensor:
+def decode_reference(sc: Scenario, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
     hq = q.shape[1]
     q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
     o_rot = ref.reference_decode(q_rot, sc.layer, sc.index, sc.req_to_token, sc.rows,
-                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale)
+                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale, sinks)
     return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
 
 
-def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3):
+def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=None):
     q = random_q(sc, hq, seed)
-    want = decode_reference(sc, q)
+    want = decode_reference(sc, q, sinks)
     got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
-                    torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config)
+                    torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config,
+                    **({} if sinks is None else {"sinks": sinks}))
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert_attention_close(got, want)
 
 
-def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2"):
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", sinks=None):
     g = torch.Generator().manual_seed(4)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
     t = sum(new_lens)
@@ -145,25 +146,26 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2")
     pre = torch.tensor(sc.lens, dtype=torch.int32, device=dev)
     q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
     o_rot = ref.reference_extend(q_rot, k_rot, v_rot, sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
-                                 qo, sc.sm_scale)
+                                 qo, sc.sm_scale, sinks)
     want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
     got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
-                    max(new_lens), sc.sm_scale, prefix_read=prefix_read)
+                    max(new_lens), sc.sm_scale, prefix_read=prefix_read,
+                    **({} if sinks is None else {"sinks": sinks}))
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     assert_attention_close(got, want)
 
 
-def attention_session(sc: Scenario, steps, hq, prefix_read="int2"):
+def attention_session(sc: Scenario, steps, hq, prefix_read="int2", sinks=None):
     """Prefill chunks then decode steps through HybridAttention (one plan per step, the
     store -> attend -> ring protocol per call) on a copy of the scenario's cache; a step of
-    one token after the first is a decode. Returns (outputs of every step, final layer)."""
+    one token after the first is a decode; ``sinks``: learned sink logits [hq] or None. Returns (outputs of every step, final layer)."""
     from oscar_kernels.hybrid_attention import HybridAttention
 
     g = torch.Generator().manual_seed(21)
     dev = sc.device
     lay = clone_layer(sc.layer)
     cache = HybridCache([lay], [sc.rotation], index_to(sc.index, dev), sc.req_to_token)
-    attn = HybridAttention(cache, hq, sc.sm_scale, prefix_read=prefix_read)
+    attn = HybridAttention(cache, hq, sc.sm_scale, prefix_read=prefix_read, learned_sinks=sinks is not None)
     h, d = lay.num_kv_heads, lay.head_dim
     b = len(sc.rows)
     rows = sc.rows.long()
@@ -177,12 +179,12 @@ def attention_session(sc: Scenario, steps, hq, prefix_read="int2"):
         v = torch.randn(b * t, h, d, generator=g).bfloat16().to(dev)
         if t == 1 and n > 0:
             attn.plan_decode(rows, torch.full((b,), n + 1, device=dev), pos, slots)
-            outs.append(attn.decode(0, q, k, v))
+            outs.append(attn.decode(0, q, k, v, sinks=sinks))
         else:
             full = torch.full((b,), n, device=dev)
             attn.plan_extend(rows, full, torch.full((b,), t, device=dev), pos, slots, prefix_lens_host=[n] * b,
                              extend_lens_host=[t] * b, owners=torch.zeros(b, dtype=torch.int64, device=dev))
-            outs.append(attn.extend(0, q, k, v))
+            outs.append(attn.extend(0, q, k, v, sinks=sinks))
         n += t
     return outs, lay
 

@@ -4,6 +4,7 @@ Run on the GPU machine:  python -m pytest -m gpu tests/test_kernels_gpu.py --dur
 (Skipped without CUDA by tests/conftest.py; never under TRITON_INTERPRET.) Most of the time
 goes into compiling kernels, so parametrisations are kept to distinct code paths.
 """
+import functools
 import os
 
 import pytest
@@ -85,6 +86,30 @@ def test_decode_gpu_split_policies(kernels, split_policy):
     _, _, td, _ = kernels
     sc = kc.build([5, 900, 3000], H=8, D=128, G=128, S=16, W=64, page=64, seed=11, device="cuda")
     kh.check_decode(sc, 32, td.triton_decode, td.DecodeConfig(**split_policy))
+
+
+def _sinks(hq: int) -> torch.Tensor:
+    """gpt-oss's learned sink logits (bf16 on the device), one far above the scores, one far below."""
+    s = torch.randn(hq, generator=torch.Generator().manual_seed(hq)) * 2
+    s[0], s[-1] = 30.0, -30.0
+    return s.bfloat16().cuda()
+
+
+@pytest.mark.parametrize("lens", [[5, 900, 3000], [1, 7, 300, 1000, 4099, 80]])  # split merge, query-head merge
+def test_decode_with_learned_sinks_gpu(kernels, lens):
+    """gpt-oss's geometry: 64 query / 8 KV heads, head_dim 64."""
+    _, _, td, _ = kernels
+    sc = kc.build(lens, H=8, D=64, G=16, S=16, W=64, page=64, seed=len(lens), device="cuda")
+    kh.check_decode(sc, 64, td.triton_decode, sinks=_sinks(64))
+
+
+@pytest.mark.parametrize("prefix_read", ["int2", "bf16"])
+def test_extend_with_learned_sinks_gpu(kernels, prefix_read):
+    _, _, _, te = kernels
+    prefix, new = [0, 5, 130, 700], [70, 1, 200, 33]
+    sc = kc.build(prefix, H=8, D=64, G=16, S=16, W=64, page=64, seed=7, device="cuda")
+    kh.check_extend(sc, 64, new, functools.partial(te.triton_extend, prefix_lens_host=prefix), prefix_read,
+                    sinks=_sinks(64))
 
 
 @pytest.mark.parametrize("case", [

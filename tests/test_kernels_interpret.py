@@ -383,6 +383,37 @@ def test_decode_workspace_reuse_and_out():
                                         torch.ones(5, dtype=torch.int32), 1.0, workspace=ws)
 
 
+# ---------------------------------------------------------------- learned sinks (gpt-oss)
+def _sinks(hq, seed):
+    """Sink logits around the scores' scale, one far above them (the head attends to almost
+    nothing) and one far below (no effect)."""
+    s = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+    s[0], s[-1] = 30.0, -30.0
+    return s.bfloat16()  # SGLang's gpt-oss keeps them in bf16
+
+
+@pytest.mark.parametrize("lens", [[1, 13, 140], [1, 3, 13, 40, 77]])  # split merge, query-head merge
+def test_decode_with_learned_sinks_matches_reference(lens):
+    sc = kc.build(lens, H=2, D=64, G=16, S=4, W=8, page=8, seed=len(lens))
+    kh.check_decode(sc, 8, triton_decode_mod.triton_decode, triton_decode_mod.DecodeConfig(**_SMALL),
+                    sinks=_sinks(8, 1))
+
+
+@pytest.mark.parametrize("prefix_read", ["int2", "bf16"])
+def test_extend_with_learned_sinks_matches_reference(prefix_read):
+    sc = kc.build([0, 5, 13, 90], H=2, D=64, G=16, S=4, W=8, page=8, seed=11)
+    fn = functools.partial(triton_extend_mod.triton_extend, prefix_lens_host=[0, 5, 13, 90])
+    kh.check_extend(sc, 8, [7, 1, 70, 9], fn, prefix_read, sinks=_sinks(8, 2))
+
+
+def test_kernels_refuse_sinks_of_another_shape():
+    sc = kc.build([9, 4], H=2, D=64, G=16, S=4, W=8, page=8, seed=2)
+    q, lens = kh.random_q(sc, 4, 0), torch.tensor(sc.lens, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        triton_decode_mod.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, lens,
+                                        sc.sm_scale, sinks=torch.zeros(2))
+
+
 # ---------------------------------------------------------------- extend
 @pytest.mark.parametrize("case", [
     # (D, G, Hq, H, S, W, page)
@@ -572,16 +603,18 @@ def test_long_int2_history_under_truncating_tensor_cores(kind):
 
 
 # ---------------------------------------------------------------- HybridAttention, end to end
-def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch):
+@pytest.mark.parametrize("learned_sinks", [False, True])
+def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch, learned_sinks):
     from oscar_kernels.hybrid_attention import use_triton
     sc = kc.build([48, 48], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, seed=13)
     steps = [13, 20, 1, 1, 1]  # two prefill chunks, three decode steps
+    sinks = _sinks(4, 5) if learned_sinks else None
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "0")
     assert not use_triton(torch.zeros(1))
-    want, lay_ref = kh.attention_session(sc, steps, 4)
+    want, lay_ref = kh.attention_session(sc, steps, 4, sinks=sinks)
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
     assert use_triton(torch.zeros(1))
-    got, lay_tri = kh.attention_session(sc, steps, 4)
+    got, lay_tri = kh.attention_session(sc, steps, 4, sinks=sinks)
     kh.assert_layers_close(lay_tri, lay_ref)
     for a, w in zip(got, want):
         kh.assert_attention_close(a, w.float())

@@ -289,3 +289,19 @@ def test_key_shift_removes_a_common_key_offset_from_the_int2_error():
         k_hat = dequantise(unpack(packed), scales) + (0 if shift is None else shift)
         errs[name] = float((k_hat - k).pow(2).mean())
     assert errs["mean"] < 0.3 * errs["none"], errs
+
+
+def test_learned_sink_joins_the_softmax_as_a_valueless_column():
+    """The reference's sink term (gpt-oss) against its closed form o * sigmoid(lse - sink), per
+    query head; a sink of -inf changes nothing."""
+    from oscar_kernels.reference import _attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 16, generator=g), torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0])
+    plain = _attend(q, k, v, 0.25)
+    kq = k.repeat_interleave(2, dim=1)  # GQA: query head h reads KV head h // 2
+    lse = torch.logsumexp(torch.einsum("qhd,khd->qhk", q, kq) * 0.25, dim=-1)  # [3, 4]
+    want = plain * torch.sigmoid(lse - sinks)[..., None]
+    torch.testing.assert_close(_attend(q, k, v, 0.25, sinks=sinks), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(q, k, v, 0.25, sinks=torch.full((4,), float("-inf"))), plain)
