@@ -22,6 +22,7 @@ that are not committed yet):
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import functools
 import glob
 import json
@@ -327,11 +328,19 @@ def _ppl_passkey_caption(st: dict) -> str:
 # the real model's fidelity files (render_real_model), left out of the tinylm-A sections
 REAL_MODEL_SERVER = "server_smollm2.json"
 REAL_MODEL_SIM = "fidelity_smollm2.json"
+REAL_MODEL_SIM_MORE = "fidelity_smollm2_*.json"  # further simulated runs (another length or window count)
 REAL_MODEL_FILES = (REAL_MODEL_SERVER, REAL_MODEL_SIM)
 
 
 def _not_real_model(path: str) -> bool:
-    return os.path.basename(path) not in REAL_MODEL_FILES
+    name = os.path.basename(path)
+    return name not in REAL_MODEL_FILES and not fnmatch.fnmatch(name, REAL_MODEL_SIM_MORE)
+
+
+def _real_model_sims(results_dir: str) -> list[str]:
+    """The simulated real-model runs: the main one, then the others by name."""
+    more = sorted(os.path.basename(p) for p in glob.glob(os.path.join(results_dir, REAL_MODEL_SIM_MORE)))
+    return [REAL_MODEL_SIM] + more
 
 
 @per_results_file("server_*.json", "python3 -m benchmarks.server_fidelity --method NAME=FILE ...", "one GPU",
@@ -410,8 +419,10 @@ def render_real_model(results_dir: str) -> str:
             f"95% interval. Agreement, {st.get('agreement', 'not measured')}: the KL column is a lower bound. "
             f"Source: `{_rel(os.path.join(results_dir, REAL_MODEL_SERVER))}`.")
         parts += real_model_tables(served, (("kl_topk", "KL(bf16 || method) >="),))
-    sim = _maybe_load(results_dir, REAL_MODEL_SIM)
-    if sim.get("methods"):
+    for sim_name in _real_model_sims(results_dir):
+        sim = _maybe_load(results_dir, sim_name)
+        if not sim.get("methods"):
+            continue
         st = sim.get("settings", {})
         parts.append(
             f"**{sim.get('model', '?')} in simulation** (`oscar-eval`, KV simulated with the server's kernels' "
@@ -420,7 +431,7 @@ def render_real_model(results_dir: str) -> str:
             f"passkey {st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}. "
             f"Agreement at the positions past the first chunk: top-1 agreement, KL(bf16 || method) over the whole "
             f"vocabulary, and the lower bound the server's top-K lists give on the same logits (how tight the "
-            f"server's KL column is). Source: `{_rel(os.path.join(results_dir, REAL_MODEL_SIM))}`.")
+            f"server's KL column is). Source: `{_rel(os.path.join(results_dir, sim_name))}`.")
         parts += real_model_tables(sim, (("kl", "KL(bf16 || method)"), ("kl_topk", "its top-K lower bound")))
     if not parts:
         return none_yet(f"python3 -m benchmarks.server_fidelity --model DIR --fp8 --method oscar=F ... --out "
@@ -774,7 +785,7 @@ def render_tp(path: str, data: dict) -> list[str]:
 HEADLINE_CAPACITY = "capacity_qwen3-8b-shape.json"
 HEADLINE_KERNELS = "kernels_h200.json"
 HEADLINE_SERVER = "server_tinylm-A.json"
-HEADLINE_REAL = (REAL_MODEL_SERVER, "oscar")  # the real model through the server, today's default
+HEADLINE_REAL = "oscar"  # today's default on the real model: through the server, else in simulation
 HEADLINE_PASSKEY = ("server_passkey8k_quantizers_tinylm-A.json", "minmax")  # the newest run of the default
 HEADLINE_LONG = 65536  # the decode row's shortest context
 HEADLINE_HICACHE = "hicache_qwen3-8b-shape.json"
@@ -852,18 +863,22 @@ def _headline_server(results_dir: str) -> list[list[str]]:
 
 
 def _headline_real_model(results_dir: str) -> list[list[str]]:
-    name, method = HEADLINE_REAL
-    data = _maybe_load(results_dir, name)
-    methods = data.get("methods", {})
-    ref, osc = methods.get("bf16", {}).get("ppl_details", {}), methods.get(method, {}).get("ppl_details", {})
-    lengths = [n for n in sorted(ref, key=int) if n in osc]
-    if not lengths:
+    for name in (REAL_MODEL_SERVER, REAL_MODEL_SIM):
+        data = _maybe_load(results_dir, name)
+        methods = data.get("methods", {})
+        ref, osc = methods.get("bf16", {}).get("ppl_details", {}), methods.get(HEADLINE_REAL, {}).get("ppl_details", {})
+        lengths = [n for n in sorted(ref, key=int) if n in osc]
+        if lengths:
+            break
+    else:
         return []
+    where = ("through the server" if name == REAL_MODEL_SERVER
+             else f"in simulation (oscar-eval, {data.get('settings', {}).get('device')})")
     ppl = lambda d: " / ".join(f"{d[n]['ppl']:.3f}" for n in lengths)
     ratios = " / ".join(f"{osc[n]['ppl'] / ref[n]['ppl']:.3f}" for n in lengths)
     sizes = " / ".join(f"{int(n) // 1024}k" if int(n) % 1024 == 0 else n for n in lengths)
-    return [[f"perplexity at {sizes} tokens, {data.get('settings', {}).get('ppl_windows')} windows each, through "
-             f"the server ({data.get('model', '?')})",
+    return [[f"perplexity at {sizes} tokens, {data.get('settings', {}).get('ppl_windows')} windows each, {where} "
+             f"({data.get('model', '?')})",
              _link(f"{ppl(osc)} ({ratios}x)", name), _link(ppl(ref), name)]]
 
 

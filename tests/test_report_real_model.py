@@ -96,3 +96,18 @@ def test_headline_row_for_the_real_model_appears_with_its_file(tmp_path):
     assert any(r == row for r in [
         [c.strip() for c in line.strip().strip("|").split(" | ")]
         for line in report.render_headline(str(res)).splitlines()[2:]])
+
+
+def test_headline_row_falls_back_to_the_simulation_and_every_simulated_run_renders(tmp_path):
+    res = _fixture(tmp_path)
+    (res / "server_smollm2.json").unlink()
+    (row,) = report._headline_real_model(str(res))
+    assert row[0] == "perplexity at 2k tokens, 2 windows each, in simulation (oscar-eval, cuda) (SmolLM2-135M-Instruct)"
+    assert row[1] == "[4.100 (1.025x)](benchmarks/results/fidelity_smollm2.json)"
+    more = json.loads((res / "fidelity_smollm2.json").read_text())
+    more["methods"]["oscar"]["ppl_details"] = {"2048": _details(4.3, [1.1, 1.4])}
+    (res / "fidelity_smollm2_8k.json").write_text(json.dumps(more))
+    text = report.render_real_model(str(res))
+    assert text.count("in simulation**") == 2 and "fidelity_smollm2_8k.json" in text
+    assert _rows(text.split("fidelity_smollm2_8k.json")[1], "| method | ppl 2,048")["oscar"][0] == "4.3000 (1.0750x)"
+    assert report.render_fidelity(str(res)).startswith("_No results yet")  # not a tinylm-A file
