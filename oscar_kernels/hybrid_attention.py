@@ -8,6 +8,10 @@ In the style of FlashInfer's wrappers::
     attn.plan_extend(rows, prefix_lens, extend_lens, positions, slots,
                      prefix_lens_host=..., extend_lens_host=..., owners=...)  # per extend batch
     o = attn.extend(layer, q, k, v)                           # per layer
+    attn.plan_verify(rows, prefix_lens, positions, slots,
+                     num_draft_tokens=T, parents=...)          # per speculative verify batch
+    o = attn.verify(layer, q, k, v)                           # per layer
+    attn.commit(accept_index) / attn.commit(accept_lens=...)  # once, after acceptance
 
 A plan resolves what a batch's layers share (triton_decode.DecodeLaunch,
 triton_extend.ExtendLaunch or FlashInfer's plan, the store's per-token metadata) and applies
@@ -19,6 +23,28 @@ position 0 (never one a live request reads, never on ``padding_page``) and ring 
     extend: store (INT2 + sinks, keeping the rotated BF16 k', v') -> attention over the
             hybrid prefix and causally over the new tokens -> store the ring cells
             (after attention: earlier would overwrite the prefix window it reads)
+    verify: store INT2 only (no sinks, no ring) and stage the drafts' K/V -> attention of
+            each draft as decode would see it (below); commit then writes the accepted
+            drafts' sinks and ring cells from the staged K/V
+
+Speculative decoding (issue 49). A verify batch holds T draft tokens per request (a chain or
+a tree, :mod:`oscar_kernels.speculative`), some of which will be rejected. Draft i at depth d
+attends to what decode at length n + d + 1 would read if its ancestors were accepted: the
+prefix by the read rule with that window end (ring from max(n + d + 1 - W, valid_from), so a
+prefix position the window has left is read as INT2, as decode would), and its ancestors
+(tree mask) as BF16 where decode reads the ring or a sink, else as their INT2.
+reference.reference_verify states it exactly. The verify writes the drafts' INT2 cells at
+their slots (a cell is per slot: a rejected draft's slot is past the accepted length or freed,
+and tree nodes at one position have distinct slots), but no sink and no ring cell: those are
+keyed by position, which tree drafts share and rejected drafts would take from the accepted
+ones (and the ring still serves the prefix window). The drafts' unrotated K/V are staged per
+layer in a workspace sized at construction (max_batch x max_draft_tokens tokens per layer);
+``commit`` re-runs the store on the accepted ones (same kernel, same input: the same BF16
+copies decode writes) with INT2 off and sinks + ring on, at positions n + k, and advances the
+rows' ring end. After a tree verify SGLang moves the accepted nodes' cells to their final
+slots (hybrid_cache.move_int2_cells); move and commit commute (slots vs positions). The cache
+is then exactly what decode of the accepted tokens writes: the same INT2 at their final
+slots, the same sinks, the same ring cells for every position the read rule reads.
 
 Tensors (T new tokens of the batch, B requests, H KV heads, Hq query heads, D head_dim;
 integer tensors any int dtype on the cache's device):
@@ -49,6 +75,7 @@ import torch
 from . import reference as ref
 from .hybrid_cache import (HybridCache, allocate_index, allocate_layer, assign_sink_slots, sink_slots_in_use,
                            update_ring_validity)
+from .speculative import accept_index_from_lens, chain_parents, commit_tokens, draft_ancestors
 
 PREFIX_READS = ("int2", "bf16", "flashinfer")
 def use_triton(t: torch.Tensor) -> bool:
@@ -93,6 +120,20 @@ class _ExtendBatch:
     flashinfer: bool  # FlashInfer's prefill, planned for this batch, does the attention
 
 
+@dataclass(frozen=True)
+class _VerifyBatch:
+    rows: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # int64 [B]
+    positions: torch.Tensor  # [B*T]
+    slots: torch.Tensor  # [B*T]
+    num_draft_tokens: int  # T
+    ancestors: torch.Tensor  # bool [B, T, T] (speculative.draft_ancestors)
+    token_rows: torch.Tensor  # [B*T] request row of each draft
+    token_seq_ends: torch.Tensor  # [B*T] position + 1 (the store's seq_end; no ring written)
+    k_rot: torch.Tensor  # bf16 [B*T, H, D] views of the workspace: the store's rotated k', v'
+    v_rot: torch.Tensor
+
+
 class HybridAttention:
     """See the module doc. ``cache``: the hybrid cache of every layer; ``num_q_heads``: query
     heads (Hq, a multiple of the cache's H); ``sm_scale``: the attention scale of every layer;
@@ -103,11 +144,13 @@ class HybridAttention:
     (e.g. batch_invariant_config); ``padding_page``: a page that never gets BF16 sinks
     (SGLang's padding page 0, which padded batches write); ``learned_sinks``: the model's layers
     pass learned sink logits to decode/extend (gpt-oss): FlashInfer's prefill has no such term,
-    so the "flashinfer" prefix read becomes "bf16"."""
+    so the "flashinfer" prefix read becomes "bf16"; ``max_draft_tokens``: draft tokens per
+    request of a speculative verify (0: no verify), which sizes the staging workspace:
+    2 x layers x max_batch x max_draft_tokens x H x D bf16 (plus one layer's rotated copies)."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
                  prefix_read: str = "int2", decode_config=None, padding_page: int | None = None,
-                 learned_sinks: bool = False):
+                 learned_sinks: bool = False, max_draft_tokens: int = 0):
         if prefix_read not in PREFIX_READS:
             raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
         layer = cache.layers[0]
@@ -130,6 +173,15 @@ class HybridAttention:
         self._groups_span_head = min(layer.key_group_size, layer.value_group_size) >= layer.head_dim
         self._decode: _DecodeBatch | None = None
         self._extend: _ExtendBatch | None = None
+        self._verify: _VerifyBatch | None = None
+        self.max_draft_tokens = int(max_draft_tokens)
+        self.max_verify_tokens = (max_batch or cache.req_to_token.shape[0]) * self.max_draft_tokens
+        self.draft_kv = self.draft_rot = None
+        if self.max_verify_tokens:  # [layer, K/V, token, H, D]: the drafts' unrotated K/V, and their k', v'
+            self.draft_kv = torch.empty(len(cache.layers), 2, self.max_verify_tokens, layer.num_kv_heads,
+                                        layer.head_dim, dtype=torch.bfloat16, device=device)
+            self.draft_rot = torch.empty(2, self.max_verify_tokens, layer.num_kv_heads, layer.head_dim,
+                                         dtype=torch.bfloat16, device=device)
 
     # -- plans (once per batch) -------------------------------------------------------
 
@@ -187,6 +239,80 @@ class HybridAttention:
             token_seq_ends=torch.repeat_interleave(seq_ends, ext, output_size=t),
             k_rot=k_rot, v_rot=torch.empty_like(k_rot), launch=launch, flashinfer=fi)
 
+    def plan_verify(self, rows: torch.Tensor, prefix_lens: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor, *, num_draft_tokens: int, parents: torch.Tensor | None = None) -> None:
+        """Plan a speculative verify batch: B running requests (prefix_lens[b] >= 1 cached
+        positions) with T = ``num_draft_tokens`` drafts each, token t = b * T + i at
+        positions[t] = prefix_lens[b] + depth and pool slot slots[t] (positions, slots [B*T]).
+        ``parents`` int [B, T]: each draft's parent (speculative module doc), None: a chain.
+        Device ops only (no host sync, no allocation but the [B, T, T] tree mask): no sink
+        slot is assigned and the ring is left alone until :meth:`commit`."""
+        b, t = rows.shape[0], int(num_draft_tokens)
+        if positions.shape != (b * t,) or slots.shape != (b * t,):
+            raise ValueError(f"positions/slots must have shape ({b * t},) (requests x draft tokens), got "
+                             f"{tuple(positions.shape)}/{tuple(slots.shape)}")
+        if t > self.max_draft_tokens or b * t > self.max_verify_tokens:
+            raise ValueError(f"a verify of {b} requests x {t} drafts exceeds the workspace "
+                             f"(max_draft_tokens={self.max_draft_tokens}, {self.max_verify_tokens} tokens)")
+        if parents is None:
+            parents = chain_parents(b, t, rows.device)
+        elif parents.shape != (b, t):
+            raise ValueError(f"parents must have shape ({b}, {t}), got {tuple(parents.shape)}")
+        self._verify = _VerifyBatch(
+            rows=rows, prefix_lens=prefix_lens.long(), positions=positions, slots=slots, num_draft_tokens=t,
+            ancestors=draft_ancestors(parents), token_rows=rows.repeat_interleave(t, output_size=b * t),
+            token_seq_ends=positions.long() + 1, k_rot=self.draft_rot[0, :b * t], v_rot=self.draft_rot[1, :b * t])
+
+    def verify(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the drafts' INT2 cells of layer ``layer`` (no sinks, no ring), stage their K/V
+        for :meth:`commit`, attend (module doc): o [B*T, Hq, D]. ``sinks``: as in :meth:`decode`.
+        The attention is reference.reference_verify on both paths for now (a per-draft loop
+        with host reads: not CUDA-graph safe; the store and staging are)."""
+        plan = self._verify
+        if plan is None or q.shape[0] != plan.slots.shape[0]:
+            raise RuntimeError(f"verify of {q.shape[0]} tokens, but the planned verify batch has "
+                               f"{None if plan is None else plan.slots.shape[0]}")
+        lc, rot, index, r2t = self._layer(layer)
+        t = q.shape[0]
+        self.draft_kv[layer, 0, :t].copy_(k)
+        self.draft_kv[layer, 1, :t].copy_(v)
+        k_rot, v_rot = self._store(layer, k, v, plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends,
+                                   write_ring=False, write_sink=False, rotated_out=(plan.k_rot, plan.v_rot))
+        o_rot = ref.reference_verify(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
+                                     plan.prefix_lens, plan.positions, plan.slots, plan.ancestors, self.sm_scale,
+                                     sinks)
+        return _output(o_rot, rot, q, out)
+
+    def commit(self, accept_index: torch.Tensor | None = None, *, accept_lens: torch.Tensor | None = None) -> None:
+        """After acceptance of the planned verify batch: write the accepted drafts' BF16 sinks
+        and ring cells in every layer from the staged K/V, as decode of them would have, and
+        set the rows' ring end to prefix + accepted. ``accept_index`` int [B, A]: accepted
+        drafts in path order, -1 after the last (speculative module doc); or ``accept_lens``
+        int [B] for a chain (its first accept_lens[b] drafts). Device ops only, fixed shapes
+        (no host sync): recordable in a CUDA graph. The INT2 cells are the verify's: in place
+        for a chain; a tree's are moved to their final slots by hybrid_cache.move_int2_cells
+        (before or after this call)."""
+        plan = self._verify
+        if plan is None:
+            raise RuntimeError("commit without a planned verify batch")
+        b, t = plan.rows.shape[0], plan.num_draft_tokens
+        if accept_index is None:
+            if accept_lens is None:
+                raise ValueError("commit needs accept_index or accept_lens")
+            accept_index = accept_index_from_lens(accept_lens, t)
+        if accept_index.shape[0] != b or accept_index.shape[1] > t:
+            raise ValueError(f"accept_index must have shape ({b}, <= {t}), got {tuple(accept_index.shape)}")
+        lc0 = self.cache.layers[0]
+        tok, pos, ends, new_lens = commit_tokens(plan.prefix_lens, accept_index.long(), t, lc0.sink_tokens,
+                                                 lc0.recent_window)
+        rows = plan.rows.long().repeat_interleave(accept_index.shape[1], output_size=tok.shape[0])
+        for layer in range(len(self.cache.layers)):
+            k, v = self.draft_kv[layer, 0][tok], self.draft_kv[layer, 1][tok]
+            self._store(layer, k, v, pos, pos, rows, ends, write_int2=False, write_ring=True, write_sink=True)
+        index = self.cache.index
+        index.ring_end[plan.rows.long()] = new_lens.to(index.ring_end.dtype)
+
     # -- runs (once per layer) --------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -235,17 +361,17 @@ class HybridAttention:
         return o
 
     def _store(self, layer: int, k, v, slots, positions, rows, seq_ends, *, write_int2=True, write_ring=True,
-               rotated_out=None):
+               rotated_out=None, write_sink=None):
         """Rotate, clip, quantise, pack new tokens; write sinks and ring cells (the rules of
         reference.reference_store); returns ``rotated_out`` (k', v' unclipped bf16 [T, H, D]) if given."""
         lc, rot, index, r2t = self._layer(layer)
         if self.triton:
             from .triton_store import triton_store
             triton_store(lc, index, rot, r2t, k, v, slots, positions, rows, seq_ends, write_int2, write_ring,
-                         rotated_out)
+                         rotated_out, write_sink)
         else:
             k_rot, v_rot = ref.reference_store(lc, index, rot, r2t, k, v, slots, positions, rows, seq_ends,
-                                               write_int2, write_ring)
+                                               write_int2, write_ring, write_sink)
             if rotated_out is not None:
                 rotated_out[0].copy_(k_rot)
                 rotated_out[1].copy_(v_rot)

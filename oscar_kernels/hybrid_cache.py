@@ -234,3 +234,16 @@ def sink_slot_for(index: HybridCacheIndex, first_slot: torch.Tensor) -> torch.Te
     c = index.sink_slot_of_page[page].long()
     owner = index.page_of_sink_slot[c.clamp(min=0)]
     return torch.where((c >= 0) & (owner.long() == page), c, torch.full_like(c, -1))
+
+
+def move_int2_cells(layers: list[HybridLayerCache], tgt_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
+    """Pool-level move (SGLang's move_kv_cache after a tree verify, topk > 1): every layer's
+    INT2 cell (codes and scales of K and V) at src_slots[i] is copied to tgt_slots[i], all
+    sources read before any target is written (a source may be another entry's target).
+    tgt_slots, src_slots: int [M] on the cache's device; device ops, no sync. Sinks and rings
+    are keyed by position, not slot: a move leaves them alone (the verify wrote none; commit
+    writes the accepted tokens' from the staged K/V)."""
+    tgt, src = tgt_slots.long(), src_slots.long()
+    for lc in layers:
+        for buf in (lc.k_packed, lc.v_packed, lc.k_scales, lc.v_scales):
+            buf[tgt] = buf[src]  # advanced indexing gathers a copy first

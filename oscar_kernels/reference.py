@@ -26,10 +26,12 @@ def expand_gqa(per_kv_head: torch.Tensor, num_q_heads: int) -> torch.Tensor:
 def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: LayerRotation,
                     req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                    seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True):
+                    seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True,
+                    write_sink: bool | None = None):
     """Write T new tokens (k, v unrotated [T, H, D]) into the hybrid cache. write_int2:
-    INT2 codes+scales at ``slots`` and BF16 sinks for positions < S (when the
-    sequence's first page owns a sink slot). write_ring: BF16 ring cells for positions
+    INT2 codes+scales at ``slots``. write_sink (default: write_int2): BF16 sinks for
+    positions < S (when the sequence's first page owns a sink slot; a speculative verify
+    stores INT2 without sinks, its commit sinks without INT2). write_ring: BF16 ring cells for positions
     ``>= seq_ends - W`` (seq_ends = the request's length after this batch). Extend must
     write the ring *after* attention (cells of the prefix window would be clobbered).
     slots/positions/rows/seq_ends: [T] integer tensors (rows = request row per token).
@@ -41,11 +43,14 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
     v_rot, v_packed, v_scales = quantise_rotated(v, r.v_rot, r.v_clip_min, r.v_clip_max, gv, sdt)
     slots, positions, rows = slots.long(), positions.long(), rows.long()
     s, w = layer.sink_tokens, layer.recent_window
+    if write_sink is None:
+        write_sink = write_int2
     if write_int2:
         layer.k_packed[slots] = k_packed
         layer.v_packed[slots] = v_packed
         layer.k_scales[slots] = k_scales
         layer.v_scales[slots] = v_scales
+    if write_sink:
         if s > 0:
             c = sink_slot_for(index, req_to_token[rows, 0])
             m = (positions < s) & (c >= 0)
@@ -59,9 +64,12 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
 
 
 def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
-              row: int, n: int):
+              row: int, n: int, window_end: int | None = None):
     """Keys and values (float32 [n, H, D], rotated space) of positions 0..n-1 of the
-    request in ``row`` as the kernels must read them (read rule in hybrid_cache)."""
+    request in ``row`` as the kernels must read them (read rule in hybrid_cache).
+    ``window_end`` (default n): the sequence length whose recent window the ring serves,
+    ring read for positions >= max(window_end - W, valid_from) (a speculative draft at
+    depth d reads its prefix of n positions as decode at length n + d + 1 would)."""
     slots = req_to_token[row, :n].long()
     k = dequantise(unpack(layer.k_packed[slots]), layer.k_scales[slots])
     v = dequantise(unpack(layer.v_packed[slots]), layer.v_scales[slots])
@@ -70,7 +78,7 @@ def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: to
     pos = torch.arange(n, device=slots.device)
     s, w = layer.sink_tokens, layer.recent_window
     if w > 0:
-        start = max(n - w, int(index.ring_valid_from[row]))
+        start = max((n if window_end is None else window_end) - w, int(index.ring_valid_from[row]))
         m = pos >= start
         k[m] = layer.k_ring[row, pos[m] % w].float()
         v[m] = layer.v_ring[row, pos[m] % w].float()
@@ -147,4 +155,48 @@ def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
         kj = torch.arange(n_pre + e, device=q_rot.device).unsqueeze(0)
         mask = kj <= qi + n_pre  # [e, n_pre + e]
         out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0), sinks)
+    return out
+
+
+def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
+                     layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, prefix_lens: torch.Tensor, positions: torch.Tensor,
+                     slots: torch.Tensor, ancestors: torch.Tensor, sm_scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Speculative verify: B requests of T draft tokens each (token t = b * T + i), already
+    INT2-stored at ``slots`` (no sinks, no ring). Draft i of request b (position
+    p_i = n + d_i, n = prefix_lens[b], depth d_i) attends to exactly what decode at length
+    n_i = n + d_i + 1 would read had its ancestors been accepted:
+        prefix positions j < n by the read rule with window end n_i (hybrid_kv(..., window_end=n_i));
+        each draft a with ancestors[b, i, a] (itself included), at position p_a:
+            BF16 k'_a, v'_a  if p_a >= max(n_i - W, valid_from[row]) (ring, W > 0) or p_a < S
+                             with a valid sink slot (decode reads them there),
+            else the INT2 it was stored as at slots[b * T + a].
+    q' [B*T, Hq, D], k'/v' [B*T, H, D] (the store's rotated BF16 copies), positions, slots
+    [B*T], ancestors bool [B, T, T] (speculative.draft_ancestors); ``sinks`` [Hq] as in
+    :func:`_attend`. Returns o' [B*T, Hq, D] float32."""
+    out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
+    b_count, t = ancestors.shape[:2]
+    s, w = layer.sink_tokens, layer.recent_window
+    if b_count * t == 0:
+        return out
+    k_int2 = dequantise(unpack(layer.k_packed[slots.long()]), layer.k_scales[slots.long()])
+    v_int2 = dequantise(unpack(layer.v_packed[slots.long()]), layer.v_scales[slots.long()])
+    for b in range(b_count):
+        row, n = int(rows[b]), int(prefix_lens[b])
+        c = int(sink_slot_for(index, req_to_token[row, :1])[0])
+        vf = int(index.ring_valid_from[row])
+        for i in range(t):
+            tok = b * t + i
+            n_i = int(positions[tok]) + 1
+            kp, vp = hybrid_kv(layer, index, req_to_token, row, n, window_end=n_i)
+            anc = b * t + torch.nonzero(ancestors[b, i]).flatten()
+            pa = positions[anc].long()
+            bf16 = (pa < s) & (c >= 0)
+            if w > 0:
+                bf16 |= pa >= max(n_i - w, vf)
+            kd = torch.where(bf16[:, None, None], k_rot[anc].float(), k_int2[anc])
+            vd = torch.where(bf16[:, None, None], v_rot[anc].float(), v_int2[anc])
+            out[tok] = _attend(q_rot[tok:tok + 1], torch.cat([kp, kd]), torch.cat([vp, vd]), sm_scale,
+                               sinks=sinks)[0]
     return out

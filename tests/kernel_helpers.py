@@ -200,3 +200,102 @@ def interpreted_kernel_modules() -> list:
     stale = common is not None and not common.INTERPRET
     mods = [importlib.import_module(f"oscar_kernels.{name}") for name in KERNEL_MODULES]
     return [importlib.reload(m) for m in mods] if stale else mods
+
+
+def tree_depths(parents: list[list[int]]) -> list[list[int]]:
+    """Depth of every draft (0 for a draft whose parent is the prefix)."""
+    out = []
+    for par in parents:
+        d = []
+        for i, p in enumerate(par):
+            assert p < i, "parents come before their children"
+            d.append(0 if p < 0 else d[p] + 1)
+        out.append(d)
+    return out
+
+
+def speculative_vs_decode(sc: Scenario, hq: int, parents: list[list[int]], accepted: list[list[int]], *,
+                          seed: int = 5, sinks=None, exact: bool = True, extra_layer_seed: int | None = None):
+    """Speculative verify of drafts (``parents`` per request, speculative module layout; draft i
+    of request b at position n_b + depth in slot req_to_token[row, n_b + i], as SGLang lays out
+    a verify) then, after move (trees) and commit of ``accepted`` (draft indices in path order),
+    against plain decode of the accepted drafts one by one on a copy of the cache. Asserts:
+    the accepted drafts' verify outputs equal decode's (``exact``: to bf16 rounding, the
+    reference path; else within the kernels' tolerance); the INT2 cells of every slot but the
+    drafts' are untouched (bitwise) and the accepted drafts' final cells, the whole sink and
+    ring buffers (kh.assert_layers_close) and the index (ring end, validity, sink slots) are
+    decode's. With
+    ``extra_layer_seed`` a second layer (its own rotation and cache) runs too."""
+    from oscar_kernels.hybrid_attention import HybridAttention
+    from oscar_kernels.hybrid_cache import move_int2_cells
+    from oscar_kernels.testing import another_layer
+
+    dev = sc.device
+    scs = [sc] if extra_layer_seed is None else [sc, another_layer(sc, extra_layer_seed)]
+    b, t = len(parents), len(parents[0])
+    assert all(len(p) == t for p in parents) and len(accepted) == b
+    depths = tree_depths(parents)
+    g = torch.Generator().manual_seed(seed)
+    rows = sc.rows.long()
+    n = [int(x) for x in sc.lens]
+    positions = torch.tensor([n[i] + d for i in range(b) for d in depths[i]], device=dev)
+    slots = torch.stack([sc.req_to_token[int(rows[i]), n[i] + j] for i in range(b) for j in range(t)]).long()
+    h, d = sc.layer.num_kv_heads, sc.layer.head_dim
+    qkv = [[(torch.randn(b * t, hh, d, generator=g) * 2).bfloat16().to(dev) for hh in (hq, h, h)] for _ in scs]
+
+    base_index = index_to(sc.index, dev)
+    base_index.ring_end[rows] = torch.tensor(n, dtype=base_index.ring_end.dtype, device=dev)  # the last step's end
+
+    def fresh_cache():
+        return HybridCache([clone_layer(s.layer) for s in scs], [s.rotation for s in scs], index_to(base_index, dev),
+                           sc.req_to_token)
+
+    spec = fresh_cache()
+    attn = HybridAttention(spec, hq, sc.sm_scale, max_draft_tokens=t, max_batch=b, learned_sinks=sinks is not None)
+    attn.plan_verify(sc.rows, torch.tensor(n, device=dev), positions, slots, num_draft_tokens=t,
+                     parents=torch.tensor(parents, device=dev))
+    outs = [attn.verify(layer, *qkv[layer], sinks=sinks) for layer in range(len(scs))]
+    width = max(max((len(a) for a in accepted), default=0), 1)
+    acc = torch.tensor([a + [-1] * (width - len(a)) for a in accepted], dtype=torch.int64, device=dev)
+    tgt = [sc.req_to_token[int(rows[i]), n[i] + k] for i in range(b) for k in range(len(accepted[i]))]
+    src = [slots[i * t + a] for i in range(b) for a in accepted[i]]
+    if tgt:  # SGLang's move of the accepted path to the front (a no-op for a chain)
+        move_int2_cells(spec.layers, torch.stack(tgt), torch.stack(src))
+    attn.commit(acc)
+
+    plain = fresh_cache()
+    dec = HybridAttention(plain, hq, sc.sm_scale, learned_sinks=sinks is not None)
+    for i in range(b):
+        row = sc.rows[i:i + 1]
+        for k, a in enumerate(accepted[i]):
+            assert depths[i][a] == k, "an accepted path goes down the tree from the root"
+            tok = i * t + a
+            p = n[i] + k
+            dec.plan_decode(row, torch.tensor([p + 1], device=dev), torch.tensor([p], device=dev),
+                            sc.req_to_token[int(rows[i]), p:p + 1])
+            for layer in range(len(scs)):
+                q, kk, vv = (x[tok:tok + 1] for x in qkv[layer])
+                want = dec.decode(layer, q, kk, vv, sinks=sinks)
+                got = outs[layer][tok:tok + 1]
+                if exact:
+                    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+                else:
+                    assert_attention_close(got, want.float())
+
+    rejected = [int(sc.req_to_token[int(rows[i]), n[i] + j]) for i in range(b) for j in range(len(accepted[i]), t)]
+    final = torch.tensor([int(x) for x in tgt], dtype=torch.long, device=dev)
+    untouched = torch.ones(sc.layer.k_packed.shape[0], dtype=torch.bool, device=dev)
+    untouched[torch.tensor(rejected, dtype=torch.long, device=dev)] = False
+    untouched[final] = False
+    int2 = ("k_packed", "v_packed", "k_scales", "v_scales")
+    for got, want in zip(spec.layers, plain.layers):
+        for name in int2:  # cells neither run wrote: bitwise
+            assert torch.equal(getattr(got, name)[untouched].view(torch.uint8),
+                               getattr(want, name)[untouched].view(torch.uint8)), name
+        # the accepted drafts' cells, sinks and rings: the same up to the rounding of the rotation, whose
+        # float32 summation order follows the number of tokens stored at once (BLAS on the CPU)
+        assert_layers_close(replace(got, **{f: getattr(got, f)[final] for f in int2}),
+                            replace(want, **{f: getattr(want, f)[final] for f in int2}))
+    for name in ("ring_end", "ring_valid_from", "sink_slot_of_page", "page_of_sink_slot"):
+        assert torch.equal(getattr(spec.index, name), getattr(plain.index, name)), name
+    return outs
