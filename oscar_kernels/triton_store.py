@@ -8,7 +8,7 @@ For each new token t (position p, request row r, slot s) and KV head h, for X in
     scale dtype, code = clamp(floor((x_c - lo) / scale + 1/2), 0, 3)  (0 when scale == 0)
     packed[s, h, j] = sum_i code[i*D/4 + j] << 2i          (plane-major, see int2.py)
     scales[s, h, g] = (scale, lo)
-    sink[c, p, h]   = bf16(x')  if p < S and the first page of row r owns sink slot c
+    sink[c, p, h]   = bf16(x')  if p < S and the first page of row r owns sink slot c (write_sink)
     ring[r, p % W, h] = bf16(x')  if p >= seq_end_t - W
     rotated_out[t, h] = bf16(x')  (optional; extend attends to these)
 Exactly the arithmetic of int2.quantise_rotated / reference.reference_store (IEEE
@@ -37,7 +37,7 @@ def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, shift_ptr, clip_mi
                D: tl.constexpr, G: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
                WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
-               SHIFT: tl.constexpr):
+               SHIFT: tl.constexpr, WRITE_SINK: tl.constexpr):
     """Write one of K / V for a block of tokens of KV head ``h`` (see module doc). The rotation's
     float32 dots run as tf32x3 (three TF32 products: float32-level error, so the codes match
     the reference's except on rounding ties)."""
@@ -85,6 +85,7 @@ def _store_one(x_ptr, stride_x_token, stride_x_head, rot_ptr, shift_ptr, clip_mi
                   + g[None, :] * stride_scale_group)
         tl.store(sc_row, scale_q, mask=tmask[:, None])
         tl.store(sc_row + 1, lo_q, mask=tmask[:, None])
+    if WRITE_SINK:
         if S > 0:
             m = tmask & (pos < S) & (sink_c >= 0)
             dst = (sink_ptr + tl.maximum(sink_c, 0)[:, None] * stride_sink_slot
@@ -110,7 +111,8 @@ def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, s
                   k_out_ptr, v_out_ptr, stride_out_token, stride_out_head,
                   D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
                   BLOCK_T: tl.constexpr, KB: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-                  WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr):
+                  WRITE_INT2: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_ROT: tl.constexpr,
+                  WRITE_SINK: tl.constexpr):
     """Grid (cdiv(T, BLOCK_T), H, 2): BLOCK_T new tokens of one KV head; K (program 0 of
     axis 2) and V (program 1) in separate programs: half the dependent chain of loads and
     dots per program, which is what a decode step's few tokens wait on."""
@@ -122,7 +124,7 @@ def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, s
     pos = tl.load(pos_ptr + tok, mask=tmask, other=0).to(tl.int64)
     row = tl.load(rows_ptr + tok, mask=tmask, other=0).to(tl.int64)
     end = tl.load(ends_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    if S > 0 and WRITE_INT2:
+    if S > 0 and WRITE_SINK:
         sink_c = sink_slot_of_row(row, req_to_token_ptr, stride_req_to_token_row, sink_slot_of_page_ptr,
                                   page_of_sink_slot_ptr, page_size)
     else:
@@ -135,7 +137,7 @@ def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, s
                    k_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    k_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, True)
+                   D, GK, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, True, WRITE_SINK)
     if kv == 1:
         _store_one(v_ptr, stride_v_token, stride_v_head, v_rot_ptr, k_shift_ptr, v_clip_min_ptr, v_clip_max_ptr,
                    v_codes_ptr, stride_code_slot, stride_code_head,
@@ -144,7 +146,7 @@ def _store_kernel(k_ptr, stride_k_token, stride_k_head, v_ptr, stride_v_token, s
                    v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    v_out_ptr, stride_out_token, stride_out_head,
                    h, tok, tmask, slot, pos, row, end, sink_c,
-                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, False)
+                   D, GV, S, W, BLOCK_T, KB, SCALE_DTYPE, WRITE_INT2, WRITE_RING, WRITE_ROT, False, WRITE_SINK)
 
 
 STORE_BLOCK_T = 16  # new tokens per program
@@ -156,8 +158,10 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
                  req_to_token: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  seq_ends: torch.Tensor, write_int2: bool = True, write_ring: bool = True,
-                 rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Launch the store kernel (the rules of reference.reference_store; tensors as in hybrid_attention)."""
+                 rotated_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 write_sink: bool | None = None) -> None:
+    """Launch the store kernel (the rules of reference.reference_store; tensors as in hybrid_attention).
+    ``write_sink`` (default: write_int2): write the BF16 sinks of positions < S."""
     t, h, d = k.shape
     if v.shape != k.shape or h != layer.num_kv_heads or d != layer.head_dim:
         raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not match the cache "
@@ -194,5 +198,6 @@ def triton_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: Lay
         D=d, GK=gk, GV=gv, S=layer.sink_tokens, W=layer.recent_window, BLOCK_T=STORE_BLOCK_T,
         KB=min(STORE_K_BLOCK, d), SCALE_DTYPE=SCALE_TL_DTYPES[layer.k_scales.dtype],
         WRITE_INT2=bool(write_int2), WRITE_RING=bool(write_ring), WRITE_ROT=rotated_out is not None,
+        WRITE_SINK=bool(write_int2 if write_sink is None else write_sink),
         num_warps=STORE_WARPS,
     )

@@ -618,3 +618,34 @@ def test_hybrid_attention_triton_matches_reference_end_to_end(monkeypatch, learn
     kh.assert_layers_close(lay_tri, lay_ref)
     for a, w in zip(got, want):
         kh.assert_attention_close(a, w.float())
+
+
+# ---------------------------------------------------------------- speculative verify / commit (issue 49)
+def test_store_sinks_apart_from_int2():
+    """write_sink apart from write_int2 (verify: INT2 without sinks; commit: sinks without INT2)."""
+    sc = kc.build([21, 9, 5, 12], H=2, D=64, G=16, S=4, W=8, page=8, fill=False, no_sink=(3,), seed=1)
+    for write_int2, write_sink in ((True, False), (False, True)):
+        k, v, slots, pos, rows, ends = kh.store_batch(sc, [20, 3, 0, 0])
+        want, got = kh.clone_layer(sc.layer), kh.clone_layer(sc.layer)
+        ref.reference_store(want, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends, write_int2,
+                            False, write_sink)
+        triton_store_mod.triton_store(got, sc.index, sc.rotation, sc.req_to_token, k, v, slots, pos, rows, ends,
+                                      write_int2, False, write_sink=write_sink)
+        kh.assert_layers_close(got, want)
+        assert bool(got.k_sink.abs().sum() > 0) == write_sink
+        assert bool(got.k_packed.abs().sum() > 0) == write_int2
+
+
+@pytest.mark.parametrize("parents, accepted", [
+    ([[-1, 0, 1, 2, 3]] * 3, [[0, 1, 2, 3, 4], [], [0, 1]]),  # chain: all, none, k of n
+    ([[-1, 0, 0, 1, 2]] * 3, [[0, 2, 4], [0, 1, 3], [0]]),  # tree (topk 2), second branch
+], ids=["chain", "tree"])
+def test_speculative_verify_commit_triton_equals_decode(monkeypatch, parents, accepted):
+    """The protocol on the Triton path (store, staging, commit; the verify attention is the
+    reference's) against Triton decode of the accepted drafts: prefixes 2 (< S), 13 (drafts
+    across a page and the ring's wrap), 21 with its full first page request 1's (a radix hit)."""
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
+    sc = kc.build([2, 13, 21], H=2, D=64, G=16, S=4, W=8, page=8, seed=17, valid_from=[0, 0, 21])
+    r1, r2 = int(sc.rows[1]), int(sc.rows[2])
+    sc.req_to_token[r2, :8] = sc.req_to_token[r1, :8]
+    kh.speculative_vs_decode(sc, 4, parents, accepted, exact=False)
