@@ -22,7 +22,7 @@ import torch
 
 from oscar_kernels.hybrid_attention import HybridAttention, flashinfer_import_error, use_triton
 
-from .pool import OscarKVPool
+from .pool import oscar_pool_of
 from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
 from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode, RadixAttention
 
@@ -96,15 +96,20 @@ class OscarAttnBackend(AttentionBackend):
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
                  context_len: int = 0):
-        """``req_to_token_pool``: SGLang's request pool (its host free list gives the rows of
+        """``pool``: the model runner's KV pool, an OscarKVPool or (a Gated DeltaNet hybrid) the
+        hybrid linear pool holding one, whose full-attention layers this backend serves (SGLang's
+        HybridLinearAttnBackend sends it those layers only, with their model layer ids);
+        ``req_to_token_pool``: SGLang's request pool (its host free list gives the rows of
         live requests); ``num_q_heads``: query heads on this rank; ``extend_prefix``:
         --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference):
         batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read."""
-        if not isinstance(pool, OscarKVPool):
+        oscar_pool = oscar_pool_of(pool)
+        if oscar_pool is None:
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
                              f"(the KV pool is {type(pool).__name__})")
-        # SGLang's forward context reads the pools from the backend (get_token_to_kv_pool)
-        self.token_to_kv_pool = self.pool = pool
+        # SGLang's forward context reads the runner's pool from the backend (get_token_to_kv_pool)
+        self.token_to_kv_pool = pool
+        self.pool = pool = oscar_pool
         self.req_to_token_pool = req_to_token_pool
         self._checked_layers: set[int] = set()
         device = pool.req_to_token.device

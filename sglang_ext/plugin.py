@@ -14,7 +14,8 @@ attention backend (also among SGLang's deterministic backends) and the ``--warmu
 ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`, which the oscar_int2 defaults add), and
 installs :func:`hooks` through :mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry): the KV
 dtype and its INT2 bytes per token; the KV budget less the fixed reserve (rings, sink store,
-rotations, sink index) and at most the reserved request rows; the :class:`OscarKVPool`; no
+rotations, sink index) and at most the reserved request rows; the :class:`OscarKVPool` (for a
+Gated DeltaNet hybrid, inside SGLang's hybrid linear pool, over the full-attention layers); no
 fused RoPE+store kernel (it would write BF16 into the packed buffers); prompt chunks aligned
 under --enable-deterministic-inference (:mod:`sglang_ext.chunk_alignment`); the flags,
 defaults and refusals (:mod:`sglang_ext.server_args_hooks`); the INT2 HiCache host tier
@@ -101,24 +102,30 @@ def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
 def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
     if not is_oscar(kvc.server_args):
         return original(kvc, *args, **kwargs)
+    from .refusals import hybrid_linear_problem
+
+    hybrid = kvc.mambaish_config is not None
     unsupported = [name for name, on in (
         ("MLA", kvc.use_mla_backend), ("hybrid sliding-window", kvc.is_hybrid_swa),
-        ("hybrid Mamba/linear attention", kvc.mambaish_config is not None),
         ("DeepSeek sparse attention", kwargs.get("is_dsa_model") or kwargs.get("is_dsv4_model")),
     ) if on]
     if unsupported:
-        raise ValueError(f"--kv-cache-dtype oscar_int2 serves plain MHA/GQA models only, this "
-                         f"model uses {unsupported[0]}")
-    from .pool import build_pool_for_configurator
+        raise ValueError(f"--kv-cache-dtype oscar_int2 serves MHA/GQA models and Gated DeltaNet "
+                         f"hybrids only, this model uses {unsupported[0]}")
+    if hybrid:
+        problem = hybrid_linear_problem(kvc.model_config)
+        if problem:
+            raise ValueError(problem)
+    from .pool import build_hybrid_linear_pool_for_configurator, build_pool_for_configurator
 
-    return build_pool_for_configurator(kvc, kwargs["sizes"].max_total_num_tokens,
-                                       kwargs["req_to_token_pool"])
+    build = build_hybrid_linear_pool_for_configurator if hybrid else build_pool_for_configurator
+    return build(kvc, kwargs["sizes"].max_total_num_tokens, kwargs["req_to_token_pool"])
 
 
 def enable_fused_set_kv_buffer_hook(original, *args, **kwargs):
-    from .pool import OscarKVPool
+    from .pool import oscar_pool_of
 
-    if isinstance(get_token_to_kv_pool(), OscarKVPool):
+    if oscar_pool_of(get_token_to_kv_pool()) is not None:
         return False
     return original(*args, **kwargs)
 

@@ -25,7 +25,7 @@ from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_inde
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 from .settings import oscar_settings
-from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, MHATokenToKVPool
+from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, HybridLinearKVPool, MHATokenToKVPool
 
 
 @dataclass(frozen=True)
@@ -219,20 +219,68 @@ class OscarKVPool(MHATokenToKVPool):
         _refuse("moving KV slots (speculative decoding)")
 
 
+class OscarHybridLinearKVPool(HybridLinearKVPool):
+    """SGLang's pool of a hybrid linear-attention model (Qwen3-Next, Qwen3.5) whose
+    full-attention KV is an :class:`OscarKVPool` over the full-attention layers; the Gated
+    DeltaNet state stays SGLang's ``MambaPool`` (the request pool's, with its radix-cache
+    snapshots), untouched.
+
+    SGLang's own hybrid pool translates a model layer id to a dense index (0..n-1) before it
+    calls its full pool; the OscarKVPool is keyed by model layer id itself
+    (:meth:`OscarKVPool.cache_layer`), so the translation here only checks that the layer is
+    a full-attention one and passes the model layer id on: one layer map, the pool's."""
+
+    def __init__(self, full_kv_pool: OscarKVPool, mamba_pool, start_layer: Optional[int] = None):
+        super().__init__(size=full_kv_pool.size, dtype=torch.bfloat16, page_size=full_kv_pool.page_size,
+                         head_num=full_kv_pool.head_num, head_dim=full_kv_pool.head_dim,
+                         full_attention_layer_ids=list(full_kv_pool.layer_ids), device=full_kv_pool.device,
+                         mamba_pool=mamba_pool, start_layer=start_layer, full_kv_pool=full_kv_pool)
+
+    def _transfer_full_attention_id(self, layer_id: int) -> int:
+        self.full_kv_pool.cache_layer(layer_id)  # one-line ValueError for a linear-attention layer
+        return layer_id
+
+    def get_v_head_dim(self):  # the packed value buffers are D/4 wide: the head dim itself
+        return self.full_kv_pool.head_dim
+
+
+def oscar_pool_of(pool) -> Optional[OscarKVPool]:
+    """The OscarKVPool SGLang's model runner holds: the pool itself, or the full-attention
+    pool inside a hybrid linear-attention pool; None for any other pool."""
+    if isinstance(pool, OscarHybridLinearKVPool):
+        pool = pool.full_kv_pool
+    return pool if isinstance(pool, OscarKVPool) else None
+
+
 # -- construction from SGLang's KVCacheConfigurator (the plugin's sizing and pool hooks) --
+
+def full_attention_layer_ids(kvc) -> Optional[tuple[int, ...]]:
+    """The model layers of this pipeline stage whose KV SGLang keeps in a token pool: for a
+    hybrid linear-attention model its full-attention layers (as SGLang's
+    ``_build_hybrid_linear_kv_pool`` and ``DefaultPoolConfigurator`` take them); None for a
+    model whose every layer is attention."""
+    hybrid = kvc.mambaish_config
+    if hybrid is None:
+        return None
+    li = kvc.layer_info
+    return tuple(i for i in hybrid.full_attention_layer_ids if li.start_layer <= i < li.end_layer)
+
 
 def rank_layout(kvc) -> RankLayout:
     mc, li, ps = kvc.model_config, kvc.layer_info, kvc.ps
-    return RankLayout(start_layer=li.start_layer, num_layers=li.num_effective_layers,
+    ids = full_attention_layer_ids(kvc)
+    return RankLayout(start_layer=li.start_layer,
+                      num_layers=li.num_effective_layers if ids is None else len(ids),
                       num_kv_heads=mc.get_num_kv_heads(ps.attn_tp_size), head_dim=mc.head_dim,
                       page_size=kvc.pool_page_size, tp_rank=ps.attn_tp_rank,
-                      tp_size=ps.attn_tp_size)
+                      tp_size=ps.attn_tp_size, layer_ids=ids)
 
 
 def plan_for_configurator(kvc) -> OscarMemoryPlan:
     """The memory plan of this rank for the planned request rows (--max-running-requests per
     attention-DP worker, or the oscar default, + SGLang's padding row); the pool itself uses
-    the real req_to_token row count."""
+    the real req_to_token row count. A hybrid linear-attention model plans its
+    full-attention layers only (SGLang charges its Mamba state before the KV budget)."""
     s = oscar_settings(kvc.server_args)
     layout = rank_layout(kvc)
     _, meta = load_rank_rotations(s.rotations_path, kvc.model_config.hf_config, layout)
@@ -242,7 +290,8 @@ def plan_for_configurator(kvc) -> OscarMemoryPlan:
 
 def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_pool) -> OscarKVPool:
     """OscarKVPool for the configurator's model and rank (what SGLang's
-    ``_build_mha_kv_pool`` builds for an MHA model, with the oscar storage)."""
+    ``_build_mha_kv_pool`` builds for an MHA model, with the oscar storage); for a hybrid
+    linear-attention model, the pool of its full-attention layers."""
     mc = kvc.model_config
     if mc.v_head_dim != mc.head_dim:
         raise ValueError(f"oscar_int2 needs equal K and V head dims, the model has "
@@ -250,12 +299,24 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
     s = oscar_settings(kvc.server_args)
     layout = rank_layout(kvc)
     layers, meta = load_rank_rotations(s.rotations_path, mc.hf_config, layout)
+    hybrid = full_attention_layer_ids(kvc) is not None
     return OscarKVPool(
         max_total_num_tokens, page_size=layout.page_size, head_num=layout.num_kv_heads,
         head_dim=layout.head_dim, layer_num=layout.num_layers, device=kvc.device,
         rotations=layers, req_to_token=req_to_token_pool.req_to_token,
         sink_tokens=s.sink_tokens, recent_window=s.recent_window, group_size=meta.group_size,
         scale_dtype=meta.scale_dtype, num_sink_slots=s.sink_slots,
-        start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer,
+        # a hybrid model's full-attention pool spans its own layers, as SGLang's does
+        start_layer=None if hybrid else kvc.layer_info.start_layer,
+        end_layer=None if hybrid else kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
         value_group_size=meta.value_group_size, layer_ids=layout.layer_ids)
+
+
+def build_hybrid_linear_pool_for_configurator(kvc, max_total_num_tokens: int,
+                                              req_to_token_pool) -> OscarHybridLinearKVPool:
+    """What SGLang's ``_build_hybrid_linear_kv_pool`` builds for a hybrid linear-attention
+    model, with the full-attention layers in an OscarKVPool: the Mamba state pool is the
+    one SGLang's HybridReqToTokenPool already allocated (sized by SGLang)."""
+    full = build_pool_for_configurator(kvc, max_total_num_tokens, req_to_token_pool)
+    return OscarHybridLinearKVPool(full, req_to_token_pool.mamba_pool, start_layer=kvc.layer_info.start_layer)

@@ -196,25 +196,88 @@ def _model_config(sa):
     return sa.get_model_config()
 
 
+# Gated DeltaNet hybrids served with their full-attention layers in the INT2 pool (the
+# architectures SGLang 0.5.17 builds through HybridLinearKVPool + HybridLinearAttnBackend with
+# GDNAttnBackend; other hybrid_gdn_config models, e.g. JetNemotron and Intern-S2, are not checked)
+HYBRID_LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                               "Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForCausalLM",
+                               "Qwen3_5MoeForCausalLM")
+
+
+def _architecture(model_config) -> str:
+    return (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
+
+
+def hybrid_linear_problem(model_config) -> str | None:
+    """Why --kv-cache-dtype oscar_int2 cannot serve this hybrid Mamba / linear-attention
+    model (one line), or None: Gated DeltaNet hybrids of HYBRID_LINEAR_ARCHITECTURES whose
+    full-attention layers SGLang can name are served (the Mamba state stays SGLang's)."""
+    from .sglang_bridge import SGLANG_VERSION, hybrid_gdn_config, mambaish_config
+
+    hybrid = mambaish_config(model_config)
+    if hybrid is None:
+        return None
+    arch = _architecture(model_config)
+    if hybrid_gdn_config(model_config) is None or arch not in HYBRID_LINEAR_ARCHITECTURES:
+        return (f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support the hybrid Mamba/linear-attention "
+                f"model {arch}: of the hybrids it serves Gated DeltaNet ones only "
+                f"({', '.join(HYBRID_LINEAR_ARCHITECTURES)})")
+    try:
+        ids = list(hybrid.full_attention_layer_ids)
+    except AttributeError as e:  # e.g. a Qwen3-Next config.json without full_attention_interval
+        return (f"--kv-cache-dtype {OSCAR_KV_DTYPE}: SGLang {SGLANG_VERSION} cannot read the "
+                f"full-attention layers of {arch} from its config ({e})")
+    if not ids:
+        return f"--kv-cache-dtype {OSCAR_KV_DTYPE}: {arch} has no full-attention layer to cache"
+    return None
+
+
+def _check_hybrid_layers(model_config, shape, arch: str) -> None:
+    """The full-attention layers SGLang serves (its hybrid config) are the ones the model
+    config names (ModelShape.attention_layers, which the rotations file must cover)."""
+    from .sglang_bridge import SGLANG_VERSION, mambaish_config
+
+    served = tuple(mambaish_config(model_config).full_attention_layer_ids)
+    if served != tuple(shape.attention_layers):
+        from oscar_kernels.contract.model_shape import format_layers
+
+        raise OscarConfigError(
+            f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch}: SGLang {SGLANG_VERSION} runs full "
+            f"attention at layers {format_layers(served)} but the config's layer pattern names "
+            f"{format_layers(shape.attention_layers)} (its layer_types and full_attention_interval disagree)")
+
+
+def _check_hybrid_features(sa, arch: str) -> None:
+    """Features SGLang 0.5.17 cannot combine with an OscarKVPool inside its hybrid linear pool."""
+    if getattr(sa, "enable_hierarchical_cache", False) or getattr(sa, "hicache_storage_backend", None):
+        raise _refuse("--enable-hierarchical-cache" if getattr(sa, "enable_hierarchical_cache", False)
+                      else "--hicache-storage-backend",
+                      f"the INT2 host tier carries plain MHA pools, and SGLang's hybrid host pool for "
+                      f"{arch} copies the full-attention KV as one uniform layout")
+
+
 def _check_model(sa, settings) -> None:
-    """Refuse MLA and hybrid SWA / Mamba / linear-attention models and attention geometries
-    the kernels cannot serve; check the rotations file against the model's attention shape
-    and the tensor-parallel split."""
+    """Refuse MLA, hybrid SWA models, hybrid Mamba / linear-attention models other than Gated
+    DeltaNet ones, and attention geometries the kernels cannot serve; check the rotations file
+    against the model's attention shape and layer pattern and the tensor-parallel split."""
     model_config = _model_config(sa)
     if model_config is None:
         return
     from .sglang_bridge import AttentionArch, mambaish_config
 
-    arch = (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
+    arch = _architecture(model_config)
     if model_config.attention_arch == AttentionArch.MLA:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} serves MHA/GQA models only; "
                                f"{arch} uses MLA")
     if getattr(model_config, "is_hybrid_swa", False):
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
                                f"sliding-window models ({arch})")
-    if mambaish_config(model_config) is not None:
-        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
-                               f"Mamba/linear-attention models ({arch})")
+    hybrid = mambaish_config(model_config) is not None
+    if hybrid:
+        problem = hybrid_linear_problem(model_config)
+        if problem:
+            raise OscarConfigError(problem)
+        _check_hybrid_features(sa, arch)
     from oscar_kernels.contract.model_shape import ModelShape
 
     try:
@@ -222,6 +285,8 @@ def _check_model(sa, settings) -> None:
     except (KeyError, TypeError, ValueError) as e:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE}: cannot read the attention shape "
                                f"of {sa.model_path} ({type(e).__name__}: {e})") from None
+    if hybrid:
+        _check_hybrid_layers(model_config, shape, arch)
     # before the rotations file: a file can be calibrated for a model the kernels cannot serve
     _check_kernel_geometry(shape, model_config, arch)
     _check_rotations_file(sa, settings, shape)

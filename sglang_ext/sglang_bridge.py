@@ -39,7 +39,7 @@ def _needs(what: str) -> SglangBridgeError:
 try:
     # KV pool (pool.py)
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
     # HiCache host tier (host_pool.py)
     from sglang.srt.mem_cache.pool_host.base import HostKVCache
     from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
@@ -53,7 +53,7 @@ try:
     # scheduling (chunk_alignment.py)
     from sglang.srt.managers.schedule_policy import AddReqResult
     # model checks (refusals.py)
-    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config, mambaish_config
     from sglang.srt.configs.model_config import AttentionArch
     # server arguments and the launch path (server_args_hooks.py, plugin.py, launcher.py)
     from sglang.launch_server import run_server
@@ -76,10 +76,10 @@ __all__ = [
     "AddReqResult", "ALLOC_MEMORY_FUNCS", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
     "AttentionBackend", "AttentionType", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
     "ForwardMode", "GENERAL_PLUGINS_GROUP", "GenerateReqInput", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
-    "HookType", "HostKVCache", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
+    "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
-    "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
+    "hybrid_gdn_config", "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
     "register_attention_backend", "register_warmup", "run_server",
 ]
 

@@ -47,21 +47,36 @@ class ReqPool:
 class Sim:
     """A minimal stand-in for SGLang's scheduler: req_to_token rows, pages, batches."""
 
-    def __init__(self, sink_slots=None, live_rows=None, **backend):
+    def __init__(self, sink_slots=None, live_rows=None, layer_ids=None, **backend):
         """``sink_slots``: the pool's sink slots (default: per row); ``live_rows()``: the rows
         of live requests, read by the backend through a request pool's free list (None: a
-        request pool without one); ``backend``: OscarAttnBackend's keyword arguments."""
+        request pool without one); ``layer_ids``: the model layers the pool holds (default
+        0..LAYERS-1); ``backend``: OscarAttnBackend's keyword arguments."""
         g = torch.Generator().manual_seed(0)
         rots = [random_rotation(H, D, g) for _ in range(LAYERS)]
         self.pool = OscarKVPool(SIZE, P, H, D, LAYERS, "cpu", rotations=rots,
-                                req_to_token=torch.zeros(ROWS, CTX, dtype=torch.int32),
-                                sink_tokens=S, recent_window=W, group_size=G, num_sink_slots=sink_slots)
+                                req_to_token=self.make_req_to_token(),
+                                sink_tokens=S, recent_window=W, group_size=G, num_sink_slots=sink_slots,
+                                layer_ids=layer_ids)
         r2t = self.pool.req_to_token
         self.req_pool = SimpleNamespace(req_to_token=r2t) if live_rows is None else ReqPool(r2t, live_rows)
-        self.backend = OscarAttnBackend(self.pool, self.req_pool, num_q_heads=HQ, sm_scale=D ** -0.5, **backend)
-        self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in range(LAYERS)]
+        self.backend = OscarAttnBackend(self.runner_pool(), self.req_pool, num_q_heads=HQ, sm_scale=D ** -0.5,
+                                        **backend)
+        self.layers = [RadixAttention(HQ, D, D ** -0.5, H, l) for l in self.pool.layer_ids]
         self.free_pages = list(range(1, SIZE // P + 1))  # page 0 is the padding page
         self.source = {}  # (row, position) -> content id that computed the token's K/V
+
+    def make_req_to_token(self):
+        return torch.zeros(ROWS, CTX, dtype=torch.int32)
+
+    def runner_pool(self):
+        """The KV pool the model runner holds (the backend is built from it)."""
+        return self.pool
+
+    def attend(self, q, k, v, layer, fb):
+        """One layer's attention call as SGLang makes it."""
+        run = self.backend.forward_decode if fb.forward_mode.is_decode() else self.backend.forward_extend
+        return run(q, k, v, layer, fb)
 
     # token content: K/V of position j of a sequence with content id c (per layer)
     @staticmethod
@@ -115,7 +130,7 @@ class Sim:
             l = layer.layer_id
             k, v = zip(*[self.kv(r["content"], l, range(r["prefix"], r["prefix"] + r["new"])) for r in reqs])
             q = torch.cat([self.q(r["rid"], l, range(r["prefix"], r["prefix"] + r["new"])) for r in reqs])
-            outs.append(self.backend.forward_extend(q, torch.cat(k), torch.cat(v), layer, fb))
+            outs.append(self.attend(q, torch.cat(k), torch.cat(v), layer, fb))
         return outs
 
     def decode(self, reqs, pad_to=None, in_graph=False):
@@ -145,8 +160,8 @@ class Sim:
             kv += [self.kv("pad", l, [0])] * pad
             q = torch.cat([self.q(r["rid"], l, [r["n"] - 1]) for r in reqs]
                           + [self.q("pad", l, [0])] * pad)
-            outs.append(self.backend.forward_decode(q, torch.cat([x[0] for x in kv]),
-                                                    torch.cat([x[1] for x in kv]), layer, fb)[:len(reqs)])
+            outs.append(self.attend(q, torch.cat([x[0] for x in kv]), torch.cat([x[1] for x in kv]),
+                                    layer, fb)[:len(reqs)])
         return outs
 
     # ---------------------------------------------------------------- the oracle
@@ -158,7 +173,7 @@ class Sim:
         window ends at the prefix length for extend, at the length incl. the new token
         for decode (``window_end``)."""
         window_end = n_prefix if window_end is None else window_end
-        rot = self.pool.rotations[layer]
+        rot = self.pool.rotations[self.pool.cache_layer(layer)]
         keys, vals = [], []
         n_all = n_prefix + len(new_positions)
         for j in range(n_all):
