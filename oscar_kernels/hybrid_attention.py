@@ -132,6 +132,8 @@ class _VerifyBatch:
     token_seq_ends: torch.Tensor  # [B*T] position + 1 (the store's seq_end; no ring written)
     k_rot: torch.Tensor  # bf16 [B*T, H, D] views of the workspace: the store's rotated k', v'
     v_rot: torch.Tensor
+    view: object  # verify_decode.VerifyView (Triton path), else None
+    launch: object  # triton_decode.DecodeLaunch of the B*T virtual decode requests (Triton path), else None
 
 
 class HybridAttention:
@@ -182,6 +184,11 @@ class HybridAttention:
                                         layer.head_dim, dtype=torch.bfloat16, device=device)
             self.draft_rot = torch.empty(2, self.max_verify_tokens, layer.num_kv_heads, layer.head_dim,
                                          dtype=torch.bfloat16, device=device)
+        self.verify_workspace = None
+        if self.triton and self.max_verify_tokens:  # the verify's virtual decode batch (verify_decode)
+            from .triton_decode import DecodeWorkspace
+            self.verify_workspace = DecodeWorkspace(self.max_verify_tokens, num_q_heads, layer.num_kv_heads,
+                                                    layer.head_dim, device, decode_config)
 
     # -- plans (once per batch) -------------------------------------------------------
 
@@ -245,8 +252,9 @@ class HybridAttention:
         positions) with T = ``num_draft_tokens`` drafts each, token t = b * T + i at
         positions[t] = prefix_lens[b] + depth and pool slot slots[t] (positions, slots [B*T]).
         ``parents`` int [B, T]: each draft's parent (speculative module doc), None: a chain.
-        Device ops only (no host sync, no allocation but the [B, T, T] tree mask): no sink
-        slot is assigned and the ring is left alone until :meth:`commit`."""
+        Device ops only, no host sync: no sink slot is assigned and the ring is left alone
+        until :meth:`commit`. The Triton path also builds the verify's virtual decode batch
+        (verify_decode.plan_verify_view: allocates, sized by the batch)."""
         b, t = rows.shape[0], int(num_draft_tokens)
         if positions.shape != (b * t,) or slots.shape != (b * t,):
             raise ValueError(f"positions/slots must have shape ({b * t},) (requests x draft tokens), got "
@@ -258,17 +266,27 @@ class HybridAttention:
             parents = chain_parents(b, t, rows.device)
         elif parents.shape != (b, t):
             raise ValueError(f"parents must have shape ({b}, {t}), got {tuple(parents.shape)}")
+        ancestors = draft_ancestors(parents)
+        view = launch = None
+        if self.triton and b * t:
+            from .verify_decode import plan_verify_view
+            lc = self.cache.layers[0]
+            view = plan_verify_view(self.cache.index, self.cache.req_to_token, rows, prefix_lens, positions, slots,
+                                    ancestors, lc.sink_tokens, lc.recent_window)
+            launch = self.verify_workspace.launch(b * t, self._groups_span_head)
         self._verify = _VerifyBatch(
             rows=rows, prefix_lens=prefix_lens.long(), positions=positions, slots=slots, num_draft_tokens=t,
-            ancestors=draft_ancestors(parents), token_rows=rows.repeat_interleave(t, output_size=b * t),
-            token_seq_ends=positions.long() + 1, k_rot=self.draft_rot[0, :b * t], v_rot=self.draft_rot[1, :b * t])
+            ancestors=ancestors, token_rows=rows.repeat_interleave(t, output_size=b * t),
+            token_seq_ends=positions.long() + 1, k_rot=self.draft_rot[0, :b * t], v_rot=self.draft_rot[1, :b * t],
+            view=view, launch=launch)
 
     def verify(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the drafts' INT2 cells of layer ``layer`` (no sinks, no ring), stage their K/V
         for :meth:`commit`, attend (module doc): o [B*T, Hq, D]. ``sinks``: as in :meth:`decode`.
-        The attention is reference.reference_verify on both paths for now (a per-draft loop
-        with host reads: not CUDA-graph safe; the store and staging are)."""
+        Triton path: triton_decode over the batch's virtual decode requests (verify_decode),
+        after composing this layer's virtual sinks and rings; reference path:
+        reference.reference_verify (a per-draft loop with host reads)."""
         plan = self._verify
         if plan is None or q.shape[0] != plan.slots.shape[0]:
             raise RuntimeError(f"verify of {q.shape[0]} tokens, but the planned verify batch has "
@@ -279,6 +297,12 @@ class HybridAttention:
         self.draft_kv[layer, 1, :t].copy_(v)
         k_rot, v_rot = self._store(layer, k, v, plan.slots, plan.positions, plan.token_rows, plan.token_seq_ends,
                                    write_ring=False, write_sink=False, rotated_out=(plan.k_rot, plan.v_rot))
+        if self.triton:
+            from .triton_decode import triton_decode
+            from .verify_decode import verify_layer_view
+            view = plan.view
+            return triton_decode(q, verify_layer_view(view, lc, k_rot, v_rot), view.index, rot, view.req_to_token,
+                                 view.rows, view.seq_lens, self.sm_scale, out, launch=plan.launch, sinks=sinks)
         o_rot = ref.reference_verify(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
                                      plan.prefix_lens, plan.positions, plan.slots, plan.ancestors, self.sm_scale,
                                      sinks)

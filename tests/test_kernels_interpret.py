@@ -641,11 +641,27 @@ def test_store_sinks_apart_from_int2():
     ([[-1, 0, 0, 1, 2]] * 3, [[0, 2, 4], [0, 1, 3], [0]]),  # tree (topk 2), second branch
 ], ids=["chain", "tree"])
 def test_speculative_verify_commit_triton_equals_decode(monkeypatch, parents, accepted):
-    """The protocol on the Triton path (store, staging, commit; the verify attention is the
-    reference's) against Triton decode of the accepted drafts: prefixes 2 (< S), 13 (drafts
-    across a page and the ring's wrap), 21 with its full first page request 1's (a radix hit)."""
+    """The protocol on the Triton path (store, staging, the verify's virtual decode batch,
+    commit) against Triton decode of the accepted drafts: prefixes 2 (< S), 13 (drafts across
+    a page and the ring's wrap), 21 with its full first page request 1's (a radix hit)."""
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
+    vd = importlib.import_module("oscar_kernels.verify_decode")
+    views = []
+    monkeypatch.setattr(vd, "verify_layer_view", lambda *a: views.append(1) or _real_layer_view(*a))
     sc = kc.build([2, 13, 21], H=2, D=64, G=16, S=4, W=8, page=8, seed=17, valid_from=[0, 0, 21])
     r1, r2 = int(sc.rows[1]), int(sc.rows[2])
     sc.req_to_token[r2, :8] = sc.req_to_token[r1, :8]
     kh.speculative_vs_decode(sc, 4, parents, accepted, exact=False)
+    assert views == [1]  # the verify attention ran through the decode kernel
+
+
+_real_layer_view = importlib.import_module("oscar_kernels.verify_decode").verify_layer_view
+
+
+def test_speculative_triton_drafts_deeper_than_the_window_with_learned_sinks(monkeypatch):
+    """W = 4 < 6 drafts (ancestors read as INT2 through the virtual rows), an evicted sink
+    slot (request 1: its position 0 is read as INT2, no virtual sink page) and sink logits."""
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
+    sc = kc.build([3, 10], H=2, D=64, G=16, S=4, W=4, page=8, seed=19, evict_sink_of=(1,))
+    kh.speculative_vs_decode(sc, 4, [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 2, 3]],
+                             [[0, 1, 2, 3, 4, 5], [0, 2, 4]], exact=False, sinks=_sinks(4, 3))

@@ -108,3 +108,10 @@ def test_the_per_draft_window_matters():
     o_ext = attn.extend(0, q, k, v)
     # decode of draft i reads positions < 13 + i + 1 - W as INT2; extend reads 5..12 from the ring
     assert (o_ext.float() - outs.float()).abs().max() > 0.1
+
+
+def test_evicted_sink_slot_and_a_request_without_one():
+    """Request 0's sink slot went to another page, request 1 never had one: their positions
+    < S are INT2 for decode, so for the drafts too."""
+    sc = kc.build([3, 12], H=2, D=64, G=16, S=4, W=4, page=8, seed=9, evict_sink_of=(0,), no_sink=(1,))
+    kh.speculative_vs_decode(sc, 4, [_TREE[:6]] * 2, [[0, 2, 4], [0, 1, 3, 5]])
