@@ -44,7 +44,11 @@ copies decode writes) with INT2 off and sinks + ring on, at positions n + k, and
 rows' ring end. After a tree verify SGLang moves the accepted nodes' cells to their final
 slots (hybrid_cache.move_int2_cells); move and commit commute (slots vs positions). The cache
 is then exactly what decode of the accepted tokens writes: the same INT2 at their final
-slots, the same sinks, the same ring cells for every position the read rule reads.
+slots, the same sinks, the same ring cells for every position the read rule reads. The Triton
+path runs the verify attention through triton_decode, one virtual request per draft
+(verify_decode). CUDA graphs: commit, the verify's store and staging are device ops of fixed
+shape; plan_verify allocates (tree mask, virtual rows), so a captured verify needs those in a
+preallocated workspace first. No host sync anywhere on the Triton path.
 
 Tensors (T new tokens of the batch, B requests, H KV heads, Hq query heads, D head_dim;
 integer tensors any int dtype on the cache's device):
