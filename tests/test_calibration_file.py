@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from safetensors import safe_open
 
 from calibration.calibrate import CalibrationConfig, build_rotations
@@ -14,6 +13,7 @@ from oscar_kernels.contract.model_shape import ModelShape, kv_heads_for_rank
 from oscar_kernels.contract.rotations_file import (RotationsFileError, load_rotations, orthogonality_error,
                                                    save_rotations)
 from calibration.statistics import AttentionStats
+from rotations_file_helpers import refusal as _error, rewrite as _rewrite
 
 SHAPE = ModelShape("Qwen3ForCausalLM", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 
@@ -91,26 +91,6 @@ def _good_file(tmp_path):
     path = str(tmp_path / "good.safetensors")
     save_rotations(path, build_rotations(cfg, SHAPE, "tiny", _stats(), _metric()))
     return path
-
-
-def _rewrite(path, out, tensors=None, meta=None):
-    with safe_open(path, framework="pt") as f:
-        md = dict(f.metadata())
-    t = load_file(path)
-    if tensors:
-        tensors(t)
-    if meta:
-        meta(md)
-    save_file(t, out, metadata=md)
-    return out
-
-
-def _error(path, expect=None) -> str:
-    with pytest.raises(RotationsFileError) as e:
-        load_rotations(path, expect=expect)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"oscar rotations file {path}:")
-    return msg
 
 
 @pytest.mark.parametrize("field,value,words", [

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from calibration.calibrate import CalibrationConfig, build_rotations
 from oscar_kernels.contract.model_shape import ModelShape, format_layers
 from oscar_kernels.contract.rotations_file import (RotationsFileError, check_matches_model, load_rotations,
                                                    save_rotations)
+from rotations_file_helpers import refusal as _error, rewrite as _rewrite
 
 BASE = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 128}
 
@@ -88,26 +89,6 @@ def _file(tmp_path, shape=HYBRID, recipe="hadamard", name="r.safetensors") -> st
     path = str(tmp_path / name)
     save_rotations(path, build_rotations(cfg, shape, "tiny", None))
     return path
-
-
-def _rewrite(path, out, tensors=None, meta=None):
-    with safe_open(path, framework="pt") as f:
-        md = dict(f.metadata())
-    t = load_file(path)
-    if tensors:
-        tensors(t)
-    if meta:
-        meta(md)
-    save_file(t, out, metadata=md)
-    return out
-
-
-def _error(path, expect=None) -> str:
-    with pytest.raises(RotationsFileError) as e:
-        load_rotations(path, expect=expect)
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"oscar rotations file {path}:")
-    return msg
 
 
 def test_hybrid_file_round_trip_names_tensors_by_model_layer(tmp_path):
