@@ -273,4 +273,24 @@ def build_model_dir(arch: Architecture | str, out_dir: str, seed: int = 0) -> st
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
+    _restore_dropped_keys(arch, out_dir)
     return str(out_dir)
+
+
+# config keys a row states that transformers 5 folds into others when it saves (full_attention_interval
+# into layer_types), while the published config.json carries them and SGLang 0.5.17 reads only them
+# (its Qwen3NextConfig derives the full-attention layers from full_attention_interval alone)
+KEYS_SGLANG_READS = ("full_attention_interval",)
+
+
+def _restore_dropped_keys(arch: Architecture, out_dir: str) -> None:
+    import json
+
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    missing = {k: arch.config[k] for k in KEYS_SGLANG_READS if k in arch.config and k not in cfg}
+    if missing:
+        cfg.update(missing)
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)

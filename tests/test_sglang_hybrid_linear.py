@@ -79,6 +79,16 @@ def test_qwen3_next_is_served(tmp_path):
     assert tuple(mambaish_config(sa.get_model_config()).full_attention_layer_ids) == FULL
 
 
+def test_the_rows_model_folder_is_one_sglang_serves(tmp_path):
+    """architectures.build_model_dir writes full_attention_interval back (transformers 5 folds
+    it into layer_types; SGLang 0.5.17 reads only it): the folder the GPU test serves starts."""
+    model = architectures.build_model_dir(QWEN3_NEXT, str(tmp_path / "m"))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["full_attention_interval"] == 4
+    sa = _start(model, write_distinct_heads_file(tmp_path / "rot.safetensors", cfg))
+    assert tuple(mambaish_config(sa.get_model_config()).full_attention_layer_ids) == FULL
+
+
 def test_rotations_for_another_layer_pattern_are_refused_in_one_line(tmp_path):
     model, cfg = qwen3_next_dir(tmp_path)
     other = dict(cfg, layer_types=["linear_attention", "full_attention"] * 4)  # full at 1, 3, 5, 7
