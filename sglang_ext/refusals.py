@@ -204,6 +204,12 @@ HYBRID_LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGen
                                "Qwen3_5MoeForCausalLM")
 
 
+def _sglang_version() -> str:
+    from .sglang_bridge import SGLANG_VERSION
+
+    return SGLANG_VERSION
+
+
 def _architecture(model_config) -> str:
     return (getattr(model_config.hf_config, "architectures", None) or ["unknown"])[0]
 
@@ -249,6 +255,13 @@ def _check_hybrid_layers(model_config, shape, arch: str) -> None:
 
 def _check_hybrid_features(sa, arch: str) -> None:
     """Features SGLang 0.5.17 cannot combine with an OscarKVPool inside its hybrid linear pool."""
+    from .sglang_bridge import is_blackwell
+
+    if getattr(sa, "device", None) in (None, "cuda") and is_blackwell():
+        # attention_registry.attn_backend_wrapper asserts this for hybrid GDN models on Blackwell
+        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch} on this Blackwell GPU: "
+                               f"SGLang {_sglang_version()} runs Gated DeltaNet hybrids there with the "
+                               "triton, trtllm_mha, fa4 or flashinfer attention backends only, not oscar")
     if getattr(sa, "enable_hierarchical_cache", False) or getattr(sa, "hicache_storage_backend", None):
         raise _refuse("--enable-hierarchical-cache" if getattr(sa, "enable_hierarchical_cache", False)
                       else "--hicache-storage-backend",

@@ -62,7 +62,7 @@ try:
                                         add_attention_backend_choices,
                                         add_deterministic_attention_backend_choices,
                                         prepare_server_args)
-    from sglang.srt.utils import kill_process_tree
+    from sglang.srt.utils import is_blackwell, kill_process_tree
     # the start-up warm-up (warmup.py)
     from sglang.srt.entrypoints.warmup import warmup as _warmup_decorator
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -79,7 +79,7 @@ __all__ = [
     "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
-    "hybrid_gdn_config", "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
+    "hybrid_gdn_config", "is_blackwell", "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
     "register_attention_backend", "register_warmup", "run_server",
 ]
 

@@ -164,8 +164,7 @@ def test_hybrids_other_than_gated_deltanet_ones_are_refused_in_one_line(tmp_path
                           "attention model NemotronHForCausalLM: of the hybrids"), msg
 
 
-def test_hierarchical_cache_is_refused_for_the_hybrid_in_one_line(tmp_path):
-    model, cfg = qwen3_next_dir(tmp_path)
+def test_hierarchical_cache_is_refused_for_the_hybrid_in_one_line():
     sa = SimpleNamespace(enable_hierarchical_cache=True, hicache_storage_backend=None)
     with pytest.raises(OscarConfigError) as ei:
         refusals._check_hybrid_features(sa, "Qwen3NextForCausalLM")
@@ -173,6 +172,24 @@ def test_hierarchical_cache_is_refused_for_the_hybrid_in_one_line(tmp_path):
                                     f"{OSCAR_KV_DTYPE}: the INT2 host tier carries plain MHA pools")
     refusals._check_hybrid_features(SimpleNamespace(enable_hierarchical_cache=False,
                                                     hicache_storage_backend=None), "Qwen3NextForCausalLM")
+
+
+def test_blackwell_is_refused_for_the_hybrid_in_one_line(monkeypatch):
+    """SGLang 0.5.17 asserts a short list of attention backends for GDN hybrids on Blackwell
+    (attn_backend_wrapper): refused at start-up instead. Mocked: the GPU generation
+    (sglang_bridge.is_blackwell), since this machine has none."""
+    from sglang_ext import sglang_bridge
+
+    monkeypatch.setattr(sglang_bridge, "is_blackwell", lambda: True)
+    cuda = SimpleNamespace(device="cuda", enable_hierarchical_cache=False, hicache_storage_backend=None)
+    with pytest.raises(OscarConfigError) as ei:
+        refusals._check_hybrid_features(cuda, "Qwen3NextForCausalLM")
+    assert _one_line(ei) == (f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve Qwen3NextForCausalLM on this "
+                             "Blackwell GPU: SGLang 0.5.17 runs Gated DeltaNet hybrids there with the triton, "
+                             "trtllm_mha, fa4 or flashinfer attention backends only, not oscar")
+    refusals._check_hybrid_features(SimpleNamespace(**{**vars(cuda), "device": "cpu"}), "Qwen3NextForCausalLM")
+    monkeypatch.setattr(sglang_bridge, "is_blackwell", lambda: False)
+    refusals._check_hybrid_features(cuda, "Qwen3NextForCausalLM")
 
 
 # ---------------------------------------------------------------- pool composition and memory
