@@ -1,7 +1,9 @@
 """Byte arithmetic of the hybrid INT2/BF16 KV pool (pure functions, no sglang import).
 
-Per token of SGLang's pool (L layers, H KV heads on this rank, head_dim D, keys' group size
-G_K, values' group size G_V, scale element size e bytes, shared by K and V):
+Per token of SGLang's pool (L layers: the rank's attention layers, for a Gated DeltaNet hybrid
+its full-attention layers only, whose Mamba state SGLang sizes and charges before this budget;
+H KV heads on this rank, head_dim D, keys' group size G_K, values' group size G_V, scale element
+size e bytes, shared by K and V):
 
     INT2 cell   = L * H * (2 * D/4 + (D/G_K + D/G_V) * 2 * e)   codes + (scale, min), K and V
     sink index  = 4 bytes per page (int32 sink_slot_of_page), i.e. 4/P per token
