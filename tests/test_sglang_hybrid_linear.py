@@ -79,6 +79,27 @@ def test_qwen3_next_is_served(tmp_path):
     assert tuple(mambaish_config(sa.get_model_config()).full_attention_layer_ids) == FULL
 
 
+# a Qwen3.5 config.json (Qwen3_5ForConditionalGeneration: text + vision configs, M-RoPE) at small size
+QWEN3_5_TEXT = dict(model_type="qwen3_5_text", num_hidden_layers=8, full_attention_interval=4,
+                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, hidden_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4, vocab_size=1024,
+                    max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+QWEN3_5 = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": QWEN3_5_TEXT,
+           "vision_config": {"depth": 2, "hidden_size": 64, "num_heads": 2, "out_hidden_size": 256,
+                             "intermediate_size": 128}}
+
+
+def test_qwen3_5_is_served(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5))
+    sa = _start(str(tmp_path), write_distinct_heads_file(tmp_path / "rot.safetensors", QWEN3_5))
+    assert sa.attention_backend == "oscar"
+    assert tuple(mambaish_config(sa.get_model_config()).full_attention_layer_ids) == FULL
+
+
 def test_the_rows_model_folder_is_one_sglang_serves(tmp_path):
     """architectures.build_model_dir writes full_attention_interval back (transformers 5 folds
     it into layer_types; SGLang 0.5.17 reads only it): the folder the GPU test serves starts."""
