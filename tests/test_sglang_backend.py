@@ -167,11 +167,12 @@ class Sim:
     # ---------------------------------------------------------------- the oracle
 
     def expected(self, row, rid, layer, n_prefix, new_positions, new_content, valid_from,
-                 sinks=True, window_end=None):
+                 sinks=True, window_end=None, learned_sinks=None):
         """o [len(new), HQ*D] for new tokens of ``row`` at ``new_positions`` after a prefix
         of n_prefix cached positions, from the tokens' K/V and the read rule: the ring
         window ends at the prefix length for extend, at the length incl. the new token
-        for decode (``window_end``)."""
+        for decode (``window_end``); ``learned_sinks`` [HQ]: the layer's sink logits (gpt-oss),
+        one more softmax column with no value."""
         window_end = n_prefix if window_end is None else window_end
         rot = self.pool.rotations[self.pool.cache_layer(layer)]
         keys, vals = [], []
@@ -194,11 +195,12 @@ class Sim:
         qr = rotate(q, expand_gqa(rot.k_rot, HQ))
         e = len(new_positions)
         mask = torch.arange(n_all)[None, :] <= torch.arange(e)[:, None] + n_prefix
-        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0))
+        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks)
         return rotate(o, expand_gqa(rot.v_rot, HQ).transpose(-1, -2)).reshape(e, HQ * D)
 
-    def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True):
-        return self.expected(row, rid, layer, n - 1, [n - 1], content, valid_from, sinks, window_end=n)
+    def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True, learned_sinks=None):
+        return self.expected(row, rid, layer, n - 1, [n - 1], content, valid_from, sinks, window_end=n,
+                             learned_sinks=learned_sinks)
 
 
 def close(got, want):
