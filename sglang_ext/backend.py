@@ -22,9 +22,10 @@ import torch
 
 from oscar_kernels.hybrid_attention import HybridAttention, flashinfer_import_error, use_triton
 
-from .pool import oscar_pool_of
+from .pool import OscarSWAKVPool, oscar_pool_of
 from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
-from .sglang_bridge import AttentionBackend, AttentionType, ForwardMode, RadixAttention
+from .sglang_bridge import (ATTENTION_BACKENDS, SWA_LAYER_BACKEND, AttentionBackend, AttentionType,
+                            ForwardMode, RadixAttention)
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +92,21 @@ class OscarAttnBackend(AttentionBackend):
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
                    sm_scale=model_attention_scale(model_runner.model),
                    extend_prefix=oscar_settings(sa).extend_prefix,
-                   deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len)
+                   deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len,
+                   learned_sinks=bool(getattr(mc, "has_attention_sinks", False)))
 
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
-                 context_len: int = 0):
+                 context_len: int = 0, learned_sinks: bool = False):
         """``pool``: the model runner's KV pool, an OscarKVPool or (a Gated DeltaNet hybrid) the
         hybrid linear pool holding one, whose full-attention layers this backend serves (SGLang's
         HybridLinearAttnBackend sends it those layers only, with their model layer ids);
         ``req_to_token_pool``: SGLang's request pool (its host free list gives the rows of
         live requests); ``num_q_heads``: query heads on this rank; ``extend_prefix``:
         --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference):
-        batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read."""
+        batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read;
+        ``learned_sinks``: the model passes per-head sink logits (``sinks=``, gpt-oss), which join
+        the softmax of the full-attention layers (the "flashinfer" prefix read becomes "bf16")."""
         oscar_pool = oscar_pool_of(pool)
         if oscar_pool is None:
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
@@ -121,7 +125,8 @@ class OscarAttnBackend(AttentionBackend):
             config = batch_invariant_config(context_len, rows, num_q_heads, pool.head_dim)
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
-                                         padding_page=PADDING_PAGE)
+                                         padding_page=PADDING_PAGE, learned_sinks=learned_sinks)
+        self.learned_sinks = learned_sinks
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
             logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",
                         self.prefix_read, self.attention.warm_up())
@@ -189,9 +194,15 @@ class OscarAttnBackend(AttentionBackend):
     # -- forward ----------------------------------------------------------------------
 
     def _check_layer(self, layer, kwargs, save_kv_cache: bool, k) -> None:
-        for name in ("sinks", "score_mod", "aux_tensors", "q_rope", "k_rope"):
+        for name in ("score_mod", "aux_tensors", "q_rope", "k_rope"):
             if kwargs.get(name) is not None:
                 raise NotImplementedError(f"oscar backend: attention with {name} is not supported")
+        sinks = kwargs.get("sinks")
+        if sinks is not None and (not self.learned_sinks or tuple(sinks.shape) != (layer.tp_q_head_num,)):
+            raise NotImplementedError(
+                f"oscar backend: layer {layer.layer_id} passes sinks of shape {tuple(sinks.shape)} "
+                + ("(one logit per query head of this rank is supported)" if self.learned_sinks
+                   else "but the model config declares no attention sinks"))
         if k is None or not save_kv_cache:
             raise NotImplementedError("oscar backend: the model must hand k and v to the "
                                       "backend to store (save_kv_cache=False is not supported)")
@@ -223,7 +234,8 @@ class OscarAttnBackend(AttentionBackend):
         cache_layer = self.pool.cache_layer(layer.layer_id)  # model layer -> the pool's layer (and rotation)
         if self.pool.layer_transfer_counter is not None:  # HiCache: this layer's load from host is done
             self.pool.layer_transfer_counter.wait_until(cache_layer)
-        run(cache_layer, q.reshape(t, hq, d), k.view(t, h, d), v.view(t, h, d), out=o.view(t, hq, d))
+        run(cache_layer, q.reshape(t, hq, d), k.view(t, h, d), v.view(t, h, d), out=o.view(t, hq, d),
+            sinks=kwargs.get("sinks"))
         return o
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -233,3 +245,73 @@ class OscarAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._run(self.attention.decode, q, k, v, layer, None, kwargs, save_kv_cache)
+
+
+class OscarSWAAttnBackend(AttentionBackend):
+    """The ``oscar`` backend of a hybrid sliding-window model (gpt-oss): the full-attention
+    layers through :class:`OscarAttnBackend` over the INT2 pool (learned sinks passed on), the
+    sliding-window layers through SGLang's own SWA-capable backend (``SWA_LAYER_BACKEND``, its
+    Triton backend) over SGLang's BF16 SWA pool, exactly as SGLang runs them. Both plan every
+    batch (SGLang's backend builds its window indices and full->SWA write slots; the oscar one
+    its INT2/sink/ring plan); each layer goes to one of them by the pool's layer map."""
+
+    @classmethod
+    def from_model_runner(cls, model_runner) -> "OscarSWAAttnBackend":
+        pool = model_runner.token_to_kv_pool
+        swa = ATTENTION_BACKENDS[SWA_LAYER_BACKEND](model_runner)
+        if getattr(swa, "swa_v_head_dim", None) is None:
+            # SGLang reads the value width off layer 0's buffer, which is packed when layer 0 is a
+            # full-attention (INT2) layer; the SWA layers' value head dim is the model's
+            swa.v_head_dim = model_runner.model_config.v_head_dim
+        return cls(OscarAttnBackend.from_model_runner(model_runner), swa, pool)
+
+    def __init__(self, full: OscarAttnBackend, swa: AttentionBackend, pool: OscarSWAKVPool):
+        if not isinstance(pool, OscarSWAKVPool) or oscar_pool_of(pool) is not full.pool:
+            raise ValueError("oscar backend: a hybrid sliding-window model needs the oscar_int2 SWA pool "
+                             f"holding the backend's INT2 pool (got {type(pool).__name__})")
+        super().__init__()
+        self.full, self.swa, self.pool = full, swa, pool
+        self.backends = (full, swa)
+        self.token_to_kv_pool = pool  # SGLang's forward context reads the runner's pool from the backend
+        self.req_to_token_pool = full.req_to_token_pool
+        self.needs_cpu_seq_lens = any(getattr(b, "needs_cpu_seq_lens", True) for b in self.backends)
+        fills = {b.get_cuda_graph_seq_len_fill_value() for b in self.backends}
+        if len(fills) != 1:
+            raise ValueError(f"oscar backend: the two backends pad CUDA-graph batches differently ({fills})")
+        self._fill = fills.pop()
+
+    def backend_of(self, layer) -> AttentionBackend:
+        return self.swa if self.pool.is_swa_layer(layer.layer_id) else self.full
+
+    # -- metadata: both backends plan every batch -------------------------------------
+
+    def init_forward_metadata(self, forward_batch):
+        for b in self.backends:
+            b.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        for b in self.backends:
+            b.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        for b in self.backends:
+            b.init_forward_metadata_in_graph(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        for b in self.backends:
+            b.init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self._fill
+
+    def on_after_cuda_graph_warmup(self):
+        for b in self.backends:
+            b.on_after_cuda_graph_warmup()
+
+    # -- forward: one layer, one backend ----------------------------------------------
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.backend_of(layer).forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.backend_of(layer).forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

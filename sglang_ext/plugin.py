@@ -15,7 +15,10 @@ attention backend (also among SGLang's deterministic backends) and the ``--warmu
 installs :func:`hooks` through :mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry): the KV
 dtype and its INT2 bytes per token; the KV budget less the fixed reserve (rings, sink store,
 rotations, sink index) and at most the reserved request rows; the :class:`OscarKVPool` (for a
-Gated DeltaNet hybrid, inside SGLang's hybrid linear pool, over the full-attention layers); no
+Gated DeltaNet hybrid, inside SGLang's hybrid linear pool, over the full-attention layers; for a
+hybrid sliding-window model (gpt-oss), inside SGLang's SWAKVPool beside its BF16 SWA pool, the
+full-attention layers charged at INT2 bytes in SGLang's HybridSWAPoolConfigurator); SGLang's
+gpt-oss backend check told that its sliding layers run on SGLang's Triton backend; no
 fused RoPE+store kernel (it would write BF16 into the packed buffers); prompt chunks aligned
 under --enable-deterministic-inference (:mod:`sglang_ext.chunk_alignment`); the flags,
 defaults and refusals (:mod:`sglang_ext.server_args_hooks`); the INT2 HiCache host tier
@@ -42,8 +45,11 @@ _registered = False
 
 
 def create_oscar_backend(runner):
-    from .backend import OscarAttnBackend
+    from .backend import OscarAttnBackend, OscarSWAAttnBackend
+    from .pool import OscarSWAKVPool
 
+    if isinstance(runner.token_to_kv_pool, OscarSWAKVPool):
+        return OscarSWAAttnBackend.from_model_runner(runner)
     return OscarAttnBackend.from_model_runner(runner)
 
 
@@ -68,14 +74,17 @@ def compute_cell_size_hook(original, configurator, kvc, num_layers):
 
 
 def profile_available_bytes_hook(result, kvc, *args, **kwargs):
-    """AFTER: turn SGLang's KV budget into (oscar tokens) x (INT2 bytes per token)."""
+    """AFTER: turn SGLang's KV budget into (oscar tokens) x (INT2 bytes per token); for a hybrid
+    sliding-window model, the budget less the INT2 reserve (:func:`_hybrid_swa_budget`)."""
     if not is_oscar(kvc.server_args):
         return None
     from .pool import plan_for_configurator
 
     plan = plan_for_configurator(kvc)
-    tokens = plan.max_total_tokens(result)
     gib = 1 << 30
+    if getattr(kvc, "is_hybrid_swa", False):
+        return _hybrid_swa_budget(result, plan)
+    tokens = plan.max_total_tokens(result)
     if tokens <= 0:
         raise ValueError(
             f"oscar_int2: the KV budget of {result / gib:.2f} GiB cannot hold the fixed reserve "
@@ -88,6 +97,50 @@ def profile_available_bytes_hook(result, kvc, *args, **kwargs):
                 plan.rotation_bytes / gib, plan.bytes_per_token, plan.group_size, plan.value_group_size,
                 plan.scale_dtype, tokens)
     return tokens * plan.bytes_per_token
+
+
+def _hybrid_swa_budget(result, plan):
+    """A hybrid sliding-window model: SGLang's HybridSWAPoolConfigurator splits the budget
+    between the full-attention tokens (INT2 bytes, :func:`swa_pool_sizing_hook`) and the SWA
+    pool (its BF16 bytes, --swa-full-tokens-ratio of the full tokens): it gets the budget less
+    the INT2 pool's fixed reserve and its padding page."""
+    from .memory import INDEX_BYTES
+
+    gib = 1 << 30
+    left = result - plan.fixed_bytes - plan.page_size * plan.bytes_per_token - INDEX_BYTES
+    if left <= 0:
+        raise ValueError(
+            f"oscar_int2: the KV budget of {result / gib:.2f} GiB cannot hold the fixed reserve "
+            f"({plan.fixed_bytes / gib:.2f} GiB: rings for {plan.num_rows} request rows x "
+            f"W={plan.recent_window}, {plan.num_sink_slots} sink slots, rotations) plus one page;"
+            f" lower --max-running-requests or the recent window, or raise --mem-fraction-static")
+    logger.info("oscar_int2 pool plan (hybrid sliding-window): budget %.2f GiB, INT2 reserve %.2f GiB, "
+                "%d B/token over %d full-attention layers; SGLang splits the rest %.2f GiB with its SWA pool",
+                result / gib, plan.fixed_bytes / gib, plan.bytes_per_token, plan.num_layers, left / gib)
+    return left
+
+
+def swa_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
+    """HybridSWAPoolConfigurator.__init__, after: the full-attention layers cost INT2 bytes per
+    token (codes + scales + the sink index's 4 bytes per page), the SWA layers what SGLang
+    charges (BF16 K/V, --swa-full-tokens-ratio of the full tokens); one cell of both, as SGLang
+    forms it."""
+    if not is_oscar(kvc.server_args):
+        return None
+    from .memory import INDEX_BYTES
+    from .pool import plan_for_configurator
+
+    c = configurator
+    if c._draft_full_layers_num or c._draft_swa_full_layers_num:
+        raise ValueError("oscar_int2 does not support draft-model layers (speculative decoding)")
+    plan = plan_for_configurator(kvc)
+    if plan.num_layers != c._full_layers_num:
+        raise ValueError(f"oscar_int2: the INT2 plan holds {plan.num_layers} full-attention layers, "
+                         f"SGLang's SWA configurator {c._full_layers_num}")
+    c._full_per_token = (plan.bytes_per_token + INDEX_BYTES / plan.page_size) / plan.num_layers
+    c._cell_size = (c._full_per_token * c._full_layers_num
+                    + c._swa_full_tokens_ratio * c._swa_per_token * c._swa_layers_num)
+    return None
 
 
 def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
@@ -104,22 +157,28 @@ def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
         return original(kvc, *args, **kwargs)
     from .refusals import hybrid_linear_problem
 
+    from .refusals import hybrid_swa_problem
+
     hybrid = kvc.mambaish_config is not None
     unsupported = [name for name, on in (
-        ("MLA", kvc.use_mla_backend), ("hybrid sliding-window", kvc.is_hybrid_swa),
+        ("MLA", kvc.use_mla_backend),
         ("DeepSeek sparse attention", kwargs.get("is_dsa_model") or kwargs.get("is_dsv4_model")),
     ) if on]
     if unsupported:
-        raise ValueError(f"--kv-cache-dtype oscar_int2 serves MHA/GQA models and Gated DeltaNet "
-                         f"hybrids only, this model uses {unsupported[0]}")
-    if hybrid:
-        problem = hybrid_linear_problem(kvc.model_config)
-        if problem:
-            raise ValueError(problem)
-    from .pool import build_hybrid_linear_pool_for_configurator, build_pool_for_configurator
+        raise ValueError(f"--kv-cache-dtype oscar_int2 serves MHA/GQA models, Gated DeltaNet and "
+                         f"sliding-window hybrids only, this model uses {unsupported[0]}")
+    problem = hybrid_swa_problem(kvc.model_config) if kvc.is_hybrid_swa else \
+        hybrid_linear_problem(kvc.model_config) if hybrid else None
+    if problem:
+        raise ValueError(problem)
+    from .pool import (build_hybrid_linear_pool_for_configurator, build_hybrid_swa_pool_for_configurator,
+                       build_pool_for_configurator)
 
+    sizes, req_to_token_pool = kwargs["sizes"], kwargs["req_to_token_pool"]
+    if getattr(kvc, "is_hybrid_swa", False):
+        return build_hybrid_swa_pool_for_configurator(kvc, sizes, req_to_token_pool)
     build = build_hybrid_linear_pool_for_configurator if hybrid else build_pool_for_configurator
-    return build(kvc, kwargs["sizes"].max_total_num_tokens, kwargs["req_to_token_pool"])
+    return build(kvc, sizes.max_total_num_tokens, req_to_token_pool)
 
 
 def enable_fused_set_kv_buffer_hook(original, *args, **kwargs):
@@ -152,6 +211,7 @@ def hooks() -> list[Hook]:
     return [
         Hook(t["kv_cache_dtype"], configure_kv_cache_dtype_hook, around),
         Hook(t["cell_size"], compute_cell_size_hook, around),
+        Hook(t["swa_cell_size"], swa_pool_sizing_hook, after),
         Hook(t["kv_budget"], profile_available_bytes_hook, after),
         Hook(t["max_num_reqs"], resolve_max_num_reqs_hook, after),
         Hook(t["build_pool"], build_token_to_kv_pool_hook, around),
@@ -163,6 +223,7 @@ def hooks() -> list[Hook]:
         Hook(t["server_args_init"], server_args_hooks.init, around),
         Hook(t["server_args_post_init"], server_args_hooks.post_init, around),
         Hook(t["check_server_args"], server_args_hooks.check_server_args, after),
+        Hook(t["model_specific_adjustments"], server_args_hooks.model_specific_adjustments, around),
         Hook(t["host_pool_cls"], host_pool.get_mha_host_pool_cls_hook, around),
         Hook(t["hicache_storage_config"], host_pool.storage_config_hook, after),
     ]

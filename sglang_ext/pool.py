@@ -25,7 +25,7 @@ from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_inde
 
 from .memory import OscarMemoryPlan, default_sink_slots, planned_request_rows
 from .settings import oscar_settings
-from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, HybridLinearKVPool, MHATokenToKVPool
+from .sglang_bridge import GPU_MEMORY_TYPE_KV_CACHE, HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 
 
 @dataclass(frozen=True)
@@ -244,10 +244,53 @@ class OscarHybridLinearKVPool(HybridLinearKVPool):
         return self.full_kv_pool.head_dim
 
 
+class OscarSWAKVPool(SWAKVPool):
+    """SGLang's pool of a hybrid sliding-window model (gpt-oss) whose full-attention KV is an
+    :class:`OscarKVPool` over the full-attention layers; the sliding-window layers' KV stays
+    SGLang's BF16 ``MHATokenToKVPool`` (``swa_kv_pool``, ``size_swa`` slots, reached through
+    the allocator's ``full_to_swa_index_mapping``), built and sized exactly as SGLang's
+    ``_build_hybrid_swa_kv_pool`` builds it.
+
+    SWAKVPool's ``layers_mapping`` sends a model layer id to (dense index, is_swa); for the
+    full-attention layers it holds the model layer id itself, since the OscarKVPool is keyed
+    by model layer id (:meth:`OscarKVPool.cache_layer`): one layer map, the pool's."""
+
+    def __init__(self, full_kv_pool: OscarKVPool, size_swa: int, swa_attention_layer_ids: Sequence[int]):
+        full_ids = list(full_kv_pool.layer_ids)
+        if set(full_ids) & set(swa_attention_layer_ids):
+            raise ValueError(f"oscar pool: layers {sorted(set(full_ids) & set(swa_attention_layer_ids))} "
+                             "are both full-attention and sliding-window layers")
+
+        def build(*, allocation_label, layer_num, **kwargs):
+            if allocation_label == "Full":  # SWAKVPool's full pool: the one built above
+                if layer_num != full_kv_pool.layer_num:
+                    raise ValueError(f"oscar pool: SWAKVPool wants {layer_num} full-attention layers, "
+                                     f"the INT2 pool holds {full_kv_pool.layer_num}")
+                return full_kv_pool
+            return MHATokenToKVPool(allocation_label=allocation_label, layer_num=layer_num, **kwargs)
+
+        super().__init__(size=full_kv_pool.size, size_swa=size_swa, page_size=full_kv_pool.page_size,
+                         dtype=torch.bfloat16, head_num=full_kv_pool.head_num, head_dim=full_kv_pool.head_dim,
+                         swa_attention_layer_ids=list(swa_attention_layer_ids),
+                         full_attention_layer_ids=full_ids, device=full_kv_pool.device,
+                         token_to_kv_pool_class=build, enable_kv_cache_copy=False)
+        for layer_id in full_ids:
+            self.layers_mapping[layer_id] = (layer_id, False)
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """True for a sliding-window layer (SGLang's BF16 SWA pool), False for a full-attention
+        layer (the INT2 pool); a one-line ValueError for a layer this pool does not hold."""
+        entry = self.layers_mapping.get(layer_id)
+        if entry is None:
+            raise ValueError(f"oscar pool: model layer {layer_id} is neither a full-attention layer "
+                             f"({', '.join(map(str, self.full_kv_pool.layer_ids))}) nor a sliding-window one")
+        return entry[1]
+
+
 def oscar_pool_of(pool) -> Optional[OscarKVPool]:
     """The OscarKVPool SGLang's model runner holds: the pool itself, or the full-attention
-    pool inside a hybrid linear-attention pool; None for any other pool."""
-    if isinstance(pool, OscarHybridLinearKVPool):
+    pool inside a hybrid linear-attention or hybrid sliding-window pool; None for any other pool."""
+    if isinstance(pool, (OscarHybridLinearKVPool, OscarSWAKVPool)):
         pool = pool.full_kv_pool
     return pool if isinstance(pool, OscarKVPool) else None
 
@@ -259,6 +302,8 @@ def full_attention_layer_ids(kvc) -> Optional[tuple[int, ...]]:
     hybrid linear-attention model its full-attention layers (as SGLang's
     ``_build_hybrid_linear_kv_pool`` and ``DefaultPoolConfigurator`` take them); None for a
     model whose every layer is attention."""
+    if getattr(kvc, "is_hybrid_swa", False):  # SGLang's SWAKVPool holds every full-attention layer of the model
+        return tuple(kvc.model_config.full_attention_layer_ids)
     hybrid = kvc.mambaish_config
     if hybrid is None:
         return None
@@ -320,3 +365,15 @@ def build_hybrid_linear_pool_for_configurator(kvc, max_total_num_tokens: int,
     one SGLang's HybridReqToTokenPool already allocated (sized by SGLang)."""
     full = build_pool_for_configurator(kvc, max_total_num_tokens, req_to_token_pool)
     return OscarHybridLinearKVPool(full, req_to_token_pool.mamba_pool, start_layer=kvc.layer_info.start_layer)
+
+
+def build_hybrid_swa_pool_for_configurator(kvc, sizes, req_to_token_pool) -> OscarSWAKVPool:
+    """What SGLang's ``_build_hybrid_swa_kv_pool`` builds for a hybrid sliding-window model,
+    with the full-attention layers in an OscarKVPool of ``sizes.full_max_total_num_tokens``
+    tokens; the sliding-window layers' BF16 pool of ``sizes.swa_max_total_num_tokens`` tokens
+    (as HybridSWAPoolConfigurator sized it)."""
+    if kvc.is_hybrid_swa_compress:
+        raise ValueError("oscar_int2 cannot serve a hybrid sliding-window model whose sliding "
+                         "layers have their own head geometry (SGLang's compressed SWA pool)")
+    full = build_pool_for_configurator(kvc, sizes.full_max_total_num_tokens, req_to_token_pool)
+    return OscarSWAKVPool(full, sizes.swa_max_total_num_tokens, kvc.model_config.swa_attention_layer_ids)

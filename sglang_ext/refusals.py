@@ -238,12 +238,46 @@ def hybrid_linear_problem(model_config) -> str | None:
     return None
 
 
+# Hybrid sliding-window models served with their full-attention layers in the INT2 pool and their
+# sliding-window layers in SGLang's BF16 SWA pool, run by SGLang's Triton backend (the architectures
+# whose SGLang 0.5.17 path -- SWAKVPool, its Triton backend with sinks -- is checked here)
+HYBRID_SWA_ARCHITECTURES = ("GptOssForCausalLM",)
+
+
+def hybrid_swa_problem(model_config) -> str | None:
+    """Why --kv-cache-dtype oscar_int2 cannot serve this model that SGLang runs with its hybrid
+    sliding-window memory (one line), or None (HYBRID_SWA_ARCHITECTURES with full-attention
+    layers and one head geometry for both kinds of layer)."""
+    if not getattr(model_config, "is_hybrid_swa", False):
+        return None
+    arch = _architecture(model_config)
+    if arch not in HYBRID_SWA_ARCHITECTURES:
+        return (f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support the hybrid sliding-window model {arch}: "
+                f"of those it serves {', '.join(HYBRID_SWA_ARCHITECTURES)} only")
+    if getattr(model_config, "is_hybrid_swa_compress", False):
+        return (f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch}: its sliding-window layers have "
+                "their own head geometry (SGLang's compressed SWA pool)")
+    if not list(getattr(model_config, "full_attention_layer_ids", None) or []):
+        return f"--kv-cache-dtype {OSCAR_KV_DTYPE}: {arch} has no full-attention layer to cache"
+    return None
+
+
+def _served_full_layers(model_config) -> tuple[int, ...]:
+    """The full-attention layers SGLang runs: its hybrid sliding-window layer split, or its
+    hybrid Mamba/linear config's."""
+    from .sglang_bridge import mambaish_config
+
+    if getattr(model_config, "is_hybrid_swa", False):
+        return tuple(model_config.full_attention_layer_ids)
+    return tuple(mambaish_config(model_config).full_attention_layer_ids)
+
+
 def _check_hybrid_layers(model_config, shape, arch: str) -> None:
     """The full-attention layers SGLang serves (its hybrid config) are the ones the model
     config names (ModelShape.attention_layers, which the rotations file must cover)."""
-    from .sglang_bridge import SGLANG_VERSION, mambaish_config
+    from .sglang_bridge import SGLANG_VERSION
 
-    served = tuple(mambaish_config(model_config).full_attention_layer_ids)
+    served = _served_full_layers(model_config)
     if served != tuple(shape.attention_layers):
         from oscar_kernels.contract.model_shape import format_layers
 
@@ -253,11 +287,12 @@ def _check_hybrid_layers(model_config, shape, arch: str) -> None:
             f"{format_layers(shape.attention_layers)} (its layer_types and full_attention_interval disagree)")
 
 
-def _check_hybrid_features(sa, arch: str) -> None:
-    """Features SGLang 0.5.17 cannot combine with an OscarKVPool inside its hybrid linear pool."""
+def _check_hybrid_features(sa, arch: str, sliding: bool = False) -> None:
+    """Features SGLang 0.5.17 cannot combine with an OscarKVPool inside its hybrid linear pool
+    (``sliding``: its hybrid sliding-window pool)."""
     from .sglang_bridge import is_blackwell
 
-    if getattr(sa, "device", None) in (None, "cuda") and is_blackwell():
+    if not sliding and getattr(sa, "device", None) in (None, "cuda") and is_blackwell():
         # attention_registry.attn_backend_wrapper asserts this for hybrid GDN models on Blackwell
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch} on this Blackwell GPU: "
                                f"SGLang {_sglang_version()} runs Gated DeltaNet hybrids there with the "
@@ -269,9 +304,27 @@ def _check_hybrid_features(sa, arch: str) -> None:
                       f"{arch} copies the full-attention KV as one uniform layout")
 
 
+def _check_sliding_layers_pooled(sa, shape, arch: str) -> None:
+    """A model with sliding-window (or other non-full) layers that SGLang runs without a hybrid
+    pool keeps every layer in the one token pool: under oscar_int2 that pool is INT2 with no
+    attention window, so refuse in one line."""
+    from oscar_kernels.contract.model_shape import format_layers
+
+    others = [l for l in range(shape.num_layers) if l not in set(shape.attention_layers)]
+    if getattr(sa, "disable_hybrid_swa_memory", False) and arch in HYBRID_SWA_ARCHITECTURES:
+        why = "--disable-hybrid-swa-memory puts them in the one full-size KV pool (drop it)"
+    else:
+        why = (f"SGLang {_sglang_version()} runs {arch} without its hybrid sliding-window memory, so they "
+               "would share the one full-size KV pool")
+    raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch}: its sliding-window layers "
+                           f"{format_layers(others)} need SGLang's BF16 SWA pool, but {why}, which would "
+                           "be INT2 with no attention window")
+
+
 def _check_model(sa, settings) -> None:
-    """Refuse MLA, hybrid SWA models, hybrid Mamba / linear-attention models other than Gated
-    DeltaNet ones, and attention geometries the kernels cannot serve; check the rotations file
+    """Refuse MLA, hybrid sliding-window models other than gpt-oss (and sliding-window models
+    SGLang runs without its SWA pool, e.g. Gemma-3), hybrid Mamba / linear-attention models other
+    than Gated DeltaNet ones, and attention geometries the kernels cannot serve; check the rotations file
     against the model's attention shape and layer pattern and the tensor-parallel split."""
     model_config = _model_config(sa)
     if model_config is None:
@@ -282,9 +335,12 @@ def _check_model(sa, settings) -> None:
     if model_config.attention_arch == AttentionArch.MLA:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} serves MHA/GQA models only; "
                                f"{arch} uses MLA")
-    if getattr(model_config, "is_hybrid_swa", False):
-        raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} does not support hybrid "
-                               f"sliding-window models ({arch})")
+    sliding = bool(getattr(model_config, "is_hybrid_swa", False))
+    if sliding:
+        problem = hybrid_swa_problem(model_config)
+        if problem:
+            raise OscarConfigError(problem)
+        _check_hybrid_features(sa, arch, sliding=True)
     hybrid = mambaish_config(model_config) is not None
     if hybrid:
         problem = hybrid_linear_problem(model_config)
@@ -298,8 +354,10 @@ def _check_model(sa, settings) -> None:
     except (KeyError, TypeError, ValueError) as e:
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE}: cannot read the attention shape "
                                f"of {sa.model_path} ({type(e).__name__}: {e})") from None
-    if hybrid:
+    if hybrid or sliding:
         _check_hybrid_layers(model_config, shape, arch)
+    elif shape.is_hybrid:
+        _check_sliding_layers_pooled(sa, shape, arch)
     # before the rotations file: a file can be calibrated for a model the kernels cannot serve
     _check_kernel_geometry(shape, model_config, arch)
     _check_rotations_file(sa, settings, shape)

@@ -7,14 +7,18 @@
 - ``__post_init__`` (around): :func:`refusals.apply_oscar_defaults` before resolution,
   :func:`refusals.check_oscar_server_args` on the resolved fields after it;
 - ``check_server_args`` (after): the same checks again, for a ServerArgs built before the
-  plugin was loaded (``Engine(server_args=...)``); they are idempotent.
+  plugin was loaded (``Engine(server_args=...)``); they are idempotent;
+- ``_handle_model_specific_adjustments`` (around): SGLang asserts that gpt-oss runs on an
+  attention backend with learned sinks and sliding windows; under oscar_int2 its sliding layers
+  run on SGLang's Triton backend and its full layers on oscar (sinks included), so the check
+  sees the Triton backend it names.
 """
 from __future__ import annotations
 
 import argparse
 
-from .refusals import apply_oscar_defaults, check_oscar_server_args
-from .settings import FLAGS, OSCAR_KV_DTYPE
+from .refusals import HYBRID_SWA_ARCHITECTURES, apply_oscar_defaults, check_oscar_server_args
+from .settings import FLAGS, OSCAR_KV_DTYPE, is_oscar
 
 OPTION_GROUP_TITLE = "OSCAR 2-bit KV cache (oscar-sglang)"
 _DTYPE_HELP = (f' "{OSCAR_KV_DTYPE}": OSCAR 2-bit KV cache (INT2 history + BF16 sink/recent '
@@ -54,3 +58,25 @@ def post_init(original, self):
 
 def check_server_args(result, self):
     check_oscar_server_args(self)
+
+
+def model_specific_adjustments(original, self):
+    if not is_oscar(self) or not _serves_sliding_layers_on_sglang(self):
+        return original(self)
+    from .sglang_bridge import SWA_LAYER_BACKEND
+
+    object.__setattr__(self, "_resolved_attention_backends", lambda: (SWA_LAYER_BACKEND, SWA_LAYER_BACKEND))
+    try:
+        return original(self)
+    finally:
+        object.__delattr__(self, "_resolved_attention_backends")
+
+
+def _serves_sliding_layers_on_sglang(sa) -> bool:
+    if str(getattr(sa, "model_path", "")).lower() in ("", "none", "dummy"):
+        return False
+    try:
+        archs = getattr(sa.get_model_config().hf_config, "architectures", None) or []
+    except Exception:  # SGLang's own method reports a config it cannot read
+        return False
+    return bool(archs) and archs[0] in HYBRID_SWA_ARCHITECTURES

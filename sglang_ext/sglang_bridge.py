@@ -40,6 +40,7 @@ try:
     # KV pool (pool.py)
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     # HiCache host tier (host_pool.py)
     from sglang.srt.mem_cache.pool_host.base import HostKVCache
     from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
@@ -76,7 +77,7 @@ __all__ = [
     "AddReqResult", "ALLOC_MEMORY_FUNCS", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
     "AttentionBackend", "AttentionType", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
     "ForwardMode", "GENERAL_PLUGINS_GROUP", "GenerateReqInput", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
-    "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
+    "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "SWAKVPool", "SWA_LAYER_BACKEND", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
     "hybrid_gdn_config", "is_blackwell", "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",
@@ -84,6 +85,11 @@ __all__ = [
 ]
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+# The SGLang attention backend (ATTENTION_BACKENDS key) that runs the sliding-window layers of a
+# hybrid sliding-window model under oscar_int2, over SGLang's BF16 SWA pool: its Triton backend
+# reads SWAKVPool (full->SWA slot translation, window indices) and takes learned sinks
+SWA_LAYER_BACKEND = "triton"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
@@ -91,6 +97,7 @@ _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 HOOK_TARGETS = {
     "kv_cache_dtype": "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
     "cell_size": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    "swa_cell_size": "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
     "kv_budget": f"{_CONFIGURATOR}._profile_available_bytes",
     "max_num_reqs": f"{_CONFIGURATOR}.resolve_max_num_reqs",
     "build_pool": f"{_CONFIGURATOR}._build_token_to_kv_pool",
@@ -102,6 +109,7 @@ HOOK_TARGETS = {
     "server_args_init": f"{_SERVER_ARGS}.__init__",
     "server_args_post_init": f"{_SERVER_ARGS}.__post_init__",
     "check_server_args": f"{_SERVER_ARGS}.check_server_args",
+    "model_specific_adjustments": f"{_SERVER_ARGS}._handle_model_specific_adjustments",
     "host_pool_cls": "sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls",
     "hicache_storage_config": "sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config",
 }
