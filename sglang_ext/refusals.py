@@ -382,6 +382,11 @@ def _check_kernel_geometry(shape, model_config, arch: str) -> None:
     if v_dim is not None and v_dim != shape.head_dim:  # one head_dim for codes, rotations and kernels
         raise OscarConfigError(f"{cannot}: value head_dim {v_dim} differs from the key head_dim "
                                f"{shape.head_dim} (the INT2 cache needs one head_dim)")
+    text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap:  # Gemma-2's tanh cap on q.k (SGLang passes it as RadixAttention.logit_cap)
+        raise OscarConfigError(f"{cannot}: attention logit soft-capping ({cap}), which the OSCAR kernels "
+                               "do not apply")
     if shape.num_q_heads % shape.num_kv_heads:  # query head h reads KV head h // (Hq / H)
         raise OscarConfigError(f"{cannot}: {shape.num_q_heads} query heads are not a multiple of "
                                f"{shape.num_kv_heads} KV heads")

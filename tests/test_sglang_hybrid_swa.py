@@ -98,6 +98,24 @@ def test_gemma3_is_refused_in_one_line(tmp_path):
         "memory, so they would share the one full-size KV pool, which would be INT2 with no attention window")
 
 
+def test_gemma3_geometry_fits_the_kernels_and_soft_capping_is_refused_in_one_line(tmp_path):
+    """What stands between Gemma-3 and oscar_int2 is SGLang's pool, not the kernels: its head_dim
+    256, query scaling query_pre_attn_scalar**-0.5 (one scale for every layer) and no logit
+    soft-capping pass the kernel checks; Gemma-2's soft-capping does not."""
+    from oscar_kernels.contract.model_shape import ModelShape
+
+    model, _ = model_dir(tmp_path, GEMMA3)
+    mc = ModelConfig.from_server_args(ServerArgs(model_path=model, device="cpu"))
+    shape = ModelShape.from_hf_config(mc.hf_config)
+    assert (shape.head_dim, shape.attention_layers) == (256, (5,)) and not mc.is_hybrid_swa
+    refusals._check_kernel_geometry(shape, mc, "Gemma3ForCausalLM")
+    mc.hf_text_config.attn_logit_softcapping = 50.0
+    with pytest.raises(OscarConfigError) as ei:
+        refusals._check_kernel_geometry(shape, mc, "Gemma2ForCausalLM")
+    assert _one_line(ei) == (f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve Gemma2ForCausalLM: attention "
+                             "logit soft-capping (50.0), which the OSCAR kernels do not apply")
+
+
 def test_gpt_oss_without_sglangs_swa_memory_is_refused_in_one_line(tmp_path):
     model, cfg = model_dir(tmp_path)
     with pytest.raises(OscarConfigError) as ei:
