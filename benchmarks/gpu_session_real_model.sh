@@ -16,7 +16,8 @@
 # wheelhouse has it) from GGUF_WHEELS (default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
 # a transfer each; `run` installs them and runs the session in the foreground with RUN_DIR=$OUT/run,
 # so what finished comes back even if the call is cut. With ROT_DIR's files, nothing calibrates
-# on the GPU. EXTRA=1 adds the attribution, window and proxy runs. SIM_ONLY=1 (pack and run) leaves
+# on the GPU. EXTRA=1 adds the attribution, window and proxy runs; GPU_TESTS=1 then runs the kernel,
+# Gated DeltaNet and sliding-window GPU tests (tests/*_gpu.py) into gpu_tests.xml. SIM_ONLY=1 (pack and run) leaves
 # SGLang out: two transfers instead of four, the simulator only, one process per method beside
 # its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
@@ -127,6 +128,12 @@ run_all() {
   fi
   wait
   merge_servers
+  if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests, after the servers freed the GPU
+    step "gpu tests"
+    $PY -m pytest -m gpu -q -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
+      tests/test_server_hybrid_linear_gpu.py tests/test_server_hybrid_swa_gpu.py > "$R/logs/gpu_tests.log" 2>&1 \
+      || step "FAILED gpu tests"
+  fi
   if [ -n "$tiny" ]; then
     $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
         --merge "$R/tsrv_oscar_noshift.json" --out "$R/server_keyshift_tinylm-A.json" >> "$R/logs/merge.log" 2>&1 \
@@ -175,7 +182,7 @@ case "${1:-}" in
   collect)
     mkdir -p "$2"
     tail -n 3 "$R"/logs/*.out "$R"/logs/sim_*.log "$R"/logs/cal_*.log > "$2/log_tails.txt" 2>&1
-    tar -czf "$2/results.tmp" -C "$R" $(cd "$R" && ls *.json 2>/dev/null) steps.log \
+    tar -czf "$2/results.tmp" -C "$R" $(cd "$R" && ls *.json *.xml 2>/dev/null) steps.log \
       $(cd "$R" && ls logs/*.out logs/*.log 2>/dev/null) && mv "$2/results.tmp" "$2/results.tar.gz"
     cp "$R/steps.log" "$2/" ;;
   *) echo "usage: $0 pack ROT_DIR | add N | run | start MODEL [TINYLM_DIR] | wait SECONDS | collect OUTDIR" >&2; exit 2 ;;
