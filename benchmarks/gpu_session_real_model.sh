@@ -131,7 +131,7 @@ run_all() {
   if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests, after the servers freed the GPU
     step "gpu tests"
     $PY -m pytest -m gpu -q -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
-      tests/test_server_hybrid_linear_gpu.py tests/test_server_hybrid_swa_gpu.py > "$R/logs/gpu_tests.log" 2>&1 \
+      tests/test_server_hybrid_gpu.py > "$R/logs/gpu_tests.log" 2>&1 \
       || step "FAILED gpu tests"
   fi
   if [ -n "$tiny" ]; then

@@ -1,22 +1,28 @@
-"""End-to-end on a GPU: the gpt-oss-20b row of calibration/architectures.py (gpt-oss geometry:
-4 layers, sliding-window attention (window 128) at 0 and 2 and full attention at 1 and 3, learned
-attention sinks on every layer, 64 query / 8 KV heads of dim 64, MoE, seeded random weights)
-served by SGLang 0.5.17 with --kv-cache-dtype oscar_int2 (OscarKVPool for the full layers inside
-SGLang's SWAKVPool, whose BF16 SWA pool holds the sliding layers; OscarSWAAttnBackend: the full
-layers through OscarAttnBackend with the sinks, the sliding layers through SGLang's Triton
-backend; SGLang's SWA allocator and SWA radix cache) against a BF16 server (SGLang's Triton
-backend) on the same folder. Written without a GPU at hand: not run yet.
+"""End-to-end on a GPU: the hybrid rows of calibration/architectures.py, served by SGLang 0.5.17
+with --kv-cache-dtype oscar_int2 against a BF16 server (SGLang's Triton backend) on the same folder.
+Written without a GPU at hand: not run yet.
 
-    PYTHONPATH=/tmp/site python3 -m pytest -m gpu tests/test_server_hybrid_swa_gpu.py -v
+- qwen3-next-80b-a3b (8 layers, Gated DeltaNet linear attention with full attention at 3 and 7,
+  16 query / 2 KV heads of dim 256): OscarKVPool inside SGLang's HybridLinearKVPool,
+  OscarAttnBackend inside its HybridLinearAttnBackend; SGLang's GDN backend, MambaPool and mamba
+  radix cache.
+- gpt-oss-20b (4 layers, sliding window 128 at 0 and 2, full attention at 1 and 3, learned sinks
+  on every layer, 64 query / 8 KV heads of dim 64, MoE): OscarKVPool for the full layers inside
+  SGLang's SWAKVPool, whose BF16 SWA pool holds the sliding layers; OscarSWAAttnBackend (full layers
+  through OscarAttnBackend with the sinks, sliding layers through SGLang's Triton backend).
 
-Checks (as tests/test_server_hybrid_linear_gpu.py does for the Gated DeltaNet row):
-- decode CUDA graphs captured (both backends' graph state and metadata);
-- greedy tokens of prompts inside S + W equal BF16's, up to one near-tie of BF16's;
-- a 6,000-token prompt in chunks of 1,024 (INT2 history for the full layers, the sliding layers'
-  window from SGLang's SWA pool across chunks) + 32 tokens;
-- 16 concurrent requests of 300-3,000 tokens all complete;
-- a radix hit on a one-page prefix (S = 64: the shared page's BF16 sinks for the full layers; the
-  SWA pool's cells of the prefix for the sliding ones) gives the cold prefill's tokens.
+Run on the GPU machine, after the SGLang wheelhouse is installed (../shared/device/README.md):
+
+    PYTHONPATH=/tmp/site python3 -m pytest -m gpu tests/test_server_hybrid_gpu.py -v
+
+Checks per row (as benchmarks/architectures_serving.py does, plus the radix hit):
+- decode CUDA graphs captured;
+- greedy tokens of prompts that fit in S + W equal BF16's up to a near-tie;
+- a 6,000-token prompt in chunks of 1,024 (INT2 history for the full-attention layers; the GDN
+  state or the sliding window carried across chunks by SGLang) + 32 tokens;
+- 16 concurrent requests of 300-3,000 tokens complete;
+- a radix hit on a one-page prefix (S = 64: the shared page's BF16 sinks; the GDN state from the
+  mamba radix cache's snapshot, or the SWA pool's cells of the prefix) gives the cold prefill's tokens.
 """
 import re
 import subprocess
@@ -29,7 +35,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
-ROW = "gpt-oss-20b"
+ROWS = ("qwen3-next-80b-a3b", "gpt-oss-20b")
 SINKS, WINDOW = 64, 128
 COMMON = ["--sampling-backend", "pytorch", "--page-size", "64", "--chunked-prefill-size", "1024",
           "--mem-fraction-static", "0.6", "--max-running-requests", "32", "--log-level", "info"]
@@ -47,15 +53,20 @@ def _harness():
     return server_harness
 
 
+@pytest.fixture(scope="module", params=ROWS)
+def row(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(row, tmp_path_factory):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from calibration import architectures
 
-    return architectures.build_model_dir(ROW, str(tmp_path_factory.mktemp("model") / ROW))
+    return architectures.build_model_dir(row, str(tmp_path_factory.mktemp("model") / row))
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +86,8 @@ def ids(model_dir):
 
 
 @pytest.fixture(scope="module")
-def rotations(model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("rot") / f"{ROW}.oscar.safetensors")
+def rotations(row, model_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("rot") / f"{row}.oscar.safetensors")
     done = subprocess.run([sys.executable, "-m", "calibration.cli", "--model", model_dir, "--out", out,
                            "--device", "cuda", "--tokens", "16384", "--seq-len", "1024", "--quiet"],
                           capture_output=True, text=True, cwd=ROOT)
@@ -100,20 +111,19 @@ def _greedy(server, ids):
 
 
 @pytest.fixture(scope="module")
-def bf16(model_dir, ids, tmp_path_factory):
-    """Greedy outputs of the BF16 reference (SGLang's Triton backend: sinks, sliding windows, its
-    SWA pool), then stopped."""
+def bf16(row, model_dir, ids, tmp_path_factory):
+    """Greedy outputs of the BF16 reference (SGLang's Triton backend), then stopped."""
     h = _harness()
-    with h.Server("gpt-oss-bf16", ["--model-path", model_dir, "--attention-backend", "triton",
+    with h.Server(f"{row}-bf16", ["--model-path", model_dir, "--attention-backend", "triton",
                                       "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", *COMMON],
                   str(tmp_path_factory.mktemp("logs"))) as server:
         return [_greedy(server, ids[o:o + n])[:2] for o, n in WINDOW_PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def oscar(model_dir, rotations, bf16, tmp_path_factory):
+def oscar(row, model_dir, rotations, bf16, tmp_path_factory):
     h = _harness()
-    server = h.Server("gpt-oss-oscar", ["--model-path", model_dir, "--kv-cache-dtype", "oscar_int2",
+    server = h.Server(f"{row}-oscar", ["--model-path", model_dir, "--kv-cache-dtype", "oscar_int2",
                                            "--oscar-rotations", rotations, "--oscar-sink-tokens", str(SINKS),
                                            "--oscar-recent-window", str(WINDOW), "--cuda-graph-max-bs-decode", "16",
                                            *COMMON], str(tmp_path_factory.mktemp("logs")))
@@ -148,8 +158,8 @@ def test_16_concurrent_requests_complete(oscar, ids):
 
 def test_radix_hit_on_one_page_gives_the_cold_prefills_tokens(oscar, ids):
     """The second prompt cold, then after a first prompt that shares its first page: the hit
-    reads that page's BF16 sinks (S = 64) and INT2 cells for the full layers, and the sliding
-    layers read the prefix from SGLang's SWA pool (the SWA radix cache keeps it); its greedy
+    reads that page's BF16 sinks (S = 64) and INT2 cells for the full layers, and the other layers
+    their state from SGLang (the mamba snapshot at 64 tokens or the SWA pool's cells); its greedy
     tokens equal the cold run's up to a near-tie."""
     h = _harness()
     prefix = ids[7000:7064]
