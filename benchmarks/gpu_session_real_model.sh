@@ -16,8 +16,8 @@
 # wheelhouse has it) from GGUF_WHEELS (default /tmp/g) and ROT_DIR's rotations files calibrated here into one tar cut in parts that fit
 # a transfer each; `run` installs them and runs the session in the foreground with RUN_DIR=$OUT/run,
 # so what finished comes back even if the call is cut. With ROT_DIR's files, nothing calibrates
-# on the GPU. EXTRA=1 adds the attribution, window and proxy runs; GPU_TESTS=1 then runs the kernel,
-# Gated DeltaNet and sliding-window GPU tests (tests/*_gpu.py) into gpu_tests.xml. SIM_ONLY=1 (pack and run) leaves
+# on the GPU. EXTRA=1 adds the attribution, window and proxy runs; GPU_TESTS=1 also runs the kernel,
+# Gated DeltaNet and sliding-window GPU tests (tests/*_gpu.py) into gpu_tests.xml, beside the servers. SIM_ONLY=1 (pack and run) leaves
 # SGLang out: two transfers instead of four, the simulator only, one process per method beside
 # its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
@@ -95,6 +95,12 @@ run_all() {
       > "$R/logs/srv_$m.out" 2>&1 &
   done
 
+  if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests beside them, once their pools are sized
+    ( sleep 90; step "gpu tests"
+      $PY -m pytest -m gpu -q -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
+        tests/test_server_hybrid_gpu.py > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
+      step "gpu tests ended" ) &
+  fi
   step "simulator smollm2"
   local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
   $PY "${ev[@]}" --method oscar="$rot/smol_oscar.safetensors" --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" \
@@ -128,12 +134,6 @@ run_all() {
   fi
   wait
   merge_servers
-  if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests, after the servers freed the GPU
-    step "gpu tests"
-    $PY -m pytest -m gpu -q -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
-      tests/test_server_hybrid_gpu.py > "$R/logs/gpu_tests.log" 2>&1 \
-      || step "FAILED gpu tests"
-  fi
   if [ -n "$tiny" ]; then
     $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
         --merge "$R/tsrv_oscar_noshift.json" --out "$R/server_keyshift_tinylm-A.json" >> "$R/logs/merge.log" 2>&1 \

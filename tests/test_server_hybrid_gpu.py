@@ -38,7 +38,7 @@ pytestmark = pytest.mark.gpu
 ROWS = ("qwen3-next-80b-a3b", "gpt-oss-20b")
 SINKS, WINDOW = 64, 128
 COMMON = ["--sampling-backend", "pytorch", "--page-size", "64", "--chunked-prefill-size", "1024",
-          "--mem-fraction-static", "0.6", "--max-running-requests", "32", "--log-level", "info"]
+          "--mem-fraction-static", "0.3", "--max-running-requests", "32", "--log-level", "info"]
 GRAPH_LINE = re.compile(r"Capture target decode CUDA graph end[^\n]*")
 WINDOW_PROMPTS = ((0, 40), (500, 64), (1100, 90))  # (offset, tokens): prompt + 24 <= S + W
 GREEDY_TOKENS = 24
