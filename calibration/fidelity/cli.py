@@ -17,7 +17,9 @@ the lower bound the server's top-K lists give; see calibration.fidelity.agreemen
 positions past the first chunk, which read fresh BF16 K/V.
 ``--int2-parts k`` / ``v`` quantise only keys / only values (PyTorch fake quantisation,
 ``kv-fake`` both) to attribute the INT2 error. Keys use the file's ``group_size``, values
-its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs).
+its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs);
+``--key-channel-page P`` (fake runs only) quantises the keys KIVI-style instead: one scale and
+min per rotated channel over each page of P positions (simulator only; no kernel stores it).
 """
 from __future__ import annotations
 
@@ -106,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --int2-parts kv-fake or v: the values' INT2 group size and scale dtype "
                          "(e.g. 128:float8_e4m3fn; default: the rotations file's value_group_size and "
                          "scale_dtype)")
+    ap.add_argument("--key-channel-page", type=at_least(0), default=0, metavar="P",
+                    help="with --int2-parts kv-fake or k: KIVI-style keys, one scale and min per rotated channel "
+                         "over each page of P positions (0 = the rotations file's per-token key groups; "
+                         "needs --recent >= P)")
+    ap.add_argument("--key-page-scale-dtype", choices=sorted(SCALE_DTYPES), default=None,
+                    help="with --key-channel-page: the page scales' dtype (default: the rotations file's)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -155,7 +163,8 @@ def _build_sim(rot, a, shape, max_len: int):
     return FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                          a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
                          value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
-                         value_scale_dtype=a.value_groups[1] if a.value_groups else None)
+                         value_scale_dtype=a.value_groups[1] if a.value_groups else None,
+                         key_channel_page=a.key_channel_page, key_page_scale_dtype=a.key_page_scale_dtype)
 
 
 def _summary(res: dict, lengths: list[int]) -> dict:
@@ -180,6 +189,13 @@ def main(argv=None) -> int:
     if a.value_groups and a.int2_parts not in ("kv-fake", "v"):
         raise _refuse("--value-groups needs --int2-parts kv-fake or v (the kernels take the "
                       "rotations file's groups and one scale dtype)")
+    if a.key_channel_page and a.int2_parts not in ("kv-fake", "k"):
+        raise _refuse("--key-channel-page needs --int2-parts kv-fake or k (the kernels store per-token key groups)")
+    if a.key_channel_page and a.recent < a.key_channel_page:
+        raise _refuse(f"--key-channel-page {a.key_channel_page} needs --recent >= it (an incomplete page stays "
+                      f"in the BF16 ring), got --recent {a.recent}")
+    if a.key_page_scale_dtype and not a.key_channel_page:
+        raise _refuse("--key-page-scale-dtype needs --key-channel-page")
     if a.ppl_windows and a.decode_tail >= min(a.ppl_len):
         raise _refuse(f"--decode-tail {a.decode_tail} must be shorter than the shortest --ppl-len {min(a.ppl_len)}")
     if a.threads:
@@ -248,6 +264,9 @@ def main(argv=None) -> int:
             "int2_parts": a.int2_parts,
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
+            **({"key_channel_page": {"page": a.key_channel_page,
+                                     "scale_dtype": a.key_page_scale_dtype or per_method("scale_dtype")}}
+               if a.key_channel_page else {}),
             "chunk": a.chunk, "page_size": a.page_size, "ppl_len": ppl_len, "ppl_windows": a.ppl_windows,
             "decode_tail": a.decode_tail,
             "passkey_trials": a.passkey_trials, "passkey_lengths": a.lengths, "passkey_depths": a.depths,

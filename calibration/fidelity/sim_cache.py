@@ -12,7 +12,10 @@ function registered in transformers' AttentionInterface):
 - :class:`Bf16KVSim` is the BF16 reference with the same numerics otherwise: K/V kept in
   BF16, q rounded to BF16, softmax(q k^T * scale) v in float32, output rounded to BF16.
 - :class:`FakeInt2KVSim` (ablation): Bf16KVSim with fake-quantised history keys, values or
-  both in PyTorch, so the INT2 error can be attributed to K or V (and quantiser candidates tried).
+  both in PyTorch, so the INT2 error can be attributed to K or V (and quantiser candidates tried);
+  ``key_channel_page`` P > 0 (simulator only, no kernel stores it) quantises the keys KIVI-style:
+  after the rotation, one scale and min per channel over a page of P tokens
+  (:func:`fake_quantise_channels`), computed once the page is complete.
 """
 from __future__ import annotations
 
@@ -26,6 +29,20 @@ from oscar_kernels.int2 import clip, fake_quantise
 
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
+
+
+def fake_quantise_channels(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """KIVI-style INT2 over tokens: x [B, T, H, D] float -> dequantised float32, same shape, with
+    one (scale, min) per (row, head, channel) over the T tokens, cast to ``scale_dtype`` before
+    the codes are computed (the rule of :func:`oscar_kernels.int2.quantise`, grouped over
+    tokens instead of channels): code = clamp(floor((x - min) / scale + 1/2), 0, 3)."""
+    x = x.float()
+    lo_q = x.amin(1, keepdim=True).to(scale_dtype).float()
+    scale_q = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 3).to(scale_dtype).float()
+    safe = torch.where(scale_q > 0, scale_q, torch.ones_like(scale_q))
+    codes = torch.floor((x - lo_q) / safe + 0.5).clamp(0, 3)
+    codes = torch.where(scale_q > 0, codes, torch.zeros_like(codes))
+    return lo_q + codes * scale_q
 
 
 class _KVSim:
@@ -102,18 +119,27 @@ class FakeInt2KVSim(Bf16KVSim):
     ring_lo = max(n - W, S) when decoding (the new token is in the ring) and max(n0 - W, S)
     for a prefill chunk after n0 tokens (the chunk itself is read fresh, as in extend).
     ``value_group_size`` / ``value_scale_dtype``: the values' own INT2 groups (default: the
-    keys'), to try layouts with a group size per tensor."""
+    keys'), to try layouts with a group size per tensor.
+    ``key_channel_page`` P > 0: keys quantised per channel over pages of P positions (page p =
+    positions [p P, (p+1) P), the sinks left out of the first), after the rotation, shift and clip,
+    with ``key_page_scale_dtype`` (default the keys' scale dtype) -- KIVI's key layout; a page is
+    quantised when its last position is stored, which the ring makes possible when W >= P (every
+    position of an incomplete page is still in the ring, so it is never read from INT2)."""
 
     name = "fake-int2"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
-                 value_scale_dtype: str | None = None):
+                 value_scale_dtype: str | None = None, key_channel_page: int = 0,
+                 key_page_scale_dtype: str | None = None):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
             raise ValueError("sink tokens and recent window must be >= 0")
+        if key_channel_page < 0 or (key_channel_page and recent_window < key_channel_page):
+            raise ValueError(f"key channel page {key_channel_page} needs a recent window W >= the page "
+                             f"(W = {recent_window}): an incomplete page must stay in the BF16 ring")
         h, d = rotations[0].k_rot.shape[0], rotations[0].k_rot.shape[-1]
         super().__init__(len(rotations), h, d, max_batch, max_len, device)
         self.rotations = [r.to(self.device) for r in rotations]
@@ -121,6 +147,8 @@ class FakeInt2KVSim(Bf16KVSim):
         self.scale_dtype = torch_scale_dtype(scale_dtype)
         self.value_scale_dtype = torch_scale_dtype(value_scale_dtype or scale_dtype)
         self.sink_tokens, self.recent_window, self.parts = sink_tokens, recent_window, parts
+        self.key_channel_page = key_channel_page
+        self.key_page_scale_dtype = torch_scale_dtype(key_page_scale_dtype or scale_dtype)
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
@@ -133,12 +161,26 @@ class FakeInt2KVSim(Bf16KVSim):
     def _store(self, layer_idx, b, n0, n, k, v):
         super()._store(layer_idx, b, n0, n, k, v)
         r = self.rotations[layer_idx]
-        if self.kq is not None:
+        if self.kq is not None and self.key_channel_page:
+            self._store_key_pages(layer_idx, b, n0, n, r)
+        elif self.kq is not None:
             self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
                                                       self.group_size, self.scale_dtype, r.k_shift)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
                                                       self.value_group_size, self.value_scale_dtype)
+
+    def _store_key_pages(self, layer_idx, b, n0, n, r):
+        """Quantise the key pages whose last position is among n0..n (KIVI: per channel over the page)."""
+        p = self.key_channel_page
+        for end in range((n0 // p + 1) * p, n + 1, p):
+            lo = max(end - p, self.sink_tokens)
+            if lo >= end:
+                continue
+            x = self.k[layer_idx][:b, lo:end].float()
+            x_rot = clip(torch.einsum("bthd,hde->bthe", x, r.k_rot) - r.k_shift, r.k_clip_min, r.k_clip_max)
+            x_hat = fake_quantise_channels(x_rot, self.key_page_scale_dtype) + r.k_shift
+            self.kq[layer_idx][:b, lo:end] = torch.einsum("bthe,hde->bthd", x_hat, r.k_rot).to(CACHE_DTYPE)
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
