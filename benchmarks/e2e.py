@@ -32,6 +32,21 @@ context length, max running requests) and runs the requested phases against it:
                   bf16_flashinfer. The window ends when every request is done or at ``--dt-window-s``
                   / the deadline, whichever is first (``bounded: true`` in the JSON; the client is
                   stopped then), so one configuration and workload fit one 10-minute call.
+                  With ``--profile-steps N`` (issue 48, "where the step goes"), once the scheduler's
+                  last two log intervals were decode-only at full concurrency (the same #running-req
+                  at three "Decode batch" lines in a row, >= --dt-full-fraction x the largest so far),
+                  the server's own profiler records N forward steps: POST /start_profile
+                  {num_steps: N, activities: [CPU, GPU], output_dir: --log-dir, with_stack/record_shapes
+                  false} (SGLang 0.5.17's ProfileReq; without start_step or profile_by_stage the
+                  scheduler starts torch.profiler at once and stops it N steps later, writing
+                  ``<cfg>.<workload>-TP-0.trace.json.gz`` and logging "Profiling done"; /stop_profile
+                  if the workload ends first). CUDA graphs stay on: torch.profiler's CUDA activity is
+                  CUPTI's kernel trace, which records each kernel a graph replays as its own kernel
+                  event carrying the correlation id of the replay's cudaGraphLaunch (SGLang itself
+                  neither turns graphs off for /start_profile nor needs to). benchmarks/decode_profile.py
+                  turns the trace into ms per decode step by category (its docstring: steps bounded by
+                  the graph replays); the breakdown is the entry's ``profile``; the decode intervals
+                  that held profiled steps are left out of the steady figures.
 
 Every measurement is merged into the JSON (``--out``) as soon as it exists, so a killed
 run keeps what it measured; server and client logs go to ``--log-dir``; the server's
@@ -58,6 +73,24 @@ fresh machine its first start compiles for minutes, so steady_8k, the shorter pr
     mkdir -p $OUT/logs; cp benchmarks/results/e2e_decode_throughput_qwen3-8b-shape.json $OUT/ 2>/dev/null
     python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2 \\
         --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+
+Where a steady decode step goes (issue 48): the same calls with ``--profile-steps 20``, one
+configuration and workload per call (four calls; each re-measures its steady entry and adds the
+profile; the trace comes back in $OUT/logs):
+
+    mkdir -p $OUT/logs; cp benchmarks/results/e2e_decode_throughput_qwen3-8b-shape.json $OUT/ 2>/dev/null
+    python3 -m benchmarks.e2e --phases steady_8k --configs oscar_int2 --profile-steps 20 \\
+        --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+    python3 -m benchmarks.e2e --phases steady_8k --configs bf16_flashinfer --profile-steps 20 \\
+        --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+    python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2 --profile-steps 20 \\
+        --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+    python3 -m benchmarks.e2e --phases steady_32k --configs bf16_flashinfer --profile-steps 20 \\
+        --out $OUT/e2e_decode_throughput_qwen3-8b-shape.json --log-dir $OUT/logs
+
+(copy the JSON back to benchmarks/results/ after each call). Here, afterwards:
+``python3 -m benchmarks.decode_profile --plot`` and ``python3 -m benchmarks.report --write
+benchmarks/RESULTS.md`` (section ``decode-profile``).
 
 A run longer than one call (say ``--dt-window-s 1500 --deadline-s 1600``, every request to
 completion) starts detached in a first call that then only waits, and a second call, made at once
@@ -497,6 +530,118 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
+PROFILE_DONE = "Profiling done"  # SGLang 0.5.17's SchedulerProfilerManager._stop_profile, once the trace is written
+
+
+def at_full_concurrency(events: list[dict], full_fraction: float) -> int | None:
+    """#running-req when the scheduler's last two log intervals were steady (decode steps only,
+    the same #running-req at the three lines that bound them) at full concurrency (>= full_fraction
+    x the largest #running-req so far); else None."""
+    decodes = [e for e in events if e["kind"] == "decode"]
+    last = events[-3:]
+    if len(last) < 3 or any(e["kind"] != "decode" or e["running"] != last[0]["running"] for e in last):
+        return None
+    running = last[-1]["running"]
+    return running if running > 0 and running >= full_fraction * max(e["running"] for e in decodes) else None
+
+
+class StepProfile:
+    """``--profile-steps N``: once the workload decodes at full concurrency, SGLang's own profiler
+    (POST /start_profile with num_steps = N: the scheduler starts torch.profiler at once and stops
+    it N forward steps later, writing ``<output_dir>/<profile_id>-TP-0.trace.json.gz``) records N
+    decode steps, CUDA graphs on, as served; benchmarks/decode_profile.py reads the trace. The
+    decode log intervals that held profiled steps are left out of the steady figures."""
+
+    ACTIVITIES = ["CPU", "GPU"]  # CPU: the cudaGraphLaunch runtime events that bound the steps
+
+    def __init__(self, server: Server, args, cfg: ServeConfig, workload: str):
+        self.server, self.steps = server, args.profile_steps
+        self.full_fraction = args.dt_full_fraction
+        self.out_dir = os.path.abspath(args.log_dir)
+        self.profile_id = f"{cfg.name}.{workload}"
+        self.start = self.done = None  # positions in the log text since the workload began
+        self.info: dict = {"requested_steps": self.steps}
+        for f in self._traces():  # a trace of an earlier run would pass for this one
+            os.remove(f)
+
+    def _post(self, path: str, payload: dict, timeout: float) -> str:
+        """POST to SGLang's profiler endpoints, which answer plain text ("Start profiling.")."""
+        import urllib.request
+
+        req = urllib.request.Request(self.server.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode("utf-8", "replace")
+
+    def _traces(self) -> list[str]:
+        import glob
+
+        return sorted(glob.glob(os.path.join(self.out_dir, f"{self.profile_id}-TP-*.trace.json*")))
+
+    def poll(self, text: str, t: float) -> None:
+        """Start the profile when the log ``text`` (since the workload began) shows full concurrency;
+        note when the scheduler says the trace is written."""
+        if self.start is None and "error" not in self.info:
+            running = at_full_concurrency(parse_scheduler_log(text), self.full_fraction)
+            if running is None:
+                return
+            payload = {"output_dir": self.out_dir, "num_steps": self.steps, "activities": self.ACTIVITIES,
+                       "with_stack": False, "record_shapes": False, "profile_id": self.profile_id}
+            try:
+                self._post("/start_profile", payload, timeout=120)
+            except OSError as e:  # urllib's HTTPError / URLError
+                self.info["error"] = f"/start_profile: {e}"[:300]
+                log(f"  profile: {self.info['error']}")
+                return
+            self.start = len(text)
+            self.info.update(in_flight=running, started_s=round(t, 1), request=payload)
+            log(f"  profile: {self.steps} steps at {running} in flight ({t:.0f} s into the workload)")
+        elif self.start is not None and self.done is None:
+            i = text.find(PROFILE_DONE, self.start)
+            if i >= 0:
+                self.done = text.find("\n", i) + 1 or len(text)
+
+    def finish(self, offset: int, deadline: Deadline) -> dict:
+        """Wait for the trace (stopping the profiler if the workload ended first) and parse it."""
+        if self.start is None:
+            return {**self.info, "error": self.info.get("error", "the workload never decoded at full concurrency")}
+        t0 = time.monotonic()
+        for stop_after in (30.0, None):  # no steps left to count: /stop_profile writes what it has
+            while self.done is None and time.monotonic() - t0 < (stop_after or 90.0) and deadline.left() > 20:
+                self.poll(self.server.log_text()[offset:], 0.0)
+                time.sleep(1)
+            if self.done is not None or stop_after is None or not self.server.alive():
+                break
+            try:
+                self._post("/stop_profile", {}, timeout=60)
+                self.info["stopped_by"] = "/stop_profile (the workload ended before the steps were counted)"
+            except (OSError, ValueError) as e:
+                self.info["stop_error"] = str(e)[:200]
+        traces = self._traces()
+        if not traces:
+            return {**self.info, "error": f"no trace {self.profile_id}-TP-*.trace.json* in {self.out_dir}"}
+        from benchmarks.decode_profile import breakdown, load_trace
+
+        try:
+            parsed = breakdown(load_trace(traces[0]))
+        except (OSError, ValueError, KeyError, EOFError) as e:
+            return {**self.info, "trace": os.path.basename(traces[0]), "error": f"trace: {e}"[:300]}
+        log(f"  profile: {parsed['steps']} steps, {parsed['wall_ms_per_step']} ms per step "
+            f"({os.path.basename(traces[0])})")
+        return {**self.info, "trace": os.path.basename(traces[0]), **parsed,
+                "source": "torch profiler through SGLang's /start_profile (CUDA graphs on, as served); "
+                          "benchmarks/decode_profile.py"}
+
+    def events(self, text: str) -> list[dict]:
+        """The scheduler's log events with the profiled intervals left out: the lines logged while
+        it ran become one marker, which no steady interval spans (the first line after it closes an
+        interval that held profiled steps)."""
+        if self.start is None:
+            return parse_scheduler_log(text)
+        after = parse_scheduler_log(text[self.done:]) if self.done is not None else []
+        return parse_scheduler_log(text[:self.start]) + [{"kind": "profile"}] + after
+
+
 def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, workload: str, plan: dict) -> dict:
     """Send the workload at once, watch /metrics until every request is done or the window
     closes, then read the steady-state figures from the scheduler's log."""
@@ -526,6 +671,7 @@ def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, wor
     # a counter that /metrics does not list yet has counted nothing
     start_tokens = (metrics_sample(first, 0.0)["decode_tokens"] or 0.0) if isinstance(first, str) else None
     samples = []
+    prof = StepProfile(server, args, cfg, workload) if args.profile_steps else None
     t0 = time.monotonic()
     with open(client_log, "w", encoding="utf-8") as lf:
         lf.write("$ " + shlex.join(cmd) + "\n")
@@ -538,6 +684,8 @@ def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, wor
                 text = server.get("/metrics", timeout=10)
                 if isinstance(text, str):
                     samples.append(metrics_sample(text, time.monotonic() - t0))
+                if prof is not None:
+                    prof.poll(server.log_text()[offset:], time.monotonic() - t0)
                 if done or time.monotonic() - t0 >= cap or not server.alive():
                     break
                 time.sleep(args.dt_poll_s)
@@ -557,7 +705,10 @@ def phase_steady(server: Server, args, deadline: Deadline, cfg: ServeConfig, wor
         if client is None:
             lines = open(client_log, encoding="utf-8", errors="replace").read().splitlines()[1:]
             res["client_error"] = f"client exited {proc.returncode}: " + " | ".join(lines[-6:])[:500]
-    steady = steady_state(parse_scheduler_log(server.log_text()[offset:]), args.dt_full_fraction)
+    if prof is not None:
+        res["profile"] = prof.finish(offset, deadline)
+    text = server.log_text()[offset:]
+    steady = steady_state(prof.events(text) if prof is not None else parse_scheduler_log(text), args.dt_full_fraction)
     window = window_rate(samples, start_tokens)
     step = max(1, len(samples) // 200)
     res.update({
@@ -840,6 +991,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="steady-state phases: the servers' --cuda-graph-max-bs-decode (default: "
                          "--max-running-requests)")
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="steady-state phases: once the workload decodes at full concurrency, record N decode "
+                         "steps with SGLang's profiler (/start_profile) and store their per-kernel breakdown "
+                         "(benchmarks/decode_profile.py) in the entry; the trace goes to --log-dir")
     ap.add_argument("--from-server-log", default=None, metavar="LOG",
                     help="steady-state phase: record one configuration's steady figures from a server log whose "
                          "run was lost (the device call ended before it wrote them), without starting a server")

@@ -252,6 +252,48 @@ def render_e2e_decode_throughput(path: str, data: dict) -> list[str]:
     return parts
 
 
+def render_decode_profile(results_dir: str) -> str:
+    """Issue 48's "where the step goes": the ``profile`` of each steady entry of the e2e decode-throughput
+    files (benchmarks/decode_profile.py), ms per decode step by category, one column per configuration
+    and workload; the stacked-bar plot beside it when ``decode_profile_<model>.png`` exists."""
+    from benchmarks import decode_profile as dp
+
+    parts = []
+    for path in _files(results_dir, "e2e_decode_throughput_*.json"):
+        data = _load(path)
+        runs = dp.profiles(data)
+        if not runs:
+            continue
+        entry = lambda n, w: data["configs"][n][w]
+        cats = [c for c in dp.CATEGORIES if any(p["ms_per_step"].get(c) for _, _, p in runs)]
+        rows = [["in flight"] + [fmt(p.get("in_flight", entry(n, w).get("in_flight"))) for n, w, p in runs]]
+        rows += [[c] + [fmt(p["ms_per_step"].get(c), 2) for _, _, p in runs] for c in cats]
+        rows += [["step, wall (trace)"] + [fmt(p.get("wall_ms_per_step"), 2) for _, _, p in runs],
+                 ["step (scheduler log)"] + [fmt((entry(n, w).get("steady") or {}).get("ms_per_step"), 2)
+                                             for n, w, _ in runs],
+                 ["steps in the trace"] + [f"{fmt(p.get('steps'))} of {fmt(p.get('graph_replays'))} replays"
+                                           for _, _, p in runs]]
+        env = data.get("environment", {})
+        parts.append(f"**{data.get('model', '?')}** on {env.get('gpu') or 'an unnamed GPU'}, SGLang "
+                     f"{env.get('sglang', '?')}: ms per steady decode step by category, CUDA graphs on, as served "
+                     f"(torch profiler through `/start_profile`). Source: `{_rel(path)}`.")
+        parts.append(table(["ms per decode step"] + [f"{n} {w}" for n, w, _ in runs], rows))
+        parts.append("Everything else, largest kernels (ms per step): " + "; ".join(
+            f"{n} {w}: " + ", ".join(f"`{k['name']}` {fmt(k['ms_per_step'], 2)}" for k in p.get("top_other", [])[:4])
+            for n, w, p in runs) + ".")
+        png = f"decode_profile_{data.get('model', 'm')}.png"
+        if os.path.isfile(os.path.join(results_dir, png)):
+            parts.append(f"![ms per decode step by category](results/{png})")
+    if not parts:
+        return ("_No profile yet: run `python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2 "
+                "--profile-steps 20` (one configuration and workload per GPU call, benchmarks/e2e.py's docstring)._")
+    parts.append("Steps: the periods between consecutive CUDA-graph replays in the trace that ran decode work "
+                 "only; a category is the kernels' summed durations per step, GPU idle the step's time with no "
+                 "kernel running (benchmarks/decode_profile.py). The scheduler's ms per step is of the unprofiled "
+                 "intervals.")
+    return "\n\n".join(parts)
+
+
 @per_results_file("capacity_*.json", "python3 -m benchmarks.capacity", "one GPU")
 def render_capacity(path: str, data: dict) -> list[str]:
     parts = []
@@ -1025,6 +1067,7 @@ SECTIONS = {
     "targets": render_targets,
     "e2e": render_e2e,
     "e2e-decode-throughput": render_e2e_decode_throughput,
+    "decode-profile": render_decode_profile,
     "capacity": render_capacity,
     "server-fidelity": render_server_fidelity,
     "real-model": render_real_model,
