@@ -32,7 +32,8 @@ kernels) and metadata (the KV index builders run per step); KV store and ring (o
 ``_store_kernel``, SGLang's ``store_kvcache``); sampling / logits; communication;
 norms / RoPE / activation; GEMMs (cuBLAS ``nvjet``/``gemm``/``cutlass``...); everything else
 (memcpy, memset and unnamed elementwise kernels; the largest are listed by name). Two rules
-read the order inside one replay: its last GEMM is the LM head (sampling / logits), and a
+read the order inside one replay: its last GEMM kernels (the last one and the GEMM kernels right
+before it, e.g. a split-K reduce's partner) are the LM head (sampling / logits), and a
 ``_rotate_q_kernel`` right after a ``_decode_merge_split`` is the output un-rotation (merge).
 
     python3 -m benchmarks.decode_profile TRACE.json.gz                 # the breakdown of one trace
@@ -123,9 +124,10 @@ def breakdown(trace, top: int = 8) -> dict:
             if c in (ROT, STAGE1, MERGE):
                 last_attn = k["name"]
             cat[id(k)] = c
-        gemms = [k for k in ks if cat[id(k)] == GEMM]
-        if gemms:
-            cat[id(gemms[-1])] = SAMPLING  # the LM head: the forward's last GEMM
+        last = max((j for j, k in enumerate(ks) if cat[id(k)] == GEMM), default=None)
+        while last is not None and last >= 0 and cat[id(ks[last])] == GEMM:
+            cat[id(ks[last])] = SAMPLING  # the LM head: the forward's last GEMM (with its split-K reduce)
+            last -= 1
     in_graph = {id(k) for ks in replays.values() for k in ks}
     starts = sorted(float(ks[0]["ts"]) for ks in replays.values())
     periods = list(zip(starts, starts[1:]))

@@ -30,6 +30,8 @@ def _replay(t, corr, split_merge=False):
     ks += [("_decode_merge_split", 24), ("_rotate_q_kernel", 6)] if split_merge else [("_decode_merge_row", 20)]
     ks += [("nvjet_tst_128x64_64x4_1x2_h_bz_TNT", 100), ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>", 10),
            ("nvjet_tst_256x128_64x4_2x1_v_bz_TNT", 200)]  # the last GEMM: the LM head
+    if split_merge:  # and a split-K reduce after it, also the LM head's
+        ks.append(("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 4))
     out = []
     for name, d in ks:
         out.append(_kernel(name, t, d, corr))
@@ -92,18 +94,20 @@ def test_ms_per_step_of_a_synthetic_trace():
     ms = r["ms_per_step"]
     # per kept step, in us: rotations 10 + 10 (step 2's second rotation is the split merge's un-rotation),
     # stage 1 300 + 300, merge 20 + (24 + 6), store 20 + 20, GEMMs 100 + 100, norm 10 + 10,
-    # sampling/logits (LM head 200 + argmax 30) x 2, else (memcpy 5 + fill 15) + (5 + 15 + 50)
+    # sampling/logits (LM head 200 (+ 4 split-K reduce in step 2) + argmax 30), else (memcpy 5 + fill 15) +
+    # (5 + 15 + 50)
     want = {dp.ROT: 0.010, dp.STAGE1: 0.300, dp.MERGE: 0.025, dp.KV: 0.020, dp.GEMM: 0.100, dp.NORM: 0.010,
-            dp.SAMPLING: 0.230, dp.OTHER: 0.045, dp.FLASHINFER: 0.0, dp.META: 0.0, dp.COMM: 0.0}
+            dp.SAMPLING: 0.232, dp.OTHER: 0.045, dp.FLASHINFER: 0.0, dp.META: 0.0, dp.COMM: 0.0}
     assert {c: ms[c] for c in want} == pytest.approx(want, abs=1e-9)
-    # wall (1000 + 1100) / 2; busy: (660 + 30 + 5 + 15) and (670 + 30 + 5 + 15), the 50 us under stage 1
+    # wall (1000 + 1100) / 2; busy: (660 + 30 + 5 + 15) and (674 + 30 + 5 + 15), the 50 us under stage 1
     assert r["wall_ms_per_step"] == pytest.approx(1.050)
-    assert r["gpu_busy_ms_per_step"] == pytest.approx(0.715)
-    assert ms[dp.IDLE] == pytest.approx(1.050 - 0.715)
-    assert r["kernel_ms_per_step"] == pytest.approx(0.740) and r["overlap_ms_per_step"] == pytest.approx(0.025)
+    assert r["gpu_busy_ms_per_step"] == pytest.approx(0.717)
+    assert ms[dp.IDLE] == pytest.approx(1.050 - 0.717)
+    assert r["kernel_ms_per_step"] == pytest.approx(0.742) and r["overlap_ms_per_step"] == pytest.approx(0.025)
     assert sum(ms.values()) - r["overlap_ms_per_step"] == pytest.approx(r["wall_ms_per_step"])
     assert r["kernels_per_step"][dp.ROT] == 1 and r["kernels_per_step"][dp.MERGE] == 1.5
-    assert r["kernels_per_replay"] == 7.25  # (7 + 8 + 7 + 7) / 4
+    assert r["kernels_per_step"][dp.GEMM] == 1 and r["kernels_per_step"][dp.SAMPLING] == 2.5
+    assert r["kernels_per_replay"] == 7.5  # (7 + 9 + 7 + 7) / 4
     assert r["top_kernels"][0]["name"] == "_decode_stage1" and r["top_kernels"][0]["ms_per_step"] == 0.3
     other = [(k["name"].split("at::native::")[-1][:14], k["ms_per_step"], k["per_step"]) for k in r["top_other"]]
     assert other == [("CUDAFunctor_ad", 0.025, 0.5), ("FillFunctor<in", 0.015, 1.0), ("Memcpy HtoD (P", 0.005, 1.0)]
