@@ -8,11 +8,14 @@ replays as an ordinary ``kernel`` event whose ``args.correlation`` is the correl
 the trace kernel by kernel.
 
 Steps, counted from the trace: the graph replays are the ``cudaGraphLaunch`` / ``cuGraphLaunch``
-runtime events that own kernels, in the order of their first kernel's start g_1 < ... < g_K.
+runtime events that own kernels; the decode replays are those with at least DECODE_REPLAY_FRACTION
+of the largest replay's kernel count (a whole forward; the segments of SGLang's breakable prefill
+graphs hold a layer or so), in the order of their first kernel's start g_1 < ... < g_K.
 Period i = [g_i, g_{i+1}) holds replay i and whatever the GPU ran before replay i+1 (sampling,
 the next step's input copies and attention metadata), i.e. one decode step as the server runs
 it; K replays give K - 1 periods. A period that also holds a GEMM or attention kernel launched
-outside a graph (a prefill, an eager forward) is dropped; the n periods kept are the steps.
+outside a graph, or another replay (a prefill, an eager forward), is dropped; the n periods kept
+are the steps.
 Every GPU event (kernel, memcpy, memset) counts in the period its start falls in:
 
     ms_c      = sum of the durations of category c's events in the kept periods / n
@@ -69,6 +72,7 @@ RULES = (  # (category, regex over the kernel name); the first match wins
     (GEMM, r"(?i)gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|splitkreduce|marlin|wgmma"),
 )
 _RULES = tuple((c, re.compile(p)) for c, p in RULES)
+DECODE_REPLAY_FRACTION = 0.5
 GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -128,8 +132,13 @@ def breakdown(trace, top: int = 8) -> dict:
         while last is not None and last >= 0 and cat[id(ks[last])] == GEMM:
             cat[id(ks[last])] = SAMPLING  # the LM head: the forward's last GEMM (with its split-K reduce)
             last -= 1
-    in_graph = {id(k) for ks in replays.values() for k in ks}
-    starts = sorted(float(ks[0]["ts"]) for ks in replays.values())
+    most = max(len(ks) for ks in replays.values())
+    decode = [ks for ks in replays.values() if len(ks) >= DECODE_REPLAY_FRACTION * most]
+    in_graph = {id(k) for ks in decode for k in ks}
+    elsewhere = {id(k) for ks in replays.values() if len(ks) < DECODE_REPLAY_FRACTION * most for k in ks}
+    if len(decode) < 2:
+        raise ValueError(f"{len(decode)} whole-forward CUDA-graph replays in the trace: need two to bound a step")
+    starts = sorted(float(ks[0]["ts"]) for ks in decode)
     periods = list(zip(starts, starts[1:]))
     per = [[] for _ in periods]
     i = 0
@@ -146,7 +155,7 @@ def breakdown(trace, top: int = 8) -> dict:
     kept = 0
     for (a, b), evs in zip(periods, per):
         labels = [cat.get(id(e)) or (classify(e["name"]) if e["cat"] == "kernel" else OTHER) for e in evs]
-        if any(id(e) not in in_graph and c in ATTENTION + (GEMM,) for e, c in zip(evs, labels)):
+        if any(id(e) in elsewhere or id(e) not in in_graph and c in ATTENTION + (GEMM,) for e, c in zip(evs, labels)):
             continue  # a prefill or an eager forward ran here
         kept += 1
         wall += b - a
@@ -170,14 +179,15 @@ def breakdown(trace, top: int = 8) -> dict:
     row = lambda k, v: {"name": short_name(k[1]), "category": k[0], "ms_per_step": round(v[0] / kept / 1000, 3),
                         "per_step": round(v[1] / kept, 2)}
     return {
-        "steps": kept, "graph_replays": len(replays), "periods_dropped": len(periods) - kept,
+        "steps": kept, "graph_replays": len(decode), "other_replays": len(replays) - len(decode),
+        "periods_dropped": len(periods) - kept,
         "ms_per_step": ms,
         "wall_ms_per_step": round(wall / kept / 1000, 3),
         "gpu_busy_ms_per_step": round(busy / kept / 1000, 3),
         "kernel_ms_per_step": round(sum(sums.values()) / kept / 1000, 3),
         "overlap_ms_per_step": round(max(0.0, sum(sums.values()) - busy) / kept / 1000, 3),
         "kernels_per_step": {c: round(counts[c] / kept, 2) for c in CATEGORIES if counts.get(c)},
-        "kernels_per_replay": round(len(in_graph) / len(replays), 2),
+        "kernels_per_replay": round(len(in_graph) / len(decode), 2),
         "top_other": [row(k, v) for k, v in ranked if k[0] == OTHER][:top],
         "top_kernels": [row(k, v) for k, v in ranked][:top],
     }

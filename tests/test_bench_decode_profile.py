@@ -123,6 +123,13 @@ def test_a_trace_file_gzipped_or_not_and_its_failures(tmp_path):
     no_graph = {"traceEvents": [e for e in trace["traceEvents"] if e.get("name") != "cudaGraphLaunch"]}
     with pytest.raises(ValueError, match="0 CUDA-graph replays"):
         dp.breakdown(no_graph)
+    # a prefill through a breakable graph: its segments are replays of a few kernels, not steps, and
+    # the period they fall in is no decode step (here: no eager GEMM left to tell)
+    seg = [e for e in trace["traceEvents"] if e.get("args", {}).get("correlation") != 35]
+    seg += [_kernel("nvjet_seg", 5000, 40, 50), _kernel("nvjet_seg", 5040, 40, 50), _launch("cudaGraphLaunch", 4990, 50)]
+    r = dp.breakdown({"traceEvents": seg})
+    assert (r["steps"], r["graph_replays"], r["other_replays"], r["periods_dropped"]) == (2, 4, 1, 1)
+    assert r["ms_per_step"] == dp.breakdown(trace)["ms_per_step"]
     # a prefill GEMM in every period: nothing left to count
     busy = {"traceEvents": trace["traceEvents"] + [_kernel("nvjet_x", 1500, 10, 99), _kernel("nvjet_x", 2500, 10, 98)]}
     busy["traceEvents"] = [e for e in busy["traceEvents"] if e.get("args", {}).get("correlation") not in (30, 40)]
