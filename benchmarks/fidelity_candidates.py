@@ -1,0 +1,276 @@
+"""Issue 46, deliverable 2, in simulation: what closes the real model's fidelity gap at (about) the
+same bytes per token. Every candidate is one ``oscar-eval`` run on the same held-out windows, and
+its per-window NLL is paired with the default's (S 16, W 128, keys INT2 group 16, values group 64,
+fp8 scales and mins: 42 B per token and KV head at head_dim 64, through the kernels' numerics).
+
+    python -m benchmarks.fidelity_candidates --model /tmp/smol --rot-dir /tmp/rot \\
+        --ppl-len 2048 --ppl-windows 16 [--only default,g8,...] [--jobs 2]
+
+Runs land in ``--work`` as ``RUN_LEN.json`` and are reused when their oscar-eval arguments match
+(so a later call can add a length or a candidate); the study is rebuilt from every run found
+there into ``--out``. Candidates (``CANDIDATES``):
+
+- ``default`` (with bf16): today's layout through the kernels (HybridKVSim);
+- ``W256`` / ``W512`` / ``S64``: a larger BF16 recent window or more BF16 sinks (flags only);
+- ``g8``: key groups of 8 channels (rotations file ``*_oscar_g8``, 50 B);
+- ``fake``: today's layout in PyTorch fake quantisation (``--int2-parts kv-fake``), the baseline
+  the simulator-only candidates are also paired with;
+- ``kivi64-*``: keys KIVI-style (``--key-channel-page 64``: one scale and min per rotated channel
+  over each 64-position page), with fp8 or fp16 page scales, and with the bytes saved spent on
+  finer value groups; ``kivi16-fp8`` / ``kivi32-fp16``: shorter pages, the bytes spent on the keys;
+- ``clip-layer``: the rotations recalibrated with per-layer clipping (``oscar-calibrate --device cpu
+  --group-size 16 --value-group-size 64 --clip layer --clip-objective attn --clip-skip-first 16``,
+  otherwise the defaults of ``*_oscar``), stored as ``*_oscar_cliplayer``.
+
+Bytes per token and KV head: codes (D/4 each for K and V) + per-token group scales and mins, or for
+per-channel key pages 2 D scale bytes / P amortised over the page's P tokens. BF16 bytes: the ring
+(W positions) per running request and the sinks (S) per sequence, K and V, all layers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from benchmarks.server_harness import ROOT, save_json
+from benchmarks.targets import paired_gap
+from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, KVLayout
+
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "fidelity_candidates_smollm2.json")
+DEFAULT_WORK = "/tmp/fidelity_candidates"
+BF16_BYTES = 2
+FP8 = "float8_e4m3fn"
+
+# name: (rotations file stem, oscar-eval arguments, what it changes)
+CANDIDATES = {
+    "default": ("oscar", [], "today's default: S 16, W 128, keys INT2 g16, values g64, fp8 scales (kernels)"),
+    "W256": ("oscar", ["--recent", "256"], "BF16 recent window W 256"),
+    "W512": ("oscar", ["--recent", "512"], "BF16 recent window W 512"),
+    "S64": ("oscar", ["--sink", "64"], "64 BF16 sinks"),
+    "g8": ("oscar_g8", [], "key groups of 8 channels (rotations calibrated for g8)"),
+    "fake": ("oscar", ["--int2-parts", "kv-fake"], "the default in PyTorch fake quantisation (baseline of the "
+                                                  "simulator-only rows)"),
+    "kivi64-fp8": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "64"],
+                   "keys per channel over 64-position pages (KIVI), fp8 page scales"),
+    "kivi64-fp16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--key-page-scale-dtype",
+                              "float16"], "keys per channel over 64-position pages (KIVI), fp16 page scales"),
+    "kivi64-fp16-v32": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--key-page-scale-dtype",
+                                  "float16", "--value-groups", f"32:{FP8}"],
+                        "KIVI keys (fp16 page scales) + value groups of 32"),
+    "kivi64-fp8-v16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--value-groups", f"16:{FP8}"],
+                       "KIVI keys (fp8 page scales) + value groups of 16"),
+    "clip-layer": ("oscar_cliplayer", [], "per-layer clip thresholds chosen on the attention error (oscar-calibrate "
+                                         "--clip layer --clip-objective attn --clip-skip-first 16)"),
+    "kivi16-fp8": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "16"],
+                   "keys per channel over 16-position pages, fp8 page scales (the bytes spent on the keys)"),
+    "kivi32-fp16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "32", "--key-page-scale-dtype",
+                              "float16"], "keys per channel over 32-position pages, fp16 page scales"),
+}
+FAKE = {"fake"}  # candidates paired also with the fake default: the simulator-only ones
+
+
+def _csv(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def eval_argv(name: str, a, length: int) -> list[str]:
+    stem, extra, _ = CANDIDATES[name]
+    argv = ["--model", a.model, "--method", f"oscar={os.path.join(a.rot_dir, a.rot_prefix + stem)}.safetensors"]
+    if name != "default":
+        argv.append("--no-bf16")
+    return argv + extra + ["--ppl-len", str(length), "--ppl-windows", str(a.ppl_windows), "--passkey-trials", "0",
+                           "--threads", str(a.threads)]
+
+
+def run_path(a, name: str, length: int) -> str:
+    return os.path.join(a.work, f"{name}_{length}.json")
+
+
+def _load(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _same_argv(done: dict | None, argv: list[str]) -> bool:
+    """A finished run whose oscar-eval arguments (but --out) are ``argv``."""
+    if not done or "wall_s" not in done.get("settings", {}):
+        return False
+    old = done["settings"].get("argv", [])
+    if "--out" in old:
+        i = old.index("--out")
+        old = old[:i] + old[i + 2:]
+    return old == argv
+
+
+def run_one(a, name: str, length: int) -> str:
+    argv, path = eval_argv(name, a, length), run_path(a, name, length)
+    if _same_argv(_load(path), argv):
+        return f"{name} {length}: reused {path}"
+    cmd = [sys.executable, "-m", "calibration.fidelity.cli", *argv, "--out", path]
+    with open(path + ".log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    if rc:
+        raise SystemExit(f"fidelity_candidates: {name} at {length} failed (rc {rc}), see {path}.log")
+    return f"{name} {length}: {_load(path)['settings']['wall_s']} s"
+
+
+def bytes_of(settings: dict, head_dim: int) -> dict:
+    """INT2 bytes per token and KV head of a run's layout, keys and values apart."""
+    rot = next(iter(settings["rotations"].values()))
+    dt = rot["scale_dtype"]
+    vg = settings.get("value_groups") or {"group_size": rot["value_group_size"], "scale_dtype": dt}
+    codes = head_dim // 4
+    values = codes + (head_dim // vg["group_size"]) * 2 * SCALE_DTYPE_BYTES[vg["scale_dtype"]]
+    page = settings.get("key_channel_page")
+    if page:
+        keys = codes + 2 * head_dim * SCALE_DTYPE_BYTES[page["scale_dtype"]] / page["page"]
+        key_layout = f"per channel over {page['page']}-position pages, {page['scale_dtype']} scale and min"
+    else:
+        total = KVLayout(rot["group_size"], rot["value_group_size"], dt).bytes_per_token_per_head(head_dim)
+        keys = total - codes - (head_dim // rot["value_group_size"]) * 2 * SCALE_DTYPE_BYTES[dt]
+        key_layout = f"per token, groups of {rot['group_size']} channels, {dt} scale and min"
+    return {"bytes_per_token_head": keys + values, "key_bytes": keys, "value_bytes": values,
+            "key_layout": key_layout, "value_layout": f"per token, groups of {vg['group_size']} channels, "
+                                                      f"{vg['scale_dtype']} scale and min"}
+
+
+def _gap(a: list[float], b: list[float]) -> list[float] | None:
+    if not a or len(a) != len(b):
+        return None
+    mean, half = paired_gap(a, b)
+    return [round(mean, 5), round(half, 5)]
+
+
+def reference_runs(path: str, default_runs: dict) -> dict:
+    """{length: run} of bf16 and the default from an earlier oscar-eval output (``--reference``) for the
+    lengths no default run in --work has; refused unless its layout, S, W, chunk and windows are the
+    default's, and its per-window NLL equals the default run's at every length both have."""
+    ref = _load(path)
+    if not ref or not {"bf16", "oscar"} <= set(ref.get("methods", {})):
+        raise SystemExit(f"fidelity_candidates: --reference {path}: no oscar-eval output with bf16 and oscar")
+    st, mine = ref["settings"], next(iter(default_runs.values()))["settings"]
+    keys = ("sink", "recent", "chunk", "ppl_windows", "group_size", "value_group_size", "int2_parts", "decode_tail")
+    if any(st.get(k) != mine.get(k) for k in keys) or st["rotations"]["oscar"]["file"] != mine["rotations"]["oscar"]["file"]:
+        raise SystemExit(f"fidelity_candidates: --reference {path}: other settings than the default run's")
+    out = {}
+    for n in ref["methods"]["oscar"].get("ppl_details", {}):
+        if n in default_runs:
+            for m in ("bf16", "oscar"):
+                if ref["methods"][m]["ppl_details"][n]["nll_by_window"] != \
+                        default_runs[n]["methods"][m]["ppl_details"][n]["nll_by_window"]:
+                    raise SystemExit(f"fidelity_candidates: --reference {path}: {m} at {n} differs from the default run")
+        else:
+            out[n] = {"model": ref["model"], "settings": {**st, "argv": st.get("argv"), "reference": path},
+                      "methods": {m: {"ppl_details": {n: ref["methods"][m]["ppl_details"][n]},
+                                      "agreement": {k: v for k, v in ref["methods"][m].get("agreement", {}).items()
+                                                    if k == n}} for m in ("bf16", "oscar")}}
+    return out
+
+
+def study(a, shape: dict) -> dict:
+    """Every finished run in --work, paired by window with bf16, the default and (fake rows) fake."""
+    layers, heads, d = shape["num_layers"], shape["num_kv_heads"], shape["head_dim"]
+    per_position = layers * heads * d * 2 * BF16_BYTES  # K and V, all layers
+    runs = {}
+    for name in CANDIDATES:
+        for f in sorted(os.listdir(a.work)) if os.path.isdir(a.work) else []:
+            if f.startswith(name + "_") and f.endswith(".json") and f[len(name) + 1:-5].isdigit():
+                data = _load(os.path.join(a.work, f))
+                if data and "wall_s" in data.get("settings", {}) and data["settings"].get("ppl_windows") == a.ppl_windows:
+                    runs.setdefault(name, {})[f[len(name) + 1:-5]] = data
+    if "default" not in runs:
+        raise SystemExit("fidelity_candidates: no finished default run (with bf16) to pair with")
+    if getattr(a, "reference", None):
+        runs["default"].update(reference_runs(a.reference, runs["default"]))
+    ref = {n: r["methods"]["bf16"]["ppl_details"][n] for n, r in runs["default"].items()}
+    base = {n: r["methods"]["oscar"]["ppl_details"][n] for n, r in runs["default"].items()}
+    fake = {n: r["methods"]["oscar"]["ppl_details"][n] for n, r in runs.get("fake", {}).items()}
+    rows = {}
+    for name, by_len in runs.items():
+        st = next(iter(by_len.values()))["settings"]
+        row = {"changes": CANDIDATES[name][2], "int2_parts": st.get("int2_parts"), "sink": st["sink"],
+               "recent": st["recent"], **bytes_of(st, d),
+               "ring_bytes_per_request": st["recent"] * per_position, "sink_bytes_per_sequence": st["sink"] * per_position,
+               "rotations": os.path.basename(next(iter(st["rotations"].values()))["file"]), "ppl": {}}
+        for n, data in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            m = data["methods"]["oscar"]
+            p = m["ppl_details"][n]
+            w = p["nll_by_window"]
+            cell = {"ppl": round(p["ppl"], 5), "windows": p["windows"], "wall_s": m.get("wall_s")}
+            if data["settings"].get("reference"):
+                cell["from"] = os.path.basename(data["settings"]["reference"])
+            if n in ref:
+                if ref[n]["window_starts"] != p["window_starts"]:
+                    raise SystemExit(f"fidelity_candidates: {name} at {n}: other windows than the default's")
+                cell.update(ratio=round(p["ppl"] / ref[n]["ppl"], 5), nll_vs_bf16=_gap(w, ref[n]["nll_by_window"]))
+                if name != "default":
+                    cell["nll_vs_default"] = _gap(w, base[n]["nll_by_window"])
+            if name in FAKE or st.get("int2_parts") == "kv-fake":
+                if name != "fake" and n in fake:
+                    cell["nll_vs_fake"] = _gap(w, fake[n]["nll_by_window"])
+            ag = m.get("agreement", {}).get(n)
+            if ag:
+                cell.update(top1=ag.get("top1"), kl=ag.get("kl"))
+            row["ppl"][n] = cell
+        rows[name] = row
+    st0 = next(iter(runs["default"].values()))["settings"]
+    return {"model": next(iter(runs["default"].values()))["model"], "default": "default",
+            "settings": {"ppl_windows": a.ppl_windows, "chunk": st0["chunk"], "sink": st0["sink"],
+                         "recent": st0["recent"], "device": st0["device"], "threads": st0["threads"],
+                         "eval": st0["eval"], "calib": st0["calib"], "shape": shape,
+                         "reference": getattr(a, "reference", None),
+                         "argv": {name: {n: d["settings"]["argv"] for n, d in by_len.items()}
+                                  for name, by_len in runs.items()}},
+            "bf16": {n: round(r["ppl"], 5) for n, r in ref.items()},
+            "rows": {name: rows[name] for name in CANDIDATES if name in rows}}
+
+
+def model_shape(model_dir: str) -> dict:
+    cfg = _load(os.path.join(model_dir, "config.json"))
+    if not cfg:
+        raise SystemExit(f"fidelity_candidates: {model_dir}: no config.json")
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"num_layers": cfg["num_hidden_layers"], "num_kv_heads": cfg["num_key_value_heads"], "head_dim": d}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--rot-dir", required=True, help="folder of the rotations files")
+    ap.add_argument("--rot-prefix", default="smol_", help="their names: PREFIX + stem + .safetensors")
+    ap.add_argument("--ppl-len", type=lambda s: [int(x) for x in _csv(s)], default=[2048])
+    ap.add_argument("--ppl-windows", type=int, default=16)
+    ap.add_argument("--only", type=_csv, default=list(CANDIDATES), help="candidates to run (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=1, help="oscar-eval runs at once")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--work", default=DEFAULT_WORK, help="folder of the runs (reused when their arguments match)")
+    ap.add_argument("--reference", default=None,
+                    help="an earlier oscar-eval output with bf16 and the default (e.g. fidelity_smollm2.json) on the "
+                         "same windows: the pairing reference at lengths the default run lacks (checked equal where "
+                         "both have a length)")
+    ap.add_argument("--no-run", action="store_true", help="only rebuild --out from the runs in --work")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    a = ap.parse_args(argv)
+    bad = [n for n in a.only if n not in CANDIDATES]
+    if bad:
+        raise SystemExit(f"fidelity_candidates: unknown candidates {bad} (known: {', '.join(CANDIDATES)})")
+    shape = model_shape(a.model)
+    os.makedirs(a.work, exist_ok=True)
+    if not a.no_run:
+        todo = [(n, length) for length in a.ppl_len for n in a.only]
+        with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+            for msg in pool.map(lambda t: run_one(a, *t), todo):
+                print(f"fidelity_candidates: {msg}", file=sys.stderr, flush=True)
+    save_json(a.out, study(a, shape))
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
