@@ -19,15 +19,16 @@
 # on the GPU. EXTRA=1 adds the attribution, window and proxy runs; GPU_TESTS=1 also runs the kernel,
 # Gated DeltaNet and sliding-window GPU tests (tests/*_gpu.py) into gpu_tests.xml, beside the servers. SIM_ONLY=1 (pack and run) leaves
 # SGLang out: two transfers instead of four, the simulator only, one process per method beside
-# its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished.
+# its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished. NO_SIM=1
+# leaves the simulator out of a full run (the servers and GPU tests only).
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
 R="${RUN_DIR:-/tmp/oscar_run}"
 PY="${PYTHON:-python3}"
-LENS="2048,4096,8190"  # SmolLM2's context is 8,192: L + 1 input ids and one new token must fit
-PK="2048,4096,8192"
-SERVED="${SERVED:-smol_oscar smol_oscar_noshift smol_hadamard smol_naive}"  # rotations served beside bf16/fp8
+LENS="2048,4096,8176"  # SmolLM2's context is 8,192 and SGLang admits at most 8,186 input ids there
+PK="2048,4096,8176"
+SERVED="${SERVED:-smol_oscar smol_hadamard smol_naive}"  # rotations served beside bf16/fp8
 BLOB=/tmp/oscar_blob
 
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
@@ -85,7 +86,7 @@ run_all() {
   fi
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
              --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
-             --server-args "--mem-fraction-static 0.07 --max-total-tokens 140000")
+             --server-args "--mem-fraction-static 0.1 --max-total-tokens 140000 --max-running-requests 32")
   step "servers smollm2"
   $PY "${srv[@]}" --out "$R/srv_bf16.json" > "$R/logs/srv_bf16.out" 2>&1 &
   $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
@@ -96,17 +97,16 @@ run_all() {
   done
 
   if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests beside them, once their pools are sized
-    ( sleep 90; step "gpu tests"
-      $PY -m pytest -m gpu -q -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
+    ( sleep "${GPU_TESTS_AFTER:-90}"; step "gpu tests"
+      $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
         tests/test_server_hybrid_gpu.py > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
       step "gpu tests ended" ) &
   fi
-  step "simulator smollm2"
   local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
-  $PY "${ev[@]}" --method oscar="$rot/smol_oscar.safetensors" --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" \
+  [ -n "${NO_SIM:-}" ] || { step "simulator smollm2"; $PY "${ev[@]}" --method oscar="$rot/smol_oscar.safetensors" --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" \
       --method oscar_g8="$rot/smol_oscar_g8.safetensors" --method hadamard="$rot/smol_hadamard.safetensors" \
       --method naive="$rot/smol_naive.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
-      --passkey-trials 20 --lengths "$PK" --out "$R/fidelity_smollm2.json" > "$R/logs/sim_main.log" 2>&1 &
+      --passkey-trials 20 --lengths "$PK" --out "$R/fidelity_smollm2.json" > "$R/logs/sim_main.log" 2>&1 & }
   [ -n "${EXTRA:-}" ] && for parts in k v; do  # attribution: INT2 keys only / values only (fake quantisation)
     $PY "${ev[@]}" --no-bf16 --int2-parts "$parts" --method oscar="$rot/smol_oscar.safetensors" \
         --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
