@@ -17,7 +17,8 @@ there into ``--out``. Candidates (``CANDIDATES``):
   the simulator-only candidates are also paired with;
 - ``kivi64-*``: keys KIVI-style (``--key-channel-page 64``: one scale and min per rotated channel
   over each 64-position page), with fp8 or fp16 page scales, and with the bytes saved spent on
-  finer value groups; ``kivi16-fp8`` / ``kivi32-fp16``: shorter pages, the bytes spent on the keys;
+  finer value groups; ``kivi64-naive-fp16``: the same keys without the rotation (KIVI as published,
+  values per token as the naive file stores them); ``kivi16-fp8`` / ``kivi32-fp16``: shorter pages, the bytes spent on the keys;
 - ``clip-layer``: the rotations recalibrated with per-layer clipping (``oscar-calibrate --device cpu
   --group-size 16 --value-group-size 64 --clip layer --clip-objective attn --clip-skip-first 16``,
   otherwise the defaults of ``*_oscar``), stored as ``*_oscar_cliplayer``.
@@ -62,6 +63,9 @@ CANDIDATES = {
                         "KIVI keys (fp16 page scales) + value groups of 32"),
     "kivi64-fp8-v16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--value-groups", f"16:{FP8}"],
                        "KIVI keys (fp8 page scales) + value groups of 16"),
+    "kivi64-naive-fp16": ("naive", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--key-page-scale-dtype",
+                                    "float16"], "KIVI as published: no rotation (the naive file), keys per channel "
+                                                "over 64-position pages, fp16 page scales"),
     "clip-layer": ("oscar_cliplayer", [], "per-layer clip thresholds chosen on the attention error (oscar-calibrate "
                                          "--clip layer --clip-objective attn --clip-skip-first 16)"),
     "kivi16-fp8": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "16"],
@@ -220,7 +224,7 @@ def study(a, shape: dict) -> dict:
             row["ppl"][n] = cell
         rows[name] = row
     st0 = next(iter(runs["default"].values()))["settings"]
-    return {"model": next(iter(runs["default"].values()))["model"], "default": "default",
+    return {"model": getattr(a, "model_name", None) or next(iter(runs["default"].values()))["model"], "default": "default",
             "settings": {"ppl_windows": a.ppl_windows, "chunk": st0["chunk"], "sink": st0["sink"],
                          "recent": st0["recent"], "device": st0["device"], "threads": st0["threads"],
                          "eval": st0["eval"], "calib": st0["calib"], "shape": shape,
@@ -242,6 +246,7 @@ def model_shape(model_dir: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--model-name", default=None, help="the model's name in the results (default: its folder's)")
     ap.add_argument("--rot-dir", required=True, help="folder of the rotations files")
     ap.add_argument("--rot-prefix", default="smol_", help="their names: PREFIX + stem + .safetensors")
     ap.add_argument("--ppl-len", type=lambda s: [int(x) for x in _csv(s)], default=[2048])

@@ -546,6 +546,46 @@ def render_real_model_study(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
+FIDELITY_CANDIDATES = "fidelity_candidates_smollm2.json"
+
+
+def render_fidelity_candidates(results_dir: str) -> str:
+    """Issue 46's study of what closes the real model's gap: candidates paired by window with the default."""
+    data = _maybe_load(results_dir, FIDELITY_CANDIDATES)
+    if not data.get("rows"):
+        return none_yet("python3 -m benchmarks.fidelity_candidates --model DIR --rot-dir DIR", "CPU, about an hour")
+    st, rows = data["settings"], data["rows"]
+    lengths = sorted({n for r in rows.values() for n in r["ppl"]}, key=int)
+    header = ["candidate", "changes", "INT2 B / token / KV head (K + V)", "BF16 ring MB / request"]
+    for n in lengths:
+        header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - default, {fmt(int(n))} (95%)", f"NLL - fake, {fmt(int(n))}"]
+    out = []
+    for name, r in rows.items():
+        kb, vb = r["key_bytes"], r["value_bytes"]
+        cells = [name, r["changes"], f"{fmt(float(r['bytes_per_token_head']), 1)} ({fmt(float(kb), 1)} + {fmt(float(vb), 1)})",
+                 fmt(r["ring_bytes_per_request"] / 1e6, 1)]
+        for n in lengths:
+            c = r["ppl"].get(n)
+            if not c:
+                cells += ["-", "-", "-"]
+                continue
+            gap, fake = c.get("nll_vs_default"), c.get("nll_vs_fake")
+            cells += [f"{c['ppl']:.4f} ({c['ratio']:.4f}x)" if c.get("ratio") else fmt(c["ppl"], 4),
+                      _gap(*gap, 4) if gap else ("(default)" if name == data["default"] else "-"),
+                      _gap(*fake, 4) if fake else "-"]
+        out.append(cells)
+    bf16 = ", ".join(f"{fmt(int(n))}: {v:.4f}" for n, v in sorted(data["bf16"].items(), key=lambda kv: int(kv[0])))
+    caption = (f"{data.get('model')} in simulation (`python -m benchmarks.fidelity_candidates`: one `oscar-eval` run "
+               f"per candidate, {st.get('device')}, {st.get('threads')} thread; chunk {st.get('chunk')}, "
+               f"{st.get('ppl_windows')} held-out windows per length, the same windows for every row; S={st.get('sink')} "
+               f"and W={st.get('recent')} unless a row says otherwise). bf16 ppl {bf16}. NLL - default: each window's mean "
+               f"NLL minus the default's on the same window, mean and 95% half-width over windows; NLL - fake: the same "
+               f"against the default in PyTorch fake quantisation (`fake`), the baseline of the simulator-only rows. "
+               f"Bytes: codes and per-token group scales, or per-channel page scales amortised over the page. "
+               f"Source: `{_rel(os.path.join(results_dir, FIDELITY_CANDIDATES))}`.")
+    return caption + "\n\n" + table(header, out)
+
+
 FAKE_INT2 = "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
 INT2_PART_NAMES = {"k": "keys", "v": "values", "kv-fake": "keys and values"}
 
@@ -1072,6 +1112,7 @@ SECTIONS = {
     "server-fidelity": render_server_fidelity,
     "real-model": render_real_model,
     "real-model-study": render_real_model_study,
+    "fidelity-candidates": render_fidelity_candidates,
     "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,
