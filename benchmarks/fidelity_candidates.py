@@ -40,7 +40,7 @@ from benchmarks.server_harness import ROOT, save_json
 from benchmarks.targets import paired_gap
 from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, KVLayout
 
-DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "fidelity_candidates_smollm2.json")
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "study_candidates_smollm2.json")  # not fidelity_*.json: report.render_fidelity takes those
 DEFAULT_WORK = "/tmp/fidelity_candidates"
 BF16_BYTES = 2
 FP8 = "float8_e4m3fn"

@@ -546,7 +546,7 @@ def render_real_model_study(results_dir: str) -> str:
     return "\n\n".join(parts)
 
 
-FIDELITY_CANDIDATES = "fidelity_candidates_smollm2.json"
+FIDELITY_CANDIDATES = "study_candidates_smollm2.json"
 
 
 def render_fidelity_candidates(results_dir: str) -> str:
