@@ -21,7 +21,9 @@ there into ``--out``. Candidates (``CANDIDATES``):
   values per token as the naive file stores them); ``kivi16-fp8`` / ``kivi32-fp16``: shorter pages, the bytes spent on the keys;
 - ``clip-layer``: the rotations recalibrated with per-layer clipping (``oscar-calibrate --device cpu
   --group-size 16 --value-group-size 64 --clip layer --clip-objective attn --clip-skip-first 16``,
-  otherwise the defaults of ``*_oscar``), stored as ``*_oscar_cliplayer``.
+  otherwise the defaults of ``*_oscar``), stored as ``*_oscar_cliplayer``; ``clip-head`` the same with
+  ``--clip head`` (``*_oscar_cliphead``), ``g8-clip-layer`` with ``--group-size 8`` (``*_oscar_g8_cliplayer``);
+- ``tok131k``: the default recipe on 131,072 calibration tokens (``--tokens 131072``, ``*_oscar_tok131k``).
 
 Bytes per token and KV head: codes (D/4 each for K and V) + per-token group scales and mins, or for
 per-channel key pages 2 D scale bytes / P amortised over the page's P tokens. BF16 bytes: the ring
@@ -66,8 +68,13 @@ CANDIDATES = {
     "kivi64-naive-fp16": ("naive", ["--int2-parts", "kv-fake", "--key-channel-page", "64", "--key-page-scale-dtype",
                                     "float16"], "KIVI as published: no rotation (the naive file), keys per channel "
                                                 "over 64-position pages, fp16 page scales"),
+    "kivi16-fp16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "16", "--key-page-scale-dtype",
+                              "float16"], "keys per channel over 16-position pages, fp16 page scales (50 B, as g8)"),
     "clip-layer": ("oscar_cliplayer", [], "per-layer clip thresholds chosen on the attention error (oscar-calibrate "
                                          "--clip layer --clip-objective attn --clip-skip-first 16)"),
+    "clip-head": ("oscar_cliphead", [], "per-head clip thresholds chosen on the attention error (--clip head)"),
+    "g8-clip-layer": ("oscar_g8_cliplayer", [], "key groups of 8 and per-layer clip (--group-size 8 --clip layer)"),
+    "tok131k": ("oscar_tok131k", [], "rotations calibrated on 131,072 tokens of the same text (default 32,768)"),
     "kivi16-fp8": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "16"],
                    "keys per channel over 16-position pages, fp8 page scales (the bytes spent on the keys)"),
     "kivi32-fp16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "32", "--key-page-scale-dtype",
