@@ -20,7 +20,8 @@
 # Gated DeltaNet and sliding-window GPU tests (tests/*_gpu.py) into gpu_tests.xml, beside the servers. SIM_ONLY=1 (pack and run) leaves
 # SGLang out: two transfers instead of four, the simulator only, one process per method beside
 # its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished. NO_SIM=1
-# leaves the simulator out of a full run (the servers and GPU tests only).
+# leaves the simulator out of a full run (the servers and GPU tests only). CANDIDATES=1 first runs
+# benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that).
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -74,6 +75,13 @@ run_all() {
       --rotations "$rot"/smol_oscar.safetensors "$rot"/smol_oscar_noshift.safetensors "$rot"/smol_oscar_g8.safetensors \
       "$rot"/smol_hadamard.safetensors "$rot"/smol_naive.safetensors > "$R/logs/proxy.log" 2>&1 &
 
+  if [ -n "${CANDIDATES:-}" ]; then  # issue 46's candidates at 2k/4k/8k on the GPU (ROT_DIR holds their files)
+    step "candidates smollm2"
+    $PY -m benchmarks.fidelity_candidates --model "$smol" --rot-dir "$rot" --device cuda --jobs 4 \
+      --ppl-len "$LENS" --ppl-windows 16 --work "$R/candidates" --out "$R/study_candidates_smollm2.json" \
+      > "$R/logs/candidates.log" 2>&1 || step "FAILED candidates"
+    [ -n "${SIM_ONLY:-}" ] && { step "done"; return; }
+  fi
   if [ -n "${SIM_ONLY:-}" ]; then
     step "simulator smollm2, one process per method"
     local m
