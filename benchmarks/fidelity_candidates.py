@@ -4,7 +4,12 @@ its per-window NLL is paired with the default's (S 16, W 128, keys INT2 group 16
 fp8 scales and mins: 42 B per token and KV head at head_dim 64, through the kernels' numerics).
 
     python -m benchmarks.fidelity_candidates --model /tmp/smol --rot-dir /tmp/rot \\
-        --ppl-len 2048 --ppl-windows 16 [--only default,g8,...] [--jobs 2]
+        --ppl-len 2048 --ppl-windows 16 [--only default,g8,...] [--jobs 2] \\
+        --model-name SmolLM2-135M-Instruct \\
+        --reference benchmarks/results/history/fidelity_smollm2_cpu_2k4k_2026-12-07.json
+
+(the results file's 2k rows: every candidate at 2048; its 4k rows: ``--ppl-len 4096 --only g8,kivi16-fp8,
+clip-layer,W512,g8-clip-layer``, the default at 4k taken from ``--reference``, the same windows).
 
 Runs land in ``--work`` as ``RUN_LEN.json`` and are reused when their oscar-eval arguments match
 (so a later call can add a length or a candidate); the study is rebuilt from every run found
