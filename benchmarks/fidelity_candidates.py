@@ -98,7 +98,7 @@ def eval_argv(name: str, a, length: int) -> list[str]:
     if name != "default":
         argv.append("--no-bf16")
     return argv + extra + ["--ppl-len", str(length), "--ppl-windows", str(a.ppl_windows), "--passkey-trials", "0",
-                           "--threads", str(a.threads)]
+                           "--threads", str(a.threads)] + (["--device", a.device] if getattr(a, "device", None) else [])
 
 
 def run_path(a, name: str, length: int) -> str:
@@ -128,6 +128,9 @@ def run_one(a, name: str, length: int) -> str:
     argv, path = eval_argv(name, a, length), run_path(a, name, length)
     if _same_argv(_load(path), argv):
         return f"{name} {length}: reused {path}"
+    rot = argv[argv.index("--method") + 1].partition("=")[2]
+    if not os.path.isfile(rot):
+        return f"{name} {length}: skipped, no rotations file {rot}"
     cmd = [sys.executable, "-m", "calibration.fidelity.cli", *argv, "--out", path]
     with open(path + ".log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -266,6 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=_csv, default=list(CANDIDATES), help="candidates to run (comma-separated)")
     ap.add_argument("--jobs", type=int, default=1, help="oscar-eval runs at once")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="oscar-eval's --device (default: its own)")
     ap.add_argument("--work", default=DEFAULT_WORK, help="folder of the runs (reused when their arguments match)")
     ap.add_argument("--reference", default=None,
                     help="an earlier oscar-eval output with bf16 and the default (e.g. fidelity_smollm2.json) on the "

@@ -125,3 +125,11 @@ def test_reference_gives_the_default_at_lengths_it_lacks(tmp_path):
     ref.write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="differs"):
         fc.study(a, {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64})
+
+
+def test_device_is_passed_and_a_missing_rotations_file_skips_its_candidate(tmp_path):
+    a = _args(tmp_path)
+    assert "--device" not in fc.eval_argv("g8", a, 2048)  # the runs made without it are reused
+    a.device = "cuda"
+    assert fc.eval_argv("g8", a, 2048)[-2:] == ["--device", "cuda"]
+    assert "skipped, no rotations file /r/smol_oscar_g8.safetensors" in fc.run_one(a, "g8", 2048)
