@@ -500,6 +500,20 @@ def _study_change(name: str, row: dict) -> str:
     return (row.get("recipe") or method) + ": " + "; ".join(what)
 
 
+def _paired_cells(name: str, row: dict, lengths: list, default: str, third) -> list[str]:
+    """A study row's cells per length: ppl (vs bf16), NLL - default (paired, 95%), and ``third(cell)``."""
+    cells = []
+    for n in lengths:
+        c = row["ppl"].get(n)
+        if not c:
+            cells += ["-", "-", "-"]
+            continue
+        gap = c.get("nll_vs_default")
+        cells += [f"{c['ppl']:.4f} ({c['ratio']:.4f}x)" if c.get("ratio") else fmt(c["ppl"], 4),
+                  _gap(*gap, 4) if gap else ("(default)" if name == default else "-"), third(c)]
+    return cells
+
+
 def render_real_model_study(results_dir: str) -> str:
     """Issue 46's study: every candidate against bf16 and the default, paired by window."""
     data = _maybe_load(results_dir, REAL_MODEL_STUDY)
@@ -511,20 +525,9 @@ def render_real_model_study(results_dir: str) -> str:
     header = ["candidate", "changes", "INT2 B / token / KV head", "BF16 ring MB / request"]
     for n in lengths:
         header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - default, {fmt(int(n))} (95%)", f"top-1 / KL, {fmt(int(n))}"]
-    out = []
-    for name, r in rows.items():
-        cells = [name, _study_change(name, r), fmt(r.get("bytes_per_token_head")),
-                 fmt(r["ring_bytes_per_request"] / 1e6, 1)]
-        for n in lengths:
-            c = r["ppl"].get(n)
-            if not c:
-                cells += ["-", "-", "-"]
-                continue
-            gap = c.get("nll_vs_default")
-            cells += [f"{c['ppl']:.4f} ({c['ratio']:.4f}x)" if c.get("ratio") else fmt(c["ppl"], 4),
-                      _gap(*gap, 4) if gap else ("(default)" if name == data["default"] else "-"),
-                      f"{c['top1']:.4f} / {c['kl']:.4f}" if c.get("top1") is not None else "-"]
-        out.append(cells)
+    top1_kl = lambda c: f"{c['top1']:.4f} / {c['kl']:.4f}" if c.get("top1") is not None else "-"
+    out = [[name, _study_change(name, r), fmt(r.get("bytes_per_token_head")), fmt(r["ring_bytes_per_request"] / 1e6, 1),
+            *_paired_cells(name, r, lengths, data["default"], top1_kl)] for name, r in rows.items()]
     bf16 = ", ".join(f"{fmt(int(n))}: {v:.4f}" for n, v in sorted(data["bf16"].items(), key=lambda kv: int(kv[0])))
     caption = (f"{data.get('model')} in simulation (`oscar-eval`, {st.get('device')}; chunk {st.get('chunk')}, "
                f"{st.get('ppl_windows')} held-out windows per length, S={st.get('sink')} and W={st.get('recent')} "
@@ -559,21 +562,10 @@ def render_fidelity_candidates(results_dir: str) -> str:
     header = ["candidate", "changes", "INT2 B / token / KV head (K + V)", "BF16 ring MB / request"]
     for n in lengths:
         header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - default, {fmt(int(n))} (95%)", f"NLL - fake, {fmt(int(n))}"]
-    out = []
-    for name, r in rows.items():
-        kb, vb = r["key_bytes"], r["value_bytes"]
-        cells = [name, r["changes"], f"{fmt(float(r['bytes_per_token_head']), 1)} ({fmt(float(kb), 1)} + {fmt(float(vb), 1)})",
-                 fmt(r["ring_bytes_per_request"] / 1e6, 1)]
-        for n in lengths:
-            c = r["ppl"].get(n)
-            if not c:
-                cells += ["-", "-", "-"]
-                continue
-            gap, fake = c.get("nll_vs_default"), c.get("nll_vs_fake")
-            cells += [f"{c['ppl']:.4f} ({c['ratio']:.4f}x)" if c.get("ratio") else fmt(c["ppl"], 4),
-                      _gap(*gap, 4) if gap else ("(default)" if name == data["default"] else "-"),
-                      _gap(*fake, 4) if fake else "-"]
-        out.append(cells)
+    vs_fake = lambda c: _gap(*c["nll_vs_fake"], 4) if c.get("nll_vs_fake") else "-"
+    out = [[name, r["changes"], f"{fmt(float(r['bytes_per_token_head']), 1)} ({fmt(float(r['key_bytes']), 1)} + "
+            f"{fmt(float(r['value_bytes']), 1)})", fmt(r["ring_bytes_per_request"] / 1e6, 1),
+            *_paired_cells(name, r, lengths, data["default"], vs_fake)] for name, r in rows.items()]
     bf16 = ", ".join(f"{fmt(int(n))}: {v:.4f}" for n, v in sorted(data["bf16"].items(), key=lambda kv: int(kv[0])))
     caption = (f"{data.get('model')} in simulation (`python -m benchmarks.fidelity_candidates`: one `oscar-eval` run "
                f"per candidate, {st.get('device')}, {st.get('threads')} thread; chunk {st.get('chunk')}, "
