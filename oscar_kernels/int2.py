@@ -43,18 +43,21 @@ def quantise(x: torch.Tensor, group_size: int, scale_dtype: torch.dtype = DEFAUL
     """x [..., D] -> (codes uint8 [..., D] in 0..3, scales [..., D/G, 2] scale_dtype)."""
     d = x.shape[-1]
     check_group_size(d, group_size)
-    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    codes, scale_q, lo_q = minmax_codes(x.float().reshape(*x.shape[:-1], d // group_size, group_size), scale_dtype)
+    return codes.to(torch.uint8).reshape(x.shape), torch.stack([scale_q, lo_q], dim=-1)
+
+
+def minmax_codes(xg: torch.Tensor, scale_dtype: torch.dtype):
+    """The min/max rule on groups along the last dim of xg [..., G] (float32): scale = (max - min)
+    / 3 and min, both cast to ``scale_dtype`` before the codes, code = clamp(floor((x - min) /
+    scale + 1/2), 0, 3) (0 where scale = 0) -> (codes float32 [..., G], scale_q [...], lo_q [...])."""
     lo = xg.amin(-1)
-    hi = xg.amax(-1)
-    scale_q = ((hi - lo) / (LEVELS - 1)).to(scale_dtype)
+    scale_q = ((xg.amax(-1) - lo) / (LEVELS - 1)).to(scale_dtype)
     lo_q = lo.to(scale_dtype)
     scale_f = scale_q.float().unsqueeze(-1)
-    lo_f = lo_q.float().unsqueeze(-1)
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = torch.floor((xg - lo_f) / safe + 0.5).clamp_(0, LEVELS - 1)
-    codes = torch.where(scale_f > 0, codes, torch.zeros_like(codes))
-    scales = torch.stack([scale_q, lo_q], dim=-1)
-    return codes.to(torch.uint8).reshape(x.shape), scales
+    codes = torch.floor((xg - lo_q.float().unsqueeze(-1)) / safe + 0.5).clamp_(0, LEVELS - 1)
+    return torch.where(scale_f > 0, codes, torch.zeros_like(codes)), scale_q, lo_q
 
 
 def dequantise(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -81,22 +81,28 @@ def profile_available_bytes_hook(result, kvc, *args, **kwargs):
     from .pool import plan_for_configurator
 
     plan = plan_for_configurator(kvc)
-    gib = 1 << 30
-    if getattr(kvc, "is_hybrid_swa", False):
+    if kvc.is_hybrid_swa:
         return _hybrid_swa_budget(result, plan)
     tokens = plan.max_total_tokens(result)
     if tokens <= 0:
-        raise ValueError(
-            f"oscar_int2: the KV budget of {result / gib:.2f} GiB cannot hold the fixed reserve "
-            f"({plan.fixed_bytes / gib:.2f} GiB: rings for {plan.num_rows} request rows x "
-            f"W={plan.recent_window}, {plan.num_sink_slots} sink slots, rotations) plus one page;"
-            f" lower --max-running-requests or the recent window, or raise --mem-fraction-static")
+        raise _reserve_does_not_fit(result, plan)
+    gib = 1 << 30
     logger.info("oscar_int2 pool plan: budget %.2f GiB, reserve %.2f GiB (rings %.2f, sinks %.2f,"
                 " rotations %.3f), %d B/token (INT2 groups: keys %d, values %d; %s scales) -> %d tokens",
                 result / gib, plan.fixed_bytes / gib, plan.ring_bytes / gib, plan.sink_store_bytes / gib,
                 plan.rotation_bytes / gib, plan.bytes_per_token, plan.group_size, plan.value_group_size,
                 plan.scale_dtype, tokens)
     return tokens * plan.bytes_per_token
+
+
+def _reserve_does_not_fit(result, plan) -> ValueError:
+    """The one-line error of a KV budget too small for the INT2 pool's fixed reserve."""
+    gib = 1 << 30
+    return ValueError(
+        f"oscar_int2: the KV budget of {result / gib:.2f} GiB cannot hold the fixed reserve "
+        f"({plan.fixed_bytes / gib:.2f} GiB: rings for {plan.num_rows} request rows x "
+        f"W={plan.recent_window}, {plan.num_sink_slots} sink slots, rotations) plus one page;"
+        f" lower --max-running-requests or the recent window, or raise --mem-fraction-static")
 
 
 def _hybrid_swa_budget(result, plan):
@@ -106,14 +112,10 @@ def _hybrid_swa_budget(result, plan):
     the INT2 pool's fixed reserve and its padding page."""
     from .memory import INDEX_BYTES
 
-    gib = 1 << 30
     left = result - plan.fixed_bytes - plan.page_size * plan.bytes_per_token - INDEX_BYTES
     if left <= 0:
-        raise ValueError(
-            f"oscar_int2: the KV budget of {result / gib:.2f} GiB cannot hold the fixed reserve "
-            f"({plan.fixed_bytes / gib:.2f} GiB: rings for {plan.num_rows} request rows x "
-            f"W={plan.recent_window}, {plan.num_sink_slots} sink slots, rotations) plus one page;"
-            f" lower --max-running-requests or the recent window, or raise --mem-fraction-static")
+        raise _reserve_does_not_fit(result, plan)
+    gib = 1 << 30
     logger.info("oscar_int2 pool plan (hybrid sliding-window): budget %.2f GiB, INT2 reserve %.2f GiB, "
                 "%d B/token over %d full-attention layers; SGLang splits the rest %.2f GiB with its SWA pool",
                 result / gib, plan.fixed_bytes / gib, plan.bytes_per_token, plan.num_layers, left / gib)
@@ -155,9 +157,7 @@ def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
 def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
     if not is_oscar(kvc.server_args):
         return original(kvc, *args, **kwargs)
-    from .refusals import hybrid_linear_problem
-
-    from .refusals import hybrid_swa_problem
+    from .refusals import hybrid_linear_problem, hybrid_swa_problem
 
     hybrid = kvc.mambaish_config is not None
     unsupported = [name for name, on in (
@@ -175,7 +175,7 @@ def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
                        build_pool_for_configurator)
 
     sizes, req_to_token_pool = kwargs["sizes"], kwargs["req_to_token_pool"]
-    if getattr(kvc, "is_hybrid_swa", False):
+    if kvc.is_hybrid_swa:
         return build_hybrid_swa_pool_for_configurator(kvc, sizes, req_to_token_pool)
     build = build_hybrid_linear_pool_for_configurator if hybrid else build_pool_for_configurator
     return build(kvc, sizes.max_total_num_tokens, req_to_token_pool)

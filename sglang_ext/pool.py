@@ -302,7 +302,7 @@ def full_attention_layer_ids(kvc) -> Optional[tuple[int, ...]]:
     hybrid linear-attention model its full-attention layers (as SGLang's
     ``_build_hybrid_linear_kv_pool`` and ``DefaultPoolConfigurator`` take them); None for a
     model whose every layer is attention."""
-    if getattr(kvc, "is_hybrid_swa", False):  # SGLang's SWAKVPool holds every full-attention layer of the model
+    if kvc.is_hybrid_swa:  # SGLang's SWAKVPool holds every full-attention layer of the model
         return tuple(kvc.model_config.full_attention_layer_ids)
     hybrid = kvc.mambaish_config
     if hybrid is None:
@@ -371,9 +371,7 @@ def build_hybrid_swa_pool_for_configurator(kvc, sizes, req_to_token_pool) -> Osc
     """What SGLang's ``_build_hybrid_swa_kv_pool`` builds for a hybrid sliding-window model,
     with the full-attention layers in an OscarKVPool of ``sizes.full_max_total_num_tokens``
     tokens; the sliding-window layers' BF16 pool of ``sizes.swa_max_total_num_tokens`` tokens
-    (as HybridSWAPoolConfigurator sized it)."""
-    if kvc.is_hybrid_swa_compress:
-        raise ValueError("oscar_int2 cannot serve a hybrid sliding-window model whose sliding "
-                         "layers have their own head geometry (SGLang's compressed SWA pool)")
+    (as HybridSWAPoolConfigurator sized it; the plugin's pool hook refused what
+    refusals.hybrid_swa_problem names)."""
     full = build_pool_for_configurator(kvc, sizes.full_max_total_num_tokens, req_to_token_pool)
     return OscarSWAKVPool(full, sizes.swa_max_total_num_tokens, kvc.model_config.swa_attention_layer_ids)

@@ -69,3 +69,13 @@ def calibrate_tinylm_rotations(model_dir, out) -> str:
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"oscar-calibrate failed:\n{done.stderr[-3000:]}"
     return str(out)
+
+
+def prefill_in_chunks(sim, check, row: int, rid: str, prompt: int, chunk: int) -> None:
+    """Request ``rid`` on request row ``row`` prefilled ``prompt`` tokens in chunks of ``chunk``
+    through ``sim.extend``; ``check(sim, outs, row, rid, prefix, positions, content, valid_from)``
+    after each chunk."""
+    for start in range(0, prompt, chunk):
+        new = min(chunk, prompt - start)
+        outs = sim.extend([dict(rid=rid, row=row, content=rid, prefix=start, new=new)])
+        check(sim, outs, row, rid, start, list(range(start, start + new)), rid, 0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from calibration import architectures
-from sglang_cases import write_distinct_heads_file
+from sglang_cases import prefill_in_chunks, write_distinct_heads_file
 
 from sglang_ext.settings import OSCAR_KV_DTYPE, OscarConfigError
 
@@ -385,10 +385,7 @@ def test_full_attention_layers_go_through_the_oscar_backend_and_match_the_oracle
     assert sim.backend.token_to_kv_pool is sim.hybrid_pool  # what SGLang's forward context hands the model
     assert [l.layer_id for l in sim.layers] == list(FULL)
     row, prompt, chunk = 3, 40, 16
-    for start in range(0, prompt, chunk):  # chunked prefill
-        new = min(chunk, prompt - start)
-        outs = sim.extend([dict(rid="A", row=row, content="A", prefix=start, new=new)])
-        _check(sim, outs, row, "A", start, list(range(start, start + new)), "A", 0)
+    prefill_in_chunks(sim, _check, row, "A", prompt, chunk)  # chunked prefill
     for n in range(prompt + 1, prompt + 4):  # decode, the last step padded like a CUDA-graph batch
         outs = sim.decode([dict(rid="A", row=row, content="A", n=n)], pad_to=3 if n == prompt + 3 else None,
                           in_graph=n == prompt + 3)

@@ -302,7 +302,7 @@ def fake_configurator(rotations_path, max_running_requests=None, page=16, **osca
                            max_running_requests=max_running_requests, enable_memory_saver=False)
     return SimpleNamespace(server_args=args, model_config=mc, ps=ParallelState.trivial(),
                            layer_info=SimpleNamespace(start_layer=0, end_layer=1, num_effective_layers=2),
-                           pool_page_size=page, device="cpu", mambaish_config=None)
+                           pool_page_size=page, device="cpu", mambaish_config=None, is_hybrid_swa=False)
 
 
 def test_plan_and_pool_from_configurator(tmp_path):

@@ -71,7 +71,7 @@ def _configurator(model_config, tp: int, rank: int):
     """What pool.rank_layout reads of SGLang's KVCacheConfigurator."""
     return SimpleNamespace(model_config=model_config, pool_page_size=64,
                            layer_info=SimpleNamespace(start_layer=0, num_effective_layers=architectures.LAYERS),
-                           ps=SimpleNamespace(attn_tp_size=tp, attn_tp_rank=rank), mambaish_config=None)
+                           ps=SimpleNamespace(attn_tp_size=tp, attn_tp_rank=rank), mambaish_config=None, is_hybrid_swa=False)
 
 
 def _kernels_serve(head_dim: int) -> bool:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
-from oscar_kernels.int2 import clip, fake_quantise
+from oscar_kernels.int2 import clip, fake_quantise, minmax_codes
 
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
@@ -33,16 +33,10 @@ CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
 
 def fake_quantise_channels(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """KIVI-style INT2 over tokens: x [B, T, H, D] float -> dequantised float32, same shape, with
-    one (scale, min) per (row, head, channel) over the T tokens, cast to ``scale_dtype`` before
-    the codes are computed (the rule of :func:`oscar_kernels.int2.quantise`, grouped over
-    tokens instead of channels): code = clamp(floor((x - min) / scale + 1/2), 0, 3)."""
-    x = x.float()
-    lo_q = x.amin(1, keepdim=True).to(scale_dtype).float()
-    scale_q = ((x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 3).to(scale_dtype).float()
-    safe = torch.where(scale_q > 0, scale_q, torch.ones_like(scale_q))
-    codes = torch.floor((x - lo_q) / safe + 0.5).clamp(0, 3)
-    codes = torch.where(scale_q > 0, codes, torch.zeros_like(codes))
-    return lo_q + codes * scale_q
+    one (scale, min) per (row, head, channel) over the T tokens: the min/max rule of
+    :func:`oscar_kernels.int2.quantise` (:func:`minmax_codes`), grouped over tokens instead of channels."""
+    codes, scale_q, lo_q = minmax_codes(x.float().movedim(1, -1), scale_dtype)  # [B, H, D, T]: a group per channel
+    return (lo_q.float().unsqueeze(-1) + codes * scale_q.float().unsqueeze(-1)).movedim(-1, 1)
 
 
 class _KVSim:
@@ -152,11 +146,12 @@ class FakeInt2KVSim(Bf16KVSim):
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
-    def _fake(self, x, rot, clip_min, clip_max, group_size, scale_dtype, shift=0.0):
-        """Per-token minmax on x [B, T, H, D]: rotate, shift, clip, fake INT2, unshift, rotate back."""
+    @staticmethod
+    def _fake(x, rot, clip_min, clip_max, quantise, shift=0.0):
+        """x [B, T, H, D]: rotate, shift, clip, ``quantise`` (rotated float32 -> dequantised),
+        unshift, rotate back."""
         x_rot = clip(torch.einsum("bthd,hde->bthe", x.float(), rot) - shift, clip_min, clip_max)
-        x_hat = fake_quantise(x_rot, group_size, None, None, scale_dtype) + shift
-        return torch.einsum("bthe,hde->bthd", x_hat, rot).to(CACHE_DTYPE)
+        return torch.einsum("bthe,hde->bthd", quantise(x_rot) + shift, rot).to(CACHE_DTYPE)
 
     def _store(self, layer_idx, b, n0, n, k, v):
         super()._store(layer_idx, b, n0, n, k, v)
@@ -164,11 +159,13 @@ class FakeInt2KVSim(Bf16KVSim):
         if self.kq is not None and self.key_channel_page:
             self._store_key_pages(layer_idx, b, n0, n, r)
         elif self.kq is not None:
-            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                                                      self.group_size, self.scale_dtype, r.k_shift)
+            self.kq[layer_idx][:b, n0:n] = self._fake(
+                k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
+                lambda x: fake_quantise(x, self.group_size, None, None, self.scale_dtype), r.k_shift)
         if self.vq is not None:
-            self.vq[layer_idx][:b, n0:n] = self._fake(v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
-                                                      self.value_group_size, self.value_scale_dtype)
+            self.vq[layer_idx][:b, n0:n] = self._fake(
+                v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
+                lambda x: fake_quantise(x, self.value_group_size, None, None, self.value_scale_dtype))
 
     def _store_key_pages(self, layer_idx, b, n0, n, r):
         """Quantise the key pages whose last position is among n0..n (KIVI: per channel over the page)."""
@@ -177,10 +174,9 @@ class FakeInt2KVSim(Bf16KVSim):
             lo = max(end - p, self.sink_tokens)
             if lo >= end:
                 continue
-            x = self.k[layer_idx][:b, lo:end].float()
-            x_rot = clip(torch.einsum("bthd,hde->bthe", x, r.k_rot) - r.k_shift, r.k_clip_min, r.k_clip_max)
-            x_hat = fake_quantise_channels(x_rot, self.key_page_scale_dtype) + r.k_shift
-            self.kq[layer_idx][:b, lo:end] = torch.einsum("bthe,hde->bthd", x_hat, r.k_rot).to(CACHE_DTYPE)
+            self.kq[layer_idx][:b, lo:end] = self._fake(
+                self.k[layer_idx][:b, lo:end], r.k_rot, r.k_clip_min, r.k_clip_max,
+                lambda x: fake_quantise_channels(x, self.key_page_scale_dtype), r.k_shift)
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
