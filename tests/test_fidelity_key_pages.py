@@ -66,7 +66,9 @@ def test_key_pages_quantise_complete_pages_per_channel():
         for h in range(H):
             xr = k[0, lo:hi, h].float() @ rot.k_rot[h] - rot.k_shift[h]
             want = ((_ref_channels(xr, torch.float16) + rot.k_shift[h]) @ rot.k_rot[h].T).to(torch.bfloat16)
-            torch.testing.assert_close(kq[lo:hi, h], want.float(), rtol=0, atol=0)
+            # one bf16 step: the simulator rotates with a batched einsum, this with a per-head matmul,
+            # whose float32 sums may round apart on another CPU's BLAS
+            torch.testing.assert_close(kq[lo:hi, h], want.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.count_nonzero(kq[:S]) == 0 and torch.count_nonzero(kq[12:]) == 0
     # a decode step at n = 13 reads INT2 keys on [S, 13 - W = 9), BF16 elsewhere; values stay BF16
     kk, vv = sim._read(0, 1, 12, 13, 1)
