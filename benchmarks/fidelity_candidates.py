@@ -44,12 +44,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.server_harness import ROOT, save_json
-from benchmarks.targets import paired_gap
+from benchmarks.targets import bf16_bytes_per_position, window_gap as _gap
 from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, KVLayout
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "study_candidates_smollm2.json")  # not fidelity_*.json: report.render_fidelity takes those
 DEFAULT_WORK = "/tmp/fidelity_candidates"
-BF16_BYTES = 2
 FP8 = "float8_e4m3fn"
 
 # name: (rotations file stem, oscar-eval arguments, what it changes)
@@ -159,13 +158,6 @@ def bytes_of(settings: dict, head_dim: int) -> dict:
                                                       f"{vg['scale_dtype']} scale and min"}
 
 
-def _gap(a: list[float], b: list[float]) -> list[float] | None:
-    if not a or len(a) != len(b):
-        return None
-    mean, half = paired_gap(a, b)
-    return [round(mean, 5), round(half, 5)]
-
-
 def reference_runs(path: str, default_runs: dict) -> dict:
     """{length: run} of bf16 and the default from an earlier oscar-eval output (``--reference``) for the
     lengths no default run in --work has; refused unless its layout, S, W, chunk and windows are the
@@ -195,7 +187,7 @@ def reference_runs(path: str, default_runs: dict) -> dict:
 def study(a, shape: dict) -> dict:
     """Every finished run in --work, paired by window with bf16, the default and (fake rows) fake."""
     layers, heads, d = shape["num_layers"], shape["num_kv_heads"], shape["head_dim"]
-    per_position = layers * heads * d * 2 * BF16_BYTES  # K and V, all layers
+    per_position = bf16_bytes_per_position(layers, heads, d)
     runs = {}
     for name in CANDIDATES:
         for f in sorted(os.listdir(a.work)) if os.path.isdir(a.work) else []:

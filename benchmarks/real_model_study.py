@@ -23,11 +23,10 @@ import json
 import os
 
 from benchmarks.server_harness import ROOT, save_json
-from benchmarks.targets import paired_gap
+from benchmarks.targets import bf16_bytes_per_position, window_gap as _gap
 from oscar_kernels.contract.layout import KVLayout
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "study_smollm2.json")
-BF16_BYTES = 2
 
 
 def _load(path: str) -> dict:
@@ -45,13 +44,6 @@ def _named(s: str) -> tuple[str, str]:
     return name, path
 
 
-def _gap(a: list[float], b: list[float]) -> list[float] | None:
-    if not a or len(a) != len(b):
-        return None
-    mean, half = paired_gap(a, b)
-    return [round(mean, 5), round(half, 5)]
-
-
 def row_for(method: dict, rotation: dict | None, settings: dict, ref: dict, default: dict | None,
             num_layers: int, num_kv_heads: int, head_dim: int) -> dict:
     """One candidate: its bytes and, per length, ppl and paired NLL gaps to bf16 and the default."""
@@ -63,7 +55,7 @@ def row_for(method: dict, rotation: dict | None, settings: dict, ref: dict, defa
                    group_size=rotation["group_size"], value_group_size=rotation["value_group_size"],
                    bytes_per_token_head=layout.bytes_per_token_per_head(head_dim))
     # BF16 K and V of the sinks (shared per sequence) and the ring (per running request), all layers
-    per_position = num_layers * num_kv_heads * head_dim * 2 * BF16_BYTES
+    per_position = bf16_bytes_per_position(num_layers, num_kv_heads, head_dim)
     row["ring_bytes_per_request"] = (settings.get("recent") or 0) * per_position
     row["sink_bytes_per_sequence"] = (settings.get("sink") or 0) * per_position
     lengths = {}

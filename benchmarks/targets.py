@@ -156,6 +156,21 @@ def paired_gap(hits: list[int], ref_hits: list[int]) -> tuple[float, float]:
     return mean, 1.96 * (var / n) ** 0.5
 
 
+def window_gap(a: list[float], b: list[float]) -> list[float] | None:
+    """:func:`paired_gap` of two runs' per-window values, rounded to 5 digits as the results files
+    store it; None when the runs do not share their windows."""
+    if not a or len(a) != len(b):
+        return None
+    mean, half = paired_gap(a, b)
+    return [round(mean, 5), round(half, 5)]
+
+
+def bf16_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """BF16 K and V of one position over all layers: what a sink (per sequence) or a ring slot
+    (per running request) costs."""
+    return num_layers * num_kv_heads * head_dim * 2 * 2
+
+
 def passkey_paired(results_dir: str, name: str, label: str, method: str = "oscar") -> list[tuple[str, str, str]]:
     """Passkey gap of a paired run (passkey_hits: the same prompts for bf16 and ``method``) with
     its 95% interval; missed when the gap is resolved below -FIDELITY_PASSKEY_GAP."""
