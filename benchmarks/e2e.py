@@ -564,15 +564,6 @@ class StepProfile:
         for f in self._traces():  # a trace of an earlier run would pass for this one
             os.remove(f)
 
-    def _post(self, path: str, payload: dict, timeout: float) -> str:
-        """POST to SGLang's profiler endpoints, which answer plain text ("Start profiling.")."""
-        import urllib.request
-
-        req = urllib.request.Request(self.server.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.read().decode("utf-8", "replace")
-
     def _traces(self) -> list[str]:
         import glob
 
@@ -588,7 +579,7 @@ class StepProfile:
             payload = {"output_dir": self.out_dir, "num_steps": self.steps, "activities": self.ACTIVITIES,
                        "with_stack": False, "record_shapes": False, "profile_id": self.profile_id}
             try:
-                self._post("/start_profile", payload, timeout=120)
+                self.server.post("/start_profile", payload, timeout=120)
             except OSError as e:  # urllib's HTTPError / URLError
                 self.info["error"] = f"/start_profile: {e}"[:300]
                 log(f"  profile: {self.info['error']}")
@@ -613,7 +604,7 @@ class StepProfile:
             if self.done is not None or stop_after is None or not self.server.alive():
                 break
             try:
-                self._post("/stop_profile", {}, timeout=60)
+                self.server.post("/stop_profile", {}, timeout=60)
                 self.info["stopped_by"] = "/stop_profile (the workload ended before the steps were counted)"
             except (OSError, ValueError) as e:
                 self.info["stop_error"] = str(e)[:200]

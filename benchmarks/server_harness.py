@@ -196,11 +196,17 @@ class Server:
         except json.JSONDecodeError:
             return body.decode("utf-8", "replace")
 
-    def post(self, path: str, payload: dict, timeout: float = 600.0) -> dict:
+    def post(self, path: str, payload: dict, timeout: float = 600.0) -> dict | str:
+        """POST ``payload`` as JSON; the answer's JSON, or its text where it is not JSON (SGLang's
+        profiler endpoints answer "Start profiling.")."""
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            body = r.read()
+        try:
+            return json.loads(body) if body else {}
+        except json.JSONDecodeError:
+            return body.decode("utf-8", "replace")
 
     def log_text(self) -> str:
         try:
