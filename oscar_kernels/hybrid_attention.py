@@ -152,22 +152,26 @@ class HybridAttention:
     pass learned sink logits to decode/extend (gpt-oss): FlashInfer's prefill has no such term,
     so the "flashinfer" prefix read becomes "bf16"; ``max_draft_tokens``: draft tokens per
     request of a speculative verify (0: no verify), which sizes the staging workspace:
-    2 x layers x max_batch x max_draft_tokens x H x D bf16 (plus one layer's rotated copies)."""
+    2 x layers x max_batch x max_draft_tokens x H x D bf16 (plus one layer's rotated copies);
+    ``key_debias``: every read of an INT2 key subtracts half its rounding-noise variance from
+    its logit (reference module doc); FlashInfer's prefill has no such term, so the
+    "flashinfer" prefix read becomes "bf16" (whose materialised rows carry the keys' scales)."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
                  prefix_read: str = "int2", decode_config=None, padding_page: int | None = None,
-                 learned_sinks: bool = False, max_draft_tokens: int = 0):
+                 learned_sinks: bool = False, max_draft_tokens: int = 0, key_debias: bool = True):
         if prefix_read not in PREFIX_READS:
             raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
         layer = cache.layers[0]
         if num_q_heads % layer.num_kv_heads:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {layer.num_kv_heads} KV heads")
         self.cache, self.num_q_heads, self.sm_scale = cache, num_q_heads, float(sm_scale)
+        self.key_debias = bool(key_debias)
         self.padding_page = padding_page
         device = cache.req_to_token.device
         self.triton = use_triton(cache.req_to_token)
         self.flashinfer = None
-        if prefix_read == "flashinfer" and device.type == "cuda" and not learned_sinks:
+        if prefix_read == "flashinfer" and device.type == "cuda" and not learned_sinks and not key_debias:
             from .flashinfer_extend import FlashInferExtend
             self.flashinfer = FlashInferExtend(device)
         self.prefix_read = "int2" if prefix_read == "int2" else "bf16"  # the Triton / reference read
@@ -241,7 +245,8 @@ class HybridAttention:
         if self.triton and not fi and t and max_ext:
             from .triton_extend import plan_extend_launch
             launch = plan_extend_launch(prefix, prefix_host, max_ext, t, self.num_q_heads, layer.num_kv_heads,
-                                        layer.head_dim, self.prefix_read)
+                                        layer.head_dim, self.prefix_read,
+                                        layer.head_dim // layer.key_group_size if self.key_debias else 0)
         k_rot = torch.empty(t, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=slots.device)
         self._extend = _ExtendBatch(
             rows=rows, prefix_lens=prefix, qo_indptr=torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0)),
@@ -306,10 +311,11 @@ class HybridAttention:
             from .verify_decode import verify_layer_view
             view = plan.view
             return triton_decode(q, verify_layer_view(view, lc, k_rot, v_rot), view.index, rot, view.req_to_token,
-                                 view.rows, view.seq_lens, self.sm_scale, out, launch=plan.launch, sinks=sinks)
+                                 view.rows, view.seq_lens, self.sm_scale, out, launch=plan.launch, sinks=sinks,
+                                 key_debias=self.key_debias)
         o_rot = ref.reference_verify(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
                                      plan.prefix_lens, plan.positions, plan.slots, plan.ancestors, self.sm_scale,
-                                     sinks)
+                                     sinks, self.key_debias)
         return _output(o_rot, rot, q, out)
 
     def commit(self, accept_index: torch.Tensor | None = None, *, accept_lens: torch.Tensor | None = None) -> None:
@@ -356,9 +362,9 @@ class HybridAttention:
         if self.triton:
             from .triton_decode import triton_decode
             return triton_decode(q, lc, index, rot, r2t, plan.rows, plan.seq_lens, self.sm_scale, out,
-                                 launch=plan.launch, sinks=sinks)
+                                 launch=plan.launch, sinks=sinks, key_debias=self.key_debias)
         o_rot = ref.reference_decode(_rotate(q, rot.k_rot), lc, index, r2t, plan.rows, plan.seq_lens, self.sm_scale,
-                                     sinks)
+                                     sinks, self.key_debias)
         return _output(o_rot, rot, q, out)
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -380,10 +386,11 @@ class HybridAttention:
         elif self.triton:
             from .triton_extend import triton_extend
             o = triton_extend(q, k_rot, v_rot, lc, index, rot, r2t, plan.rows, plan.prefix_lens, plan.qo_indptr,
-                              plan.max_extend_len, self.sm_scale, out, launch=plan.launch, sinks=sinks)
+                              plan.max_extend_len, self.sm_scale, out, launch=plan.launch, sinks=sinks,
+                              key_debias=self.key_debias)
         else:
             o_rot = ref.reference_extend(_rotate(q, rot.k_rot), k_rot, v_rot, lc, index, r2t, plan.rows,
-                                         plan.prefix_lens, plan.qo_indptr, self.sm_scale, sinks)
+                                         plan.prefix_lens, plan.qo_indptr, self.sm_scale, sinks, self.key_debias)
             o = _output(o_rot, rot, q, out)
         self._store(layer, k, v, *meta, write_int2=False, write_ring=True)
         return o

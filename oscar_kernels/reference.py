@@ -3,6 +3,13 @@
 Shapes: T new tokens, B requests, H KV heads, Hq query heads (Hq % H == 0, query head h
 reads KV head h // (Hq // H)), D head_dim. All attention runs in the rotated space:
 callers pass q' = q R_K and get o' (un-rotate with o = o' R_V^T, see :func:`rotate`).
+
+Key debias (``key_debias=True``, the default read): an INT2 key's rounding error e (uniform in
++-scale/2 per channel, variance scale^2 / 12) adds q'.e to its logit, and E[exp(x + q'.e)] =
+exp(x + var/2): every history key is weighted up against the exact BF16 sinks and ring, the more
+the longer the history. Each INT2 position's logit therefore subtracts half its noise variance,
+    sm_scale^2 / 24 * sum_g scale_g^2 |q'_g|^2        (g: the key's channel groups),
+which needs nothing but the stored scales (:func:`key_noise_bias`).
 """
 from __future__ import annotations
 
@@ -63,18 +70,31 @@ def reference_store(layer: HybridLayerCache, index: HybridCacheIndex, rotation: 
     return k_rot, v_rot
 
 
+def key_noise_bias(q: torch.Tensor, k_var: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Logit debias (module doc): q' [Tq, Hq, D], k_var [Tk, H, NG] (scale^2 of each key group,
+    0 where the key is exact) -> [Hq, Tq, Tk] float32, to subtract from the logits."""
+    hq, d = q.shape[1], q.shape[2]
+    ng = k_var.shape[-1]
+    qn = q.float().view(q.shape[0], hq, ng, d // ng).pow(2).sum(-1)  # [Tq, Hq, NG]
+    kv = expand_gqa(k_var.transpose(0, 1).float(), hq)  # [Hq, Tk, NG]
+    return torch.einsum("qhg,hkg->hqk", qn, kv) * (sm_scale * sm_scale / 24.0)
+
+
 def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
-              row: int, n: int, window_end: int | None = None):
+              row: int, n: int, window_end: int | None = None, with_var: bool = False):
     """Keys and values (float32 [n, H, D], rotated space) of positions 0..n-1 of the
     request in ``row`` as the kernels must read them (read rule in hybrid_cache).
     ``window_end`` (default n): the sequence length whose recent window the ring serves,
     ring read for positions >= max(window_end - W, valid_from) (a speculative draft at
-    depth d reads its prefix of n positions as decode at length n + d + 1 would)."""
+    depth d reads its prefix of n positions as decode at length n + d + 1 would).
+    ``with_var``: also the keys' group scales squared [n, H, NG] float32, 0 at the BF16
+    positions (key_noise_bias)."""
     slots = req_to_token[row, :n].long()
     k = dequantise(unpack(layer.k_packed[slots]), layer.k_scales[slots])
     v = dequantise(unpack(layer.v_packed[slots]), layer.v_scales[slots])
+    var = layer.k_scales[slots][..., 0].float().pow(2) if with_var else None
     if n == 0:
-        return k, v
+        return (k, v, var) if with_var else (k, v)
     pos = torch.arange(n, device=slots.device)
     s, w = layer.sink_tokens, layer.recent_window
     if w > 0:
@@ -82,13 +102,17 @@ def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: to
         m = pos >= start
         k[m] = layer.k_ring[row, pos[m] % w].float()
         v[m] = layer.v_ring[row, pos[m] % w].float()
+        if with_var:
+            var[m] = 0.0
     if s > 0:
         c = int(sink_slot_for(index, slots[:1])[0])
         if c >= 0:
             m = pos < s
             k[m] = layer.k_sink[c, pos[m]].float()
             v[m] = layer.v_sink[c, pos[m]].float()
-    return k, v
+            if with_var:
+                var[m] = 0.0
+    return (k, v, var) if with_var else (k, v)
 
 
 def reference_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
@@ -102,14 +126,17 @@ def reference_materialize_prefix(layer: HybridLayerCache, index: HybridCacheInde
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            k_var: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D], k/v [Tk, H, D] -> [Tq, Hq, D] softmax attention, GQA, float32.
     ``sinks`` [Hq]: a learned logit per query head (gpt-oss) that joins every row's softmax
-    as one more column with no value: o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})."""
+    as one more column with no value: o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}).
+    ``k_var`` [Tk, H, NG]: the keys' debias (key_noise_bias), None: none."""
     hq = q.shape[1]
-    k = expand_gqa(k.transpose(0, 1), hq)  # [Hq, Tk, D]
+    logits = torch.einsum("qhd,hkd->hqk", q.float(), expand_gqa(k.transpose(0, 1), hq).float()) * sm_scale
+    if k_var is not None:
+        logits = logits - key_noise_bias(q, k_var, sm_scale)
     v = expand_gqa(v.transpose(0, 1), hq)
-    logits = torch.einsum("qhd,hkd->hqk", q.float(), k.float()) * sm_scale
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     if sinks is not None:
@@ -122,39 +149,42 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
 
 def reference_decode(q_rot: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
                      req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     sm_scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
     """One query token per request (q' [B, Hq, D]) over its n = seq_lens[b] cached
-    positions (the new token already stored); ``sinks`` [Hq] as in :func:`_attend`.
+    positions (the new token already stored); ``sinks`` [Hq] as in :func:`_attend`;
+    ``key_debias``: the module doc's logit debias at the INT2 positions.
     Returns o' [B, Hq, D] float32."""
     out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
     for b in range(q_rot.shape[0]):
-        k, v = hybrid_kv(layer, index, req_to_token, int(rows[b]), int(seq_lens[b]))
-        out[b] = _attend(q_rot[b:b + 1], k, v, sm_scale, sinks=sinks)[0]
+        k, v, var = hybrid_kv(layer, index, req_to_token, int(rows[b]), int(seq_lens[b]), with_var=True)
+        out[b] = _attend(q_rot[b:b + 1], k, v, sm_scale, sinks=sinks, k_var=var if key_debias else None)[0]
     return out
 
 
 def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                      rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
-                     sm_scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
     """Prefill / chunked prefill. New tokens (q', k', v' [T, *, D], request b owns rows
     qo_indptr[b]:qo_indptr[b+1]) attend to the hybrid prefix of length prefix_lens[b]
     (read rule with n = prefix length) and causally to the new BF16 tokens themselves;
-    ``sinks`` [Hq] as in :func:`_attend`. Returns o' [T, Hq, D] float32."""
+    ``sinks`` [Hq] as in :func:`_attend`; ``key_debias`` as in :func:`reference_decode`.
+    Returns o' [T, Hq, D] float32."""
     out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
     for b in range(rows.shape[0]):
         lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if hi == lo:
             continue
         n_pre = int(prefix_lens[b])
-        kp, vp = hybrid_kv(layer, index, req_to_token, int(rows[b]), n_pre)
+        kp, vp, var = hybrid_kv(layer, index, req_to_token, int(rows[b]), n_pre, with_var=True)
         k = torch.cat([kp, k_rot[lo:hi].float()])
         v = torch.cat([vp, v_rot[lo:hi].float()])
         e = hi - lo
+        var = torch.cat([var, var.new_zeros(e, *var.shape[1:])]) if key_debias else None
         qi = torch.arange(e, device=q_rot.device).unsqueeze(1)
         kj = torch.arange(n_pre + e, device=q_rot.device).unsqueeze(0)
         mask = kj <= qi + n_pre  # [e, n_pre + e]
-        out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0), sinks)
+        out[lo:hi] = _attend(q_rot[lo:hi], k, v, sm_scale, mask.unsqueeze(0), sinks, var)
     return out
 
 
@@ -162,7 +192,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
                      layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                      rows: torch.Tensor, prefix_lens: torch.Tensor, positions: torch.Tensor,
                      slots: torch.Tensor, ancestors: torch.Tensor, sm_scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
     """Speculative verify: B requests of T draft tokens each (token t = b * T + i), already
     INT2-stored at ``slots`` (no sinks, no ring). Draft i of request b (position
     p_i = n + d_i, n = prefix_lens[b], depth d_i) attends to exactly what decode at length
@@ -174,7 +204,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
             else the INT2 it was stored as at slots[b * T + a].
     q' [B*T, Hq, D], k'/v' [B*T, H, D] (the store's rotated BF16 copies), positions, slots
     [B*T], ancestors bool [B, T, T] (speculative.draft_ancestors); ``sinks`` [Hq] as in
-    :func:`_attend`. Returns o' [B*T, Hq, D] float32."""
+    :func:`_attend`; ``key_debias`` as in :func:`reference_decode`. Returns o' [B*T, Hq, D] float32."""
     out = torch.empty(q_rot.shape, dtype=torch.float32, device=q_rot.device)
     b_count, t = ancestors.shape[:2]
     s, w = layer.sink_tokens, layer.recent_window
@@ -189,7 +219,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
         for i in range(t):
             tok = b * t + i
             n_i = int(positions[tok]) + 1
-            kp, vp = hybrid_kv(layer, index, req_to_token, row, n, window_end=n_i)
+            kp, vp, var_p = hybrid_kv(layer, index, req_to_token, row, n, window_end=n_i, with_var=True)
             anc = b * t + torch.nonzero(ancestors[b, i]).flatten()
             pa = positions[anc].long()
             bf16 = (pa < s) & (c >= 0)
@@ -197,6 +227,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
                 bf16 |= pa >= max(n_i - w, vf)
             kd = torch.where(bf16[:, None, None], k_rot[anc].float(), k_int2[anc])
             vd = torch.where(bf16[:, None, None], v_rot[anc].float(), v_int2[anc])
+            var_d = torch.where(bf16[:, None, None], 0.0, layer.k_scales[slots[anc].long()][..., 0].float().pow(2))
             out[tok] = _attend(q_rot[tok:tok + 1], torch.cat([kp, kd]), torch.cat([vp, vd]), sm_scale,
-                               sinks=sinks)[0]
+                               sinks=sinks, k_var=torch.cat([var_p, var_d]) if key_debias else None)[0]
     return out

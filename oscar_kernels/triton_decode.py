@@ -41,8 +41,8 @@ from .hybrid_cache import HybridCacheIndex, HybridLayerCache, LayerRotation
 from .triton_common import (INTERPRET, bf16_side_args, check_cache_layout, check_last_dim_contiguous,
                             group_scale_args, head_index, needs_int64_slots, pair_views, pdl_supported,
                             release_dependent_grid, scale_args, sink_index_args, wait_for_prior_grid)
-from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, request_layout,
-                                 store_pairs)
+from .triton_hybrid_attn import (bf16_side_t, int2_finish, int2_query, int2_range, int2_state, key_noise_query,
+                                 request_layout, store_pairs)
 
 LOG2E = 1.4426950408889634
 
@@ -117,11 +117,13 @@ def _decode_stage1(q_rot_ptr, stride_q_batch, stride_q_head, rows_ptr, lens_ptr,
                    NS, MIN_CHUNK: tl.constexpr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
-                   PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr, PDL: tl.constexpr = False):
+                   PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr, PDL: tl.constexpr = False,
+                   DEBIAS: tl.constexpr = True):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
-    kernel) is read first, q' and the partials only after wait_for_prior_grid."""
+    kernel) is read first, q' and the partials only after wait_for_prior_grid. DEBIAS: the
+    INT2 scores' key debias (triton_hybrid_attn module doc)."""
     HALF: tl.constexpr = GK >= D // 4  # key codes unpack as float16 when a key group spans a plane
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -161,12 +163,13 @@ def _decode_stage1(q_rot_ptr, stride_q_batch, stride_q_head, rows_ptr, lens_ptr,
         # ---- INT2 history: chunk sp - 1 of [s_b, ring_lo), transposed tiles [*, BH]
         lo, hi = int2_split(s_b, ring_lo, sp - 1, NS, MIN_CHUNK, BN)
         qops, qsums = int2_query(q_vec, hmask, qk_scale, D, GK, HALF)
+        qv = key_noise_query(q_vec, hmask, qk_scale, D, GK, DEBIAS)
         hh = head_index(h, SLOT64)
-        st = int2_range(qops, qsums, int2_state(BH, D, GV), lo, hi, req_to_token_ptr + row * stride_req_to_token_row,
+        st = int2_range(qops, qsums, qv, int2_state(BH, D, GV), lo, hi, req_to_token_ptr + row * stride_req_to_token_row,
                         k_pairs_ptr, v_pairs_ptr, stride_pair_slot, hh * stride_pair_head,
                         k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, hh * stride_scale_head,
                         k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, hh * stride_scale_pair_head,
-                        BN, D, GK, GV, PAIR, INTERP, SLOT64, HALF, True)
+                        BN, D, GK, GV, PAIR, INTERP, SLOT64, HALF, True, DEBIAS)
         outs, m_i, l_i = int2_finish(st, D, GV)
         # an unused split (lo >= hi) writes only its lse (-inf); the merge skips its o~
         store_pairs(mid_o_ptr + mid_row * D, hmask & (lo < hi), outs, D)
@@ -513,9 +516,10 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
                   workspace: DecodeWorkspace | None = None,
                   config: DecodeConfig | None = None, launch: DecodeLaunch | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
     """Decode attention (reference.reference_decode between the rotations): returns o [B, Hq, D] (q.dtype or
-    ``out``'s dtype), un-rotated. ``sinks``: [Hq] learned sink logits (any float dtype) or None.
+    ``out``'s dtype), un-rotated. ``sinks``: [Hq] learned sink logits (any float dtype) or None;
+    ``key_debias``: the INT2 scores' debias (reference module doc).
     ``launch``: the batch's resolved launch
     (DecodeWorkspace.launch; else resolved here from ``workspace``, or from a workspace made
     here with ``config``). Allocates only when ``launch``/``workspace`` and ``out`` are None."""
@@ -549,7 +553,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         NS=ns, MIN_CHUNK=launch.min_chunk, GQ=gq, BH=_block_h(gq), D=d, GK=layer.key_group_size,
         GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window, BN=tiles.block_n,
         BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
-        SLOT64=tiles.int64_slots or needs_int64_slots(layer), PDL=pdl, num_warps=STAGE1_WARPS,
+        SLOT64=tiles.int64_slots or needs_int64_slots(layer), PDL=pdl, DEBIAS=key_debias, num_warps=STAGE1_WARPS,
         num_stages=tiles.num_stages, maxnreg=tiles.max_registers, launch_pdl=pdl,
     )
     if launch.split_merge:

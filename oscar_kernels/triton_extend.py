@@ -26,7 +26,7 @@ from .triton_common import (INTERPRET, bf16_side_args, check_cache_layout, check
                             head_index, mma, needs_int64_slots, pair_views, scale_args, sink_index_args)
 from .triton_decode import LOG2E, check_sinks, rotate_tokens
 from .triton_hybrid_attn import (bf16_range, fresh_dot, int2_finish, int2_query, int2_range, int2_state,
-                                 online_softmax, request_layout, store_pairs)
+                                 key_noise_query, online_softmax, request_layout, store_pairs)
 from .triton_materialize import MAX_MATERIALIZED_TOKENS, prefix_offsets, triton_materialize_prefix
 
 
@@ -41,11 +41,12 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
                    k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
                    k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                    k_prefix_ptr, v_prefix_ptr, stride_prefix_token, stride_prefix_head, prefix_offsets_ptr,
+                   var_prefix_ptr, stride_var_token, stride_var_head,
                    o_ptr, stride_o_token, stride_o_head, qk_scale, sinks_ptr,
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-                   BF16_PREFIX: tl.constexpr, HAS_SINK: tl.constexpr = False):
+                   BF16_PREFIX: tl.constexpr, HAS_SINK: tl.constexpr = False, DEBIAS: tl.constexpr = True):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
     BF16_PREFIX: the prefix was materialised (triton_materialize) as BF16 rows
@@ -54,7 +55,9 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
     accumulators, normalised and parked in o_ptr's rows; (2) the BF16 parts (sinks, ring,
     causal new tokens) with one [R, D] accumulator, then the log-sum-exp merge with the
     parked part. HAS_SINK: each query head's learned sink logit sinks_ptr[hq] (natural units)
-    joins every row's denominator, with no value (gpt-oss)."""
+    joins every row's denominator, with no value (gpt-oss). DEBIAS: the INT2 keys' debias
+    (triton_hybrid_attn module doc); with BF16_PREFIX from the materialised prefix's scale^2
+    rows var_prefix (row of k/v_prefix, stride_var_token / stride_var_head, group g at + g)."""
     HALF: tl.constexpr = GK >= D // 4  # key codes unpack as float16 when a key group spans a plane
     mb = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -78,22 +81,27 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
         acc = tl.zeros([R, D], tl.float32)
         if BF16_PREFIX:
             q = tl.load(q_vec[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-            pre = tl.load(prefix_offsets_ptr + b).to(tl.int64) * stride_prefix_token + h * stride_prefix_head
+            off = tl.load(prefix_offsets_ptr + b).to(tl.int64)
+            pre = off * stride_prefix_token + h * stride_prefix_head
+            qv = key_noise_query(q_vec, rmask, qk_scale, D, GK, DEBIAS)
             m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_prefix_ptr + pre, v_prefix_ptr + pre, stride_prefix_token,
-                                       0, tl.load(prefix_lens_ptr + b).to(tl.int64), 0, qk_scale, BN_BF16, D, INTERP)
+                                       0, tl.load(prefix_lens_ptr + b).to(tl.int64), 0, qk_scale, BN_BF16, D, INTERP,
+                                       qv, var_prefix_ptr + off * stride_var_token + h * stride_var_head,
+                                       stride_var_token)
         else:
             row, n, c, s_b, ring_lo = request_layout(b, rows_ptr, prefix_lens_ptr, req_to_token_ptr,
                                                      stride_req_to_token_row, sink_slot_of_page_ptr,
                                                      page_of_sink_slot_ptr, page_size, ring_valid_from_ptr, S, W)
             # ---- phase 1: INT2 history [s_b, ring_lo) (transposed pair tiles)
             qops, qsums = int2_query(q_vec, rmask, qk_scale, D, GK, HALF)
+            qv = key_noise_query(q_vec, rmask, qk_scale, D, GK, DEBIAS)
             hh = head_index(h, SLOT64)
-            st = int2_range(qops, qsums, int2_state(R, D, GV), s_b, ring_lo,
+            st = int2_range(qops, qsums, qv, int2_state(R, D, GV), s_b, ring_lo,
                             req_to_token_ptr + row * stride_req_to_token_row,
                             k_pairs_ptr, v_pairs_ptr, stride_pair_slot, hh * stride_pair_head,
                             k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, hh * stride_scale_head,
                             k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, hh * stride_scale_pair_head,
-                            BN, D, GK, GV, PAIR, INTERP, SLOT64, HALF, False)
+                            BN, D, GK, GV, PAIR, INTERP, SLOT64, HALF, False, DEBIAS)
             outs, m2, l2 = int2_finish(st, D, GV)
             store_pairs(o_vec, rmask, outs, D)
             # ---- phase 2: BF16 sinks, ring, then the new tokens causally
@@ -101,11 +109,11 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
             if S > 0:
                 cs = tl.maximum(c, 0) * stride_sink_slot + h * stride_sink_head
                 m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_sink_ptr + cs, v_sink_ptr + cs, stride_sink_pos,
-                                           0, s_b, 0, qk_scale, BN_BF16, D, INTERP)
+                                           0, s_b, 0, qk_scale, BN_BF16, D, INTERP, (), k_sink_ptr, 0)
             if W > 0:
                 rr = row * stride_ring_row + h * stride_ring_head
                 m_i, l_i, acc = bf16_range(q, m_i, l_i, acc, k_ring_ptr + rr, v_ring_ptr + rr, stride_ring_cell,
-                                           ring_lo, n, W, qk_scale, BN_BF16, D, INTERP)
+                                           ring_lo, n, W, qk_scale, BN_BF16, D, INTERP, (), k_ring_ptr, 0)
         nb = tl.arange(0, BN_BF16)
         kv_new = h * stride_new_head
         for j0 in range(0, tl.minimum(e, m0 + BM), BN_BF16):
@@ -192,30 +200,35 @@ class ExtendLaunch:
     o_rot: torch.Tensor  # float32 [T, Hq, D] attention output before the un-rotation
     k_prefix: torch.Tensor | None  # bf16 [sum L_b, H, D] materialised prefixes (bf16_prefix)
     v_prefix: torch.Tensor | None
+    var_prefix: torch.Tensor | None  # float32 [sum L_b, H, D/G_K]: their keys' scale^2 (bf16_prefix, key_debias)
 
 
 def plan_extend_launch(prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int] | None, max_extend_len: int,
                        num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                       prefix_read: str = "int2") -> ExtendLaunch:
+                       prefix_read: str = "int2", key_groups: int = 0) -> ExtendLaunch:
     """Resolve an extend batch: the prefix read (a "bf16" read whose prefixes sum to more
     than MAX_MATERIALIZED_TOKENS reads INT2), its tiles and scratch. ``prefix_lens_host``:
-    prefix_lens as host ints (None: read back from the device, one sync, "bf16" only)."""
+    prefix_lens as host ints (None: read back from the device, one sync, "bf16" only);
+    ``key_groups``: the keys' groups per head (D / G_K) when the read debiases them, else 0."""
     check_prefix_read(prefix_read)
     host = None
     if prefix_read == "bf16":
         host = prefix_lens.tolist() if prefix_lens_host is None else list(prefix_lens_host)
     bf16_prefix = host is not None and sum(host) <= MAX_MATERIALIZED_TOKENS
     dev, t, hq, d = prefix_lens.device, num_tokens, num_q_heads, head_dim
-    k_pre = v_pre = offsets = None
+    k_pre = v_pre = var_pre = offsets = None
     if bf16_prefix:
         k_pre = torch.empty(sum(host), num_kv_heads, d, dtype=torch.bfloat16, device=dev)
         v_pre = torch.empty_like(k_pre)
+        if key_groups:
+            var_pre = torch.empty(sum(host), num_kv_heads, key_groups, dtype=torch.float32, device=dev)
         offsets = prefix_offsets(prefix_lens)
     return ExtendLaunch(
         bf16_prefix=bf16_prefix, tiles=extend_tiles(bf16_prefix, d),
         max_extend_len=int(max_extend_len), prefix_lens_host=tuple(int(n) for n in host or ()),
         prefix_offsets=offsets, q_rot=torch.empty(t, hq, d, dtype=torch.bfloat16, device=dev),
-        o_rot=torch.empty(t, hq, d, dtype=torch.float32, device=dev), k_prefix=k_pre, v_prefix=v_pre)
+        o_rot=torch.empty(t, hq, d, dtype=torch.float32, device=dev), k_prefix=k_pre, v_prefix=v_pre,
+        var_prefix=var_pre)
 
 
 def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, layer: HybridLayerCache,
@@ -223,10 +236,12 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
                   prefix_read: str = "int2", prefix_lens_host: Sequence[int] | None = None,
-                  launch: ExtendLaunch | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  launch: ExtendLaunch | None = None, sinks: torch.Tensor | None = None,
+                  key_debias: bool = True) -> torch.Tensor:
     """Extend attention (reference.reference_extend between the rotations): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
-    ``sinks``: [Hq] learned sink logits (any float dtype) or None.
+    ``sinks``: [Hq] learned sink logits (any float dtype) or None; ``key_debias``: the INT2
+    keys' debias (reference module doc; a ``launch`` must then be planned with key_groups).
     ``max_extend_len`` must be >= every qo_indptr[b+1] - qo_indptr[b] (host int, no sync).
     ``launch``: the batch's resolved launch (plan_extend_launch); else resolved here from
     ``prefix_read`` (check_prefix_read) and ``prefix_lens_host`` (prefix_lens as host ints,
@@ -253,9 +268,12 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     if t == 0 or b == 0 or max_extend_len <= 0:
         return out
     if launch is None:
-        launch = plan_extend_launch(prefix_lens, prefix_lens_host, max_extend_len, t, hq, h, d, prefix_read)
+        launch = plan_extend_launch(prefix_lens, prefix_lens_host, max_extend_len, t, hq, h, d, prefix_read,
+                                    d // layer.key_group_size if key_debias else 0)
     elif launch.q_rot.shape != (t, hq, d):
         raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
+    elif launch.bf16_prefix and key_debias and launch.var_prefix is None:
+        raise ValueError("key_debias needs a launch planned with key_groups (the prefix keys' scale^2 rows)")
     q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), launch.q_rot)
     o_rot = launch.o_rot
     gq = hq // h
@@ -263,23 +281,27 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     tiles = launch.tiles
     if launch.bf16_prefix:
         pre_off = launch.prefix_offsets
+        var_pre = launch.var_prefix if key_debias else None
         k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens, launch.prefix_lens_host,
-                                                 k_out=launch.k_prefix, v_out=launch.v_prefix, offsets=pre_off)
+                                                 k_out=launch.k_prefix, v_out=launch.v_prefix, offsets=pre_off,
+                                                 var_out=var_pre)[:2]
     else:  # unused pointers (never read)
         k_pre = v_pre = k_rot
+        var_pre = None
         pre_off = prefix_lens
+    var_args = (var_pre, var_pre.stride(0), var_pre.stride(1)) if var_pre is not None else (o_rot, 0, 0)
     bm = max(1, tiles.block_rows // gqp)
     scale_pairs = group_scale_args(layer)
     _extend_kernel[(triton.cdiv(launch.max_extend_len, bm), b, h)](
         q_rot, q_rot.stride(0), q_rot.stride(1), k_rot, v_rot, k_rot.stride(0), k_rot.stride(1),
         rows, prefix_lens, qo_indptr, *sink_index_args(index, req_to_token), index.ring_valid_from,
         *pair_views(layer), *scale_args(layer), *scale_pairs[:4], *bf16_side_args(layer),
-        k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off,
+        k_pre, v_pre, k_pre.stride(0), k_pre.stride(1), pre_off, *var_args,
         o_rot, o_rot.stride(0), o_rot.stride(1), sm_scale * LOG2E, o_rot if sinks is None else sinks,
         GQ=gq, GQP=gqp, BM=bm, D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens,
         W=layer.recent_window, BN=tiles.block_n, BN_BF16=tiles.block_n_bf16, PAIR=scale_pairs[4], INTERP=INTERPRET,
         SLOT64=needs_int64_slots(layer), BF16_PREFIX=launch.bf16_prefix, HAS_SINK=sinks is not None,
-        num_warps=EXTEND_WARPS,
+        DEBIAS=key_debias, num_warps=EXTEND_WARPS,
         num_stages=tiles.num_stages,
     )
     return rotate_tokens(o_rot, rotation.v_rot.contiguous(), out, transpose=True)

@@ -44,6 +44,10 @@ planes starts its chain from -OFF * sum(q'_i / STEP_i), which removes the offset
 inside the dot; a group of one plane (G = D/4, the default) starts from zero and the offset
 leaves with the min, once per token: scale * chain + min * sum(q'_g) with
 min -> min - (OFF / STEP_g) * scale (no loop-invariant [BN, R] start tiles held in registers).
+
+Key debias (DEBIAS, reference module doc): each INT2 score subtracts half its rounding-noise
+variance, sum_g scale_g^2 * qv_g with qv_g = |q'_g|^2 qk_scale^2 / (24 log2 e) per key group g
+(key_noise_query, once per program): one FMA per group and score, on scales already loaded.
 """
 from __future__ import annotations
 
@@ -286,6 +290,20 @@ def int2_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, HALF: t
     return (q00, q01, q10, q11, q20, q21, q30, q31), sums
 
 
+@triton.jit
+def key_noise_query(q_vec, rmask, qk_scale, D: tl.constexpr, G: tl.constexpr, DEBIAS: tl.constexpr):
+    """qv: per key group g (channels [g G, (g+1) G)) the float32 [R] debias multiplier of its
+    scale^2, |q'_g|^2 qk_scale^2 / (24 log2 e) (base-2 scores); () when not DEBIAS."""
+    qv = ()
+    if DEBIAS:
+        coef = qk_scale * qk_scale * (1.0 / (24.0 * 1.4426950408889634))
+        c = tl.arange(0, G)
+        for g in tl.static_range(D // G):
+            qt = tl.load(q_vec[None, :] + g * G + c[:, None], mask=rmask[None, :], other=0.0).to(tl.float32)
+            qv = qv + (tl.sum(qt * qt, 0) * coef,)
+    return qv
+
+
 @triton.constexpr_function
 def group_count(D, G):
     """Groups the grouped path keeps per token: D/G when a group spans a plane or more
@@ -353,13 +371,14 @@ def _block_slots(p0, hi, slots_row, MASKED: tl.constexpr, BN: tl.constexpr, SLOT
 
 
 @triton.jit
-def _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair_head_off,
+def _int2_scores(slot, p0, hi, qops, c0, qg, qv, k_pairs_ptr, stride_pair_slot, pair_head_off,
                  k_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
                  k_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, R: tl.constexpr,
                  MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr,
-                 PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
+                 PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr, DEBIAS: tl.constexpr):
     """Scores s^T [BN, R] (base 2, scaled; -inf at masked positions) of the BN positions
-    from p0: the key half of a block. GK: the keys' group size."""
+    from p0: the key half of a block. GK: the keys' group size; DEBIAS: minus
+    sum_g scale_g^2 qv[g] (key_noise_query)."""
     DQ: tl.constexpr = D // 4
     DH: tl.constexpr = D // 8
     KP: tl.constexpr = D // 8 if D >= 128 else 16  # dot K >= 16
@@ -394,6 +413,8 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair
             else:  # two FMAs per element and group (qk_scale is in q' and qg)
                 s = d * sc[:, None] + s
                 s = mn[:, None] * qg[g][None, :] + s
+            if DEBIAS:
+                s = s - (sc * sc)[:, None] * qv[g][None, :]
     else:
         s = tl.zeros([BN, R], tl.float32)
         for i in tl.static_range(4):
@@ -406,6 +427,11 @@ def _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair
                                  scale_head_off, stride_scale_group, stride_scale_slot, GK, OFF)
             s = mma(ce, qops[2 * i], s, INTERP)
             s = mma(co, qops[2 * i + 1], s, INTERP)
+        if DEBIAS:
+            for g in tl.static_range(D // GK):
+                sc = load_or0(k_scales_ptr + slot * stride_scale_slot + scale_head_off + g * stride_scale_group,
+                              mask).to(tl.float32)
+                s = s - (sc * sc)[:, None] * qv[g][None, :]
     if MASKED:
         s = tl.where(mask[:, None], s, float("-inf"))
     return s
@@ -463,19 +489,19 @@ def _int2_accumulate(st, s, slot, p0, hi, v_pairs_ptr, stride_pair_slot, pair_he
 
 
 @triton.jit
-def _int2_block(st, slot, p0, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
+def _int2_block(st, slot, p0, hi, qops, c0, qg, qv, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
                 k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
                 k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
                 MASKED: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr):
+                PAIR: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr, DEBIAS: tl.constexpr):
     """One block of BN positions from p0 at slots ``slot`` (_block_slots; positions >= hi
     masked when MASKED): its scores, then softmax and value dots. K codes as float16
     when HALF (GK >= D/4). GK / GV: the keys' / values' group size."""
     R: tl.constexpr = st[0].shape[0]
-    s = _int2_scores(slot, p0, hi, qops, c0, qg, k_pairs_ptr, stride_pair_slot, pair_head_off,
+    s = _int2_scores(slot, p0, hi, qops, c0, qg, qv, k_pairs_ptr, stride_pair_slot, pair_head_off,
                      k_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
                      k_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, R, MASKED, BN, D, GK, PAIR,
-                     INTERP, HALF)
+                     INTERP, HALF, DEBIAS)
     return _int2_accumulate(st, s, slot, p0, hi, v_pairs_ptr, stride_pair_slot, pair_head_off,
                             v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
                             v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off, MASKED, BN, D, GV,
@@ -483,15 +509,16 @@ def _int2_block(st, slot, p0, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride
 
 
 @triton.jit
-def int2_range(qops, qsums, st, lo, hi, slots_row, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
+def int2_range(qops, qsums, qv, st, lo, hi, slots_row, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
                k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
                k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
                BN: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, PAIR: tl.constexpr,
-               INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr):
+               INTERP: tl.constexpr, SLOT64: tl.constexpr, HALF: tl.constexpr, SLOT_AHEAD: tl.constexpr,
+               DEBIAS: tl.constexpr):
     """Attend R query rows to INT2 positions [lo, hi) (slots slots_row[pos], a row of
     req_to_token): full blocks of BN positions without masks, then a masked tail block.
 
-    qops / qsums: int2_query. State st (int2_state): running max m, l (sum of p), per value
+    qops / qsums: int2_query; qv: key_noise_query (DEBIAS). State st (int2_state): running max m, l (sum of p), per value
     group pm (sum of p * min) and wsum (sum of w = bf16(p * scale)); acc (plane i, parity e
     at 2 i + e) = sum_t w_t (OFF + STEP_i c_t) (or sum_t p_t v_t when GV < D/4). k/v_pairs:
     triton_common.pair_views; k/v_scales (element strides) per channel group (G < D/4);
@@ -529,19 +556,19 @@ def int2_range(qops, qsums, st, lo, hi, slots_row, k_pairs_ptr, v_pairs_ptr, str
             slot_n = _block_slots(p0 + BN, hi, slots_row, True, BN, SLOT64)
         else:
             slot = _block_slots(p0, hi, slots_row, False, BN, SLOT64)
-        st = _int2_block(st, slot, p0, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot, pair_head_off,
-                         k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group, scale_head_off,
-                         k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot, scale_pair_head_off,
-                         False, BN, D, GK, GV, PAIR, INTERP, HALF)
+        st = _int2_block(st, slot, p0, hi, qops, c0, qg, qv, k_pairs_ptr, v_pairs_ptr, stride_pair_slot,
+                         pair_head_off, k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group,
+                         scale_head_off, k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot,
+                         scale_pair_head_off, False, BN, D, GK, GV, PAIR, INTERP, HALF, DEBIAS)
     if hi_full < hi:
         if SLOT_AHEAD:
             slot = slot_n
         else:
             slot = _block_slots(hi_full, hi, slots_row, True, BN, SLOT64)
-        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, k_pairs_ptr, v_pairs_ptr, stride_pair_slot,
+        st = _int2_block(st, slot, hi_full, hi, qops, c0, qg, qv, k_pairs_ptr, v_pairs_ptr, stride_pair_slot,
                          pair_head_off, k_scales_ptr, v_scales_ptr, stride_scale_slot, stride_scale_group,
                          scale_head_off, k_scale_pairs_ptr, v_scale_pairs_ptr, stride_scale_pair_slot,
-                         scale_pair_head_off, True, BN, D, GK, GV, PAIR, INTERP, HALF)
+                         scale_pair_head_off, True, BN, D, GK, GV, PAIR, INTERP, HALF, DEBIAS)
     return st
 
 
@@ -580,9 +607,12 @@ def store_pairs(row_ptrs, rmask, outs, D: tl.constexpr):
 
 @triton.jit
 def bf16_range(q, m_i, l_i, acc, k_base, v_base, stride_pos, lo, hi, MOD: tl.constexpr,
-               qk_scale, BN: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr):
+               qk_scale, BN: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr,
+               qv, var_base, stride_var_pos):
     """Attend rows q' [R, D] to BF16 positions [lo, hi) stored at k_base/v_base +
-    (pos % MOD if MOD else pos) * stride_pos (ring cells or sink rows)."""
+    (pos % MOD if MOD else pos) * stride_pos (ring cells or sink rows). ``qv`` (key_noise_query,
+    rows as q; () for none) with ``var_base``: a materialised prefix's key debias, var_base +
+    pos * stride_var_pos + g holding group g's scale^2 (0 at its BF16 positions)."""
     d = tl.arange(0, D)
     nb = tl.arange(0, BN)
     for p0 in range(lo, hi, BN):
@@ -594,6 +624,9 @@ def bf16_range(q, m_i, l_i, acc, k_base, v_base, stride_pos, lo, hi, MOD: tl.con
             rowoff = pos.to(tl.int64) * stride_pos
         k = tl.load(k_base + rowoff[None, :] + d[:, None], mask=mask[None, :], other=0.0)
         s = mma(q, k, tl.zeros([q.shape[0], BN], tl.float32), INTERP) * qk_scale
+        for g in tl.static_range(len(qv)):
+            var = tl.load(var_base + pos.to(tl.int64) * stride_var_pos + g, mask=mask, other=0.0)
+            s = s - qv[g][:, None] * var[None, :]
         p, alpha, m_i, l_i = online_softmax(s, mask[None, :], m_i, l_i)
         v = tl.load(v_base + rowoff[:, None] + d[None, :], mask=mask[:, None], other=0.0)
         acc = fresh_dot(p.to(tl.bfloat16), v, acc, alpha[:, None], INTERP)

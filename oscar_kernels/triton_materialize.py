@@ -13,6 +13,8 @@ t < n, KV head h:
 
 with off_b = sum_{b' < b} L_b', code and (scale, min) of group g = c // G of the slot (G = G_K for keys, G_V for values)
 req_to_token[row_b, t] (int2 module doc: plane i of byte j holds channel i*D/4 + j).
+With ``var_out`` also var[off_b + t, h, g] = scale_g^2 of the key's group g at INT2 positions,
+0 at the BF16 ones: the key debias of the attention that reads the rows (reference module doc).
 The PyTorch twin is reference.reference_materialize_prefix (reference.hybrid_kv per request).
 """
 from __future__ import annotations
@@ -67,8 +69,10 @@ def _materialize_kernel(rows_ptr, prefix_lens_ptr, offsets_ptr,
                         k_sink_ptr, v_sink_ptr, stride_sink_slot, stride_sink_pos, stride_sink_head,
                         k_ring_ptr, v_ring_ptr, stride_ring_row, stride_ring_cell, stride_ring_head,
                         k_out_ptr, v_out_ptr, stride_out_token, stride_out_head,
+                        var_ptr, stride_var_token, stride_var_head,
                         D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr,
-                        W: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr, SLOT64: tl.constexpr):
+                        W: tl.constexpr, BT: tl.constexpr, FP8: tl.constexpr, SLOT64: tl.constexpr,
+                        VAR: tl.constexpr):
     """Grid (cdiv(max prefix, BT), B, H): positions [BT * pid0, BT * (pid0 + 1)) of request
     b's prefix, KV head h (module doc)."""
     b = tl.program_id(1).to(tl.int64)
@@ -91,6 +95,15 @@ def _materialize_kernel(rows_ptr, prefix_lens_ptr, offsets_ptr,
                       stride_code_slot, stride_scale_slot, stride_scale_group, in_int2, k_out_ptr, dst, D, GK, FP8)
         _dequant_rows(v_codes_ptr, v_scales_ptr, slot, hh * stride_code_head, hh * stride_scale_head,
                       stride_code_slot, stride_scale_slot, stride_scale_group, in_int2, v_out_ptr, dst, D, GV, FP8)
+        if VAR:  # the keys' scale^2 per group, 0 at the BF16 positions
+            vdst = var_ptr + (tl.load(offsets_ptr + b) + t).to(tl.int64) * stride_var_token + h * stride_var_head
+            for g in tl.static_range(D // GK):
+                sc = tl.load(k_scales_ptr + slot * stride_scale_slot + hh * stride_scale_head + g * stride_scale_group,
+                             mask=in_int2, other=0)
+                if FP8:
+                    sc = sc.to(tl.int8, bitcast=True).to(tl.float8e4nv, bitcast=True)
+                sc = sc.to(tl.float32)
+                tl.store(vdst + g, tl.where(in_int2, sc * sc, 0.0), mask=valid)
         if S > 0:  # BF16 sinks
             in_sink = valid & (t < s_b)
             src = tl.maximum(c, 0) * stride_sink_slot + t.to(tl.int64) * stride_sink_pos + h * stride_sink_head
@@ -118,10 +131,11 @@ def prefix_offsets(prefix_lens: torch.Tensor) -> torch.Tensor:
 def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                               rows: torch.Tensor, prefix_lens: torch.Tensor, prefix_lens_host: Sequence[int],
                               k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
-                              offsets: torch.Tensor | None = None):
+                              offsets: torch.Tensor | None = None, var_out: torch.Tensor | None = None):
     """(k, v) bf16 [sum L_b, H, D]: the prefixes of the requests, request after request
     (module doc). ``prefix_lens_host`` holds the same lengths as host ints (no sync);
-    ``offsets``: prefix_offsets(prefix_lens) when the caller has it already."""
+    ``offsets``: prefix_offsets(prefix_lens) when the caller has it already; ``var_out``
+    float32 [>= sum L_b, H, D/G_K]: also the keys' scale^2 rows (module doc), returned third."""
     check_cache_layout(layer)
     h, d = layer.num_kv_heads, layer.head_dim
     total = int(sum(prefix_lens_host))
@@ -134,9 +148,14 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
             or k_out.stride() != v_out.stride() or k_out.stride(-1) != 1:
         raise ValueError(f"k_out/v_out {tuple(k_out.shape)}/{tuple(v_out.shape)} must be >= ({total}, {h}, {d}) "
                          "with shared strides and a contiguous last dimension")
+    if var_out is not None and (var_out.shape[0] < total or var_out.shape[1:] != (h, d // layer.key_group_size)
+                                or var_out.dtype != torch.float32 or var_out.stride(-1) != 1):
+        raise ValueError(f"var_out {tuple(var_out.shape)} {var_out.dtype} must be float32 >= "
+                         f"({total}, {h}, {d // layer.key_group_size}) with a contiguous last dimension")
+    out = (k_out[:total], v_out[:total]) + ((var_out[:total],) if var_out is not None else ())
     b = rows.shape[0]
     if longest == 0 or b == 0:
-        return k_out[:total], v_out[:total]
+        return out
     fp8 = layer.k_scales.dtype == torch.float8_e4m3fn
     ks, vs, *scale_strides = scale_args(layer)
     if fp8:  # float8 read as uint8 (the interpreter does not load float8); the strides stay
@@ -147,7 +166,8 @@ def triton_materialize_prefix(layer: HybridLayerCache, index: HybridCacheIndex, 
         *sink_index_args(index, req_to_token), index.ring_valid_from,
         *code_args(layer), ks, vs, *scale_strides, *bf16_side_args(layer),
         k_out, v_out, k_out.stride(0), k_out.stride(1),
+        *((var_out, var_out.stride(0), var_out.stride(1)) if var_out is not None else (k_out, 0, 0)),
         D=d, GK=layer.key_group_size, GV=layer.value_group_size, S=layer.sink_tokens, W=layer.recent_window,
-        BT=MATERIALIZE_BLOCK_TOKENS, FP8=fp8, SLOT64=needs_int64_slots(layer), num_warps=4,
+        BT=MATERIALIZE_BLOCK_TOKENS, FP8=fp8, SLOT64=needs_int64_slots(layer), VAR=var_out is not None, num_warps=4,
     )
-    return k_out[:total], v_out[:total]
+    return out

@@ -50,15 +50,16 @@ def rows_in_use(req_to_token_pool) -> Optional[list[int]]:
     return [r for r in range(1, req_to_token_pool.req_to_token.shape[0]) if r not in free]
 
 
-def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False) -> str:
+def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False,
+                       key_debias: bool = True) -> str:
     """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device``:
     "int2" | "bf16" | "flashinfer" (the last only where flashinfer imports, on CUDA)."""
     cuda = torch.device(device).type == "cuda"
     error = flashinfer_import_error() if cuda else None
-    read = resolve_extend_prefix(choice, cuda, error is None, deterministic)
+    read = resolve_extend_prefix(choice, cuda, error is None, deterministic, key_debias)
     if read == "flashinfer" and error is not None:
         raise RuntimeError(f"--oscar-extend-prefix flashinfer needs flashinfer ({error})")
-    if error is not None and choice == "auto":
+    if error is not None and choice == "auto" and read == "int2":
         logger.warning("oscar: flashinfer does not import (%s); prefill reads cached prefixes as INT2", error)
     return read
 
@@ -91,13 +92,13 @@ class OscarAttnBackend(AttentionBackend):
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
                    sm_scale=model_attention_scale(model_runner.model),
-                   extend_prefix=oscar_settings(sa).extend_prefix,
+                   extend_prefix=oscar_settings(sa).extend_prefix, key_debias=oscar_settings(sa).key_debias,
                    deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len,
                    learned_sinks=bool(getattr(mc, "has_attention_sinks", False)))
 
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
-                 context_len: int = 0, learned_sinks: bool = False):
+                 context_len: int = 0, learned_sinks: bool = False, key_debias: bool = True):
         """``pool``: the model runner's KV pool, an OscarKVPool or (a Gated DeltaNet hybrid) the
         hybrid linear pool holding one, whose full-attention layers this backend serves (SGLang's
         HybridLinearAttnBackend sends it those layers only, with their model layer ids);
@@ -106,7 +107,8 @@ class OscarAttnBackend(AttentionBackend):
         --oscar-extend-prefix; ``deterministic`` (--enable-deterministic-inference):
         batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read;
         ``learned_sinks``: the model passes per-head sink logits (``sinks=``, gpt-oss), which join
-        the softmax of the full-attention layers (the "flashinfer" prefix read becomes "bf16")."""
+        the softmax of the full-attention layers (the "flashinfer" prefix read becomes "bf16");
+        ``key_debias``: --oscar-key-debias (HybridAttention's key_debias)."""
         oscar_pool = oscar_pool_of(pool)
         if oscar_pool is None:
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
@@ -117,7 +119,7 @@ class OscarAttnBackend(AttentionBackend):
         self.req_to_token_pool = req_to_token_pool
         self._checked_layers: set[int] = set()
         device = pool.req_to_token.device
-        self.prefix_read = choose_prefix_read(extend_prefix, device, deterministic)
+        self.prefix_read = choose_prefix_read(extend_prefix, device, deterministic, key_debias)
         rows = pool.req_to_token.shape[0]  # decode batches: at most one request per row
         config = None
         if deterministic and use_triton(pool.req_to_token):
@@ -125,7 +127,8 @@ class OscarAttnBackend(AttentionBackend):
             config = batch_invariant_config(context_len, rows, num_q_heads, pool.head_dim)
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
-                                         padding_page=PADDING_PAGE, learned_sinks=learned_sinks)
+                                         padding_page=PADDING_PAGE, learned_sinks=learned_sinks,
+                                         key_debias=key_debias)
         self.learned_sinks = learned_sinks
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
             logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",

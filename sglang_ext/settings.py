@@ -33,13 +33,19 @@ DEFAULT_EXTEND_PREFIX = "auto"
 BATCH_INVARIANT_EXTEND_PREFIX = ("auto", "int2")
 
 
-def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool, deterministic: bool = False) -> str:
+def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool, deterministic: bool = False,
+                          key_debias: bool = True) -> str:
     """The prefix read a server runs: ``choice`` unless "auto", which is "int2" under
-    --enable-deterministic-inference, else "flashinfer" on CUDA where flashinfer imports, else
+    --enable-deterministic-inference, else on CUDA "bf16" with the key debias (FlashInfer's
+    prefill has no term for it) and "flashinfer" without it where flashinfer imports, else
     "int2" (the Triton read, no scratch buffer)."""
     if choice != "auto":
         return choice
-    return "flashinfer" if cuda and flashinfer_imports and not deterministic else "int2"
+    if not cuda or deterministic:
+        return "int2"
+    if key_debias:
+        return "bf16"
+    return "flashinfer" if flashinfer_imports else "int2"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,12 @@ FLAGS = (
               "bf16 (dequantised once per layer into a scratch buffer of 4 x prefix tokens x "
               "KV heads x head_dim bytes, then our BF16 attention), flashinfer (the same "
               "buffer, FlashInfer's BF16 prefill; CUDA) or auto (default: flashinfer where it "
-              "imports on CUDA, else int2; int2 under --enable-deterministic-inference)."),
+              "imports on CUDA, else int2; int2 under --enable-deterministic-inference; bf16 on CUDA "
+              "with --oscar-key-debias on, which FlashInfer cannot apply)."),
+    OscarFlag("oscar_key_debias", str,
+              "OSCAR: on (default) or off: each INT2 key's logit subtracts half the variance its "
+              "rounding adds (from its stored scales), which otherwise weights the INT2 history up "
+              "against the exact BF16 sinks and ring; off also lets auto prefill read through FlashInfer."),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 
@@ -89,6 +100,7 @@ class OscarSettings:
     recent_window: int
     sink_slots: int | None
     extend_prefix: str = DEFAULT_EXTEND_PREFIX
+    key_debias: bool = True
 
 
 def is_oscar(server_args) -> bool:
@@ -140,10 +152,16 @@ def oscar_settings(server_args) -> OscarSettings:
     path = os.path.expanduser(str(path))
     if not os.path.isfile(path):
         raise OscarConfigError(f"--oscar-rotations {path}: no such file")
+    key_debias = _choice(server_args, "oscar_key_debias", "on", ("on", "off")) == "on"
+    extend_prefix = _choice(server_args, "oscar_extend_prefix", DEFAULT_EXTEND_PREFIX, EXTEND_PREFIX_READS)
+    if key_debias and extend_prefix == "flashinfer":
+        raise OscarConfigError("--oscar-extend-prefix flashinfer cannot apply the key debias: add "
+                               "--oscar-key-debias off, or use bf16 (auto picks it)")
     return OscarSettings(
         rotations_path=path,
         sink_tokens=_int(server_args, "oscar_sink_tokens", DEFAULT_SINK_TOKENS, 0),
         recent_window=_int(server_args, "oscar_recent_window", DEFAULT_RECENT_WINDOW, 1),
         sink_slots=_int(server_args, "oscar_sink_slots", None, 1),
-        extend_prefix=_choice(server_args, "oscar_extend_prefix", DEFAULT_EXTEND_PREFIX, EXTEND_PREFIX_READS),
+        extend_prefix=extend_prefix,
+        key_debias=key_debias,
     )

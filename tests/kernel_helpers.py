@@ -116,26 +116,30 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=ATTENTION_ATOL)
 
 
-def decode_reference(sc: Scenario, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def decode_reference(sc: Scenario, q: torch.Tensor, sinks: torch.Tensor | None = None,
+                     key_debias: bool = True) -> torch.Tensor:
     """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
     hq = q.shape[1]
     q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
     o_rot = ref.reference_decode(q_rot, sc.layer, sc.index, sc.req_to_token, sc.rows,
-                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale, sinks)
+                                 torch.tensor(sc.lens, device=q.device), sc.sm_scale, sinks, key_debias)
     return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
 
 
-def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=None):
+def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=None, key_debias=True):
+    """The kernel against the reference; returns the kernel's output."""
     q = random_q(sc, hq, seed)
-    want = decode_reference(sc, q, sinks)
+    want = decode_reference(sc, q, sinks, key_debias)
     got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                     torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config,
-                    **({} if sinks is None else {"sinks": sinks}))
+                    key_debias=key_debias, **({} if sinks is None else {"sinks": sinks}))
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert_attention_close(got, want)
+    return got
 
 
-def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", sinks=None):
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", sinks=None, key_debias=True):
+    """The kernel against the reference; returns the kernel's output."""
     g = torch.Generator().manual_seed(4)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device
     t = sum(new_lens)
@@ -146,13 +150,14 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2",
     pre = torch.tensor(sc.lens, dtype=torch.int32, device=dev)
     q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
     o_rot = ref.reference_extend(q_rot, k_rot, v_rot, sc.layer, sc.index, sc.req_to_token, sc.rows, pre,
-                                 qo, sc.sm_scale, sinks)
+                                 qo, sc.sm_scale, sinks, key_debias)
     want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
     got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
-                    max(new_lens), sc.sm_scale, prefix_read=prefix_read,
+                    max(new_lens), sc.sm_scale, prefix_read=prefix_read, key_debias=key_debias,
                     **({} if sinks is None else {"sinks": sinks}))
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     assert_attention_close(got, want)
+    return got
 
 
 def attention_session(sc: Scenario, steps, hq, prefix_read="int2", sinks=None):

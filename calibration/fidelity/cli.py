@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs --recent >= P)")
     ap.add_argument("--key-page-scale-dtype", choices=sorted(SCALE_DTYPES), default=None,
                     help="with --key-channel-page: the page scales' dtype (default: the rotations file's)")
+    ap.add_argument("--key-debias", type=float, default=1.0, metavar="C",
+                    help="the INT2 keys' logit debias, times C: 1 (default) as the kernels apply it, 0 off "
+                         "(the kernels take 0 or 1; the fake-quantisation ablations any C >= 0)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -159,12 +162,14 @@ def _build_sim(rot, a, shape, max_len: int):
         return Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
     if a.int2_parts == "kv":
         return HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                           a.device, rot.meta.scale_dtype, a.page_size, value_group_size=rot.meta.value_group_size)
+                           a.device, rot.meta.scale_dtype, a.page_size, value_group_size=rot.meta.value_group_size,
+                           key_debias=a.key_debias == 1.0)
     return FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                          a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
                          value_group_size=a.value_groups[0] if a.value_groups else rot.meta.value_group_size,
                          value_scale_dtype=a.value_groups[1] if a.value_groups else None,
-                         key_channel_page=a.key_channel_page, key_page_scale_dtype=a.key_page_scale_dtype)
+                         key_channel_page=a.key_channel_page, key_page_scale_dtype=a.key_page_scale_dtype,
+                         key_debias=a.key_debias)
 
 
 def _summary(res: dict, lengths: list[int]) -> dict:
@@ -194,6 +199,9 @@ def main(argv=None) -> int:
     if a.key_channel_page and a.recent < a.key_channel_page:
         raise _refuse(f"--key-channel-page {a.key_channel_page} needs --recent >= it (an incomplete page stays "
                       f"in the BF16 ring), got --recent {a.recent}")
+    if a.key_debias < 0 or (a.int2_parts == "kv" and a.key_debias not in (0.0, 1.0)):
+        raise _refuse(f"--key-debias {a.key_debias}: the kernels (--int2-parts kv) take 0 or 1, the "
+                      "fake-quantisation ablations any C >= 0")
     if a.key_page_scale_dtype and not a.key_channel_page:
         raise _refuse("--key-page-scale-dtype needs --key-channel-page")
     if a.ppl_windows and a.decode_tail >= min(a.ppl_len):
@@ -261,7 +269,7 @@ def main(argv=None) -> int:
                                   "server); missing = bf16 top tokens absent from the method's list",
                      "passkey": "tinylm_train.py eval prompts of L-16 tokens from the held-out stream, "
                                 "greedy decoding, hit = first 6 characters equal the value"},
-            "int2_parts": a.int2_parts,
+            "int2_parts": a.int2_parts, "key_debias": a.key_debias,
             **({"value_groups": {"group_size": a.value_groups[0], "scale_dtype": a.value_groups[1]}}
                if a.value_groups else {}),
             **({"key_channel_page": {"page": a.key_channel_page,

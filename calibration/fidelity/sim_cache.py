@@ -118,7 +118,9 @@ class FakeInt2KVSim(Bf16KVSim):
     positions [p P, (p+1) P), the sinks left out of the first), after the rotation, shift and clip,
     with ``key_page_scale_dtype`` (default the keys' scale dtype) -- KIVI's key layout; a page is
     quantised when its last position is stored, which the ring makes possible when W >= P (every
-    position of an incomplete page is still in the ring, so it is never read from INT2)."""
+    position of an incomplete page is still in the ring, so it is never read from INT2).
+    ``key_debias`` C: history logits subtract C x the kernels' key debias (1: what they apply;
+    per-token key groups only, 0 with key pages)."""
 
     name = "fake-int2"
 
@@ -126,7 +128,7 @@ class FakeInt2KVSim(Bf16KVSim):
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
                  value_scale_dtype: str | None = None, key_channel_page: int = 0,
-                 key_page_scale_dtype: str | None = None):
+                 key_page_scale_dtype: str | None = None, key_debias: float = 1.0):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
@@ -144,6 +146,10 @@ class FakeInt2KVSim(Bf16KVSim):
         self.key_channel_page = key_channel_page
         self.key_page_scale_dtype = torch_scale_dtype(key_page_scale_dtype or scale_dtype)
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
+        self.key_debias = key_debias if self.kq is not None and not key_channel_page else 0.0
+        # per stored position and key group: its scale^2 (key_debias)
+        self.kvar = ([torch.zeros(*x.shape[:-1], d // self.group_size, device=self.device) for x in self.k]
+                     if self.key_debias else None)
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
 
     @staticmethod
@@ -159,6 +165,8 @@ class FakeInt2KVSim(Bf16KVSim):
         if self.kq is not None and self.key_channel_page:
             self._store_key_pages(layer_idx, b, n0, n, r)
         elif self.kq is not None:
+            if self.kvar is not None:
+                self.kvar[layer_idx][:b, n0:n] = self._key_error_variance(k.to(CACHE_DTYPE), r)
             self.kq[layer_idx][:b, n0:n] = self._fake(
                 k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
                 lambda x: fake_quantise(x, self.group_size, None, None, self.scale_dtype), r.k_shift)
@@ -166,6 +174,47 @@ class FakeInt2KVSim(Bf16KVSim):
             self.vq[layer_idx][:b, n0:n] = self._fake(
                 v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
                 lambda x: fake_quantise(x, self.value_group_size, None, None, self.value_scale_dtype))
+
+    def _key_error_variance(self, k, r):
+        """k [B, T, H, D] -> the keys' group scales squared [B, T, H, D/G] (the rounding error's
+        variance per channel is scale^2 / 12), as the kernels read them."""
+        x_rot = clip(torch.einsum("bthd,hde->bthe", k.float(), r.k_rot) - r.k_shift, r.k_clip_min, r.k_clip_max)
+        g = self.group_size
+        _, scale_q, _ = minmax_codes(x_rot.unflatten(-1, (-1, g)), self.scale_dtype)
+        return scale_q.float() ** 2
+
+    def attend(self, layer_idx, q, k, v, scaling):
+        if self.kvar is None:
+            return super().attend(layer_idx, q, k, v, scaling)
+        b, hq, t, d = q.shape
+        n0, n = self.length, self.length + t
+        self._store(layer_idx, b, n0, n, k.transpose(1, 2), v.transpose(1, 2))
+        kk, vv = self._read(layer_idx, b, n0, n, t)
+        kk, vv = kk.transpose(1, 2).float(), vv.transpose(1, 2).float()
+        h = kk.shape[1]
+        s, hi = self._history(n0, n, t)
+        qf = q.to(CACHE_DTYPE).float()
+        # the kernels' key debias (oscar_kernels.reference module doc), times key_debias
+        r = self.rotations[layer_idx]
+        q_rot = torch.einsum("bhtd,hde->bhte", qf.view(b, h, hq // h, t, d).flatten(2, 3),
+                             r.k_rot).view(b, h, hq // h, t, -1, self.group_size)
+        qn = q_rot.pow(2).sum(-1)  # [B, H, rep, T, D/G]
+        kvar = torch.zeros(b, n, h, qn.shape[-1], device=q.device)
+        if hi > s:
+            kvar[:, s:hi] = self.kvar[layer_idx][:b, s:hi]
+        bias = torch.einsum("bhrtg,bnhg->bhrtn", qn, kvar).flatten(1, 2)  # [B, Hq, T, n]
+        qi = torch.arange(t, device=q.device).unsqueeze(1)
+        kj = torch.arange(n, device=q.device).unsqueeze(0)
+        mask = torch.where(kj <= qi + n0, 0.0, float("-inf")) - (self.key_debias * scaling ** 2 / 24.0) * bias
+        o = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2).to(CACHE_DTYPE).to(q.dtype)
+
+    def _history(self, n0, n, t):
+        """The INT2-read positions [s, hi) of a step of t tokens after n0."""
+        s = min(self.sink_tokens, n)
+        decode = t == 1 and n0 > 0
+        hi = max(n - self.recent_window, s) if decode else min(max(n0 - self.recent_window, s), n0)
+        return s, hi
 
     def _store_key_pages(self, layer_idx, b, n0, n, r):
         """Quantise the key pages whose last position is among n0..n (KIVI: per channel over the page)."""
@@ -180,9 +229,7 @@ class FakeInt2KVSim(Bf16KVSim):
 
     def _read(self, layer_idx, b, n0, n, t):
         kk, vv = super()._read(layer_idx, b, n0, n, t)
-        s = min(self.sink_tokens, n)
-        decode = t == 1 and n0 > 0
-        hi = max(n - self.recent_window, s) if decode else min(max(n0 - self.recent_window, s), n0)
+        s, hi = self._history(n0, n, t)
         if hi > s:
             if self.kq is not None:
                 kk = kk.clone()
@@ -195,14 +242,15 @@ class FakeInt2KVSim(Bf16KVSim):
 
 class HybridKVSim(_KVSim):
     """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
-    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys')."""
+    ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys');
+    ``key_debias``: HybridAttention's."""
 
     name = "hybrid"
 
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", page_size: int | None = None,
-                 value_group_size: int | None = None):
+                 value_group_size: int | None = None, key_debias: bool = True):
         num_layers = len(rotations)
         super().__init__(num_layers, max_batch, max_len, device)
         if sink_tokens < 0 or recent_window < 0:
@@ -226,6 +274,7 @@ class HybridKVSim(_KVSim):
                                  allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device),
                                  req_to_token)
         self.sink_tokens, self.recent_window = sink_tokens, recent_window
+        self.key_debias = key_debias
         self.attention: HybridAttention | None = None  # built on the first step (the model's head count, scale)
         self._planned = None  # (batch, length, tokens) of the planned step
         self._generation = 0  # the ring owner of the sequences begun last
@@ -247,7 +296,8 @@ class HybridKVSim(_KVSim):
     def _plan(self, num_q_heads: int, t: int, scaling: float) -> bool:
         """Plan this step once (its first layer); True for a decode step."""
         if self.attention is None:
-            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch)
+            self.attention = HybridAttention(self.cache, num_q_heads, scaling, max_batch=self.max_batch,
+                                             key_debias=self.key_debias)
         elif scaling != self.attention.sm_scale:
             raise ValueError(f"attention scale {scaling} differs from the {self.attention.sm_scale} of the "
                              "first layer (one scale for every layer, as the server)")
