@@ -175,7 +175,7 @@ class Sim:
         one more softmax column with no value."""
         window_end = n_prefix if window_end is None else window_end
         rot = self.pool.rotations[self.pool.cache_layer(layer)]
-        keys, vals = [], []
+        keys, vals, var = [], [], []  # var: the keys' scale^2 per group, 0 where exact (the key debias)
         n_all = n_prefix + len(new_positions)
         for j in range(n_all):
             content = self.source[(row, j)] if j < n_prefix else new_content
@@ -188,14 +188,16 @@ class Sim:
             vr, vp, vs = quantise_rotated(v, rot.v_rot, rot.v_clip_min, rot.v_clip_max, G)
             if exact:
                 keys.append(kr.bfloat16().float()); vals.append(vr.bfloat16().float())
+                var.append(torch.zeros(ks.shape[:-1]))
             else:
                 keys.append(dequantise(unpack(kp), ks)); vals.append(dequantise(unpack(vp), vs))
+                var.append(ks[..., 0].float().pow(2))
         keys, vals = torch.cat(keys), torch.cat(vals)
         q = self.q(rid, layer, new_positions).view(-1, HQ, D)
         qr = rotate(q, expand_gqa(rot.k_rot, HQ))
         e = len(new_positions)
         mask = torch.arange(n_all)[None, :] <= torch.arange(e)[:, None] + n_prefix
-        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks)
+        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks, k_var=torch.cat(var))
         return rotate(o, expand_gqa(rot.v_rot, HQ).transpose(-1, -2)).reshape(e, HQ * D)
 
     def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True, learned_sinks=None):
@@ -393,15 +395,17 @@ def test_extend_plans_the_prefix_read_with_the_host_lengths(read, monkeypatch):
         kh.assert_attention_close(o[:12], sim.expected(1, "a", l, 20, list(range(20, 32)), "A", 0))
 
 
-@pytest.mark.parametrize("choice, imports, want, deterministic", [
-    ("auto", True, "flashinfer", False), ("auto", False, "int2", False), ("flashinfer", True, "flashinfer", False),
-    ("flashinfer", False, RuntimeError, False), ("int2", True, "int2", False), ("bf16", True, "bf16", False),
-    ("auto", True, "int2", True)])
+@pytest.mark.parametrize("choice, imports, want, deterministic, debias", [
+    ("auto", True, "flashinfer", False, False), ("auto", False, "int2", False, False),
+    ("flashinfer", True, "flashinfer", False, False), ("flashinfer", False, RuntimeError, False, False),
+    ("int2", True, "int2", False, False), ("bf16", True, "bf16", False, False), ("auto", True, "int2", True, False),
+    ("auto", True, "bf16", False, True), ("auto", False, "bf16", False, True), ("auto", True, "int2", True, True)])
 def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_when_auto(choice, imports, want,
-                                                                                       deterministic, caplog):
-    """On a CUDA pool "auto" reads through FlashInfer; where flashinfer does not import it
-    reads INT2 with one warning, while an explicit "flashinfer" refuses to start. Under
-    --enable-deterministic-inference "auto" reads INT2."""
+                                                                                       deterministic, debias, caplog):
+    """On a CUDA pool "auto" reads through FlashInfer without the key debias and through our
+    BF16 read with it (FlashInfer cannot apply it); where flashinfer does not import, "auto"
+    without the debias reads INT2 with one warning, while an explicit "flashinfer" refuses to
+    start. Under --enable-deterministic-inference "auto" reads INT2."""
     from unittest import mock
 
     from sglang_ext import backend
@@ -411,11 +415,12 @@ def test_prefix_read_on_cuda_takes_flashinfer_by_default_and_falls_back_only_whe
     with mock.patch.object(backend, "flashinfer_import_error", lambda: error):
         if want is RuntimeError:
             with pytest.raises(RuntimeError, match="--oscar-extend-prefix flashinfer needs flashinfer"):
-                choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
+                choose_prefix_read(choice, torch.device("cuda", 0), deterministic, debias)
             return
-        read = choose_prefix_read(choice, torch.device("cuda", 0), deterministic)
+        read = choose_prefix_read(choice, torch.device("cuda", 0), deterministic, debias)
     assert read == want
-    assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports)
+    assert ("reads cached prefixes as INT2" in caplog.text) == (choice == "auto" and not imports and not debias
+                                                                and not deterministic)
 
 
 def test_one_attention_scale_for_every_layer():

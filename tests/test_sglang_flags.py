@@ -350,8 +350,10 @@ def test_plugin_path_yaml_config(real_model_dir, tiny_rot, tmp_path):
     (["--enable-hierarchical-cache"], "--hicache-io-backend kernel (SGLang's default for "
      "--enable-hierarchical-cache) cannot carry oscar_int2 cells"),
     (["--attention-backend", "triton"], "--attention-backend triton is not supported"),
-    (["--enable-deterministic-inference", "--oscar-extend-prefix", "flashinfer"],
+    (["--enable-deterministic-inference", "--oscar-extend-prefix", "flashinfer", "--oscar-key-debias", "off"],
      "--oscar-extend-prefix flashinfer is not batch-invariant"),
+    (["--oscar-extend-prefix", "flashinfer"], "--oscar-extend-prefix flashinfer cannot apply the key debias"),
+    (["--oscar-key-debias", "maybe"], "--oscar-key-debias='maybe': choose from on, off"),
     (["--enable-deterministic-inference", "--enable-mixed-chunk"],
      "--enable-mixed-chunk with --enable-deterministic-inference is not supported"),
     (["--cuda-graph-backend-prefill", "tc_piecewise"], "--cuda-graph-backend-prefill tc_piecewise"),
