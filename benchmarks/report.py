@@ -578,6 +578,38 @@ def render_fidelity_candidates(results_dir: str) -> str:
     return caption + "\n\n" + table(header, out)
 
 
+KEY_DEBIAS = "key_debias_*.json"
+
+
+def render_key_debias(results_dir: str) -> str:
+    """The INT2 keys' logit debias (--oscar-key-debias) off and on, per model: each against bf16,
+    and on against off paired by window and by prompt."""
+    parts = []
+    for path in sorted(glob.glob(os.path.join(results_dir, KEY_DEBIAS))):
+        data = _load(path)
+        off, on = data["off"]["methods"], data["on"]["methods"]
+        st = data["off"].get("settings", {})
+        methods = {"bf16": off["bf16"], "oscar": off["oscar"], "oscar + key debias": on["oscar"]}
+        merged = {"methods": methods}
+        cells = []
+        for n in _lengths(merged):
+            a, b = off["oscar"]["ppl_details"][n]["nll_by_window"], on["oscar"]["ppl_details"][n]["nll_by_window"]
+            cells.append(f"NLL {fmt(int(n))} {_gap(*targets.paired_gap(b, a), 4)}")
+        for n, hits in on["oscar"].get("passkey_hits", {}).items():
+            cells.append(f"passkey {n} {_gap(*targets.paired_gap(hits, off['oscar']['passkey_hits'][n]))}")
+        parts.append(
+            f"**{data['off'].get('model', '?')}** (`oscar-eval --key-debias 0` and `1`, the kernels' numerics, "
+            f"{st.get('device')}; S={st.get('sink')}, W={st.get('recent')}, {_groups_caption(st)}, chunk "
+            f"{st.get('chunk')}; {st.get('ppl_windows')} held-out windows per length; passkey "
+            f"{st.get('passkey_trials')} prompts per length and depth {st.get('passkey_depths')}). Debias on minus "
+            f"off, paired: {'; '.join(cells)}. Source: `{_rel(path)}`.")
+        parts += real_model_tables(merged, (("kl", "KL(bf16 || method)"),))
+    if not parts:
+        return none_yet("oscar-eval --key-debias 0 / 1 ... (benchmarks/gpu_session_real_model.sh, DEBIAS_SIM=1)",
+                        "one GPU")
+    return "\n\n".join(parts)
+
+
 FAKE_INT2 = "in PyTorch fake quantisation (`FakeInt2KVSim`: rotate, clip, INT2, dequantise, rotate back)"
 INT2_PART_NAMES = {"k": "keys", "v": "values", "kv-fake": "keys and values"}
 
@@ -1105,6 +1137,7 @@ SECTIONS = {
     "real-model": render_real_model,
     "real-model-study": render_real_model_study,
     "fidelity-candidates": render_fidelity_candidates,
+    "key-debias": render_key_debias,
     "fidelity": render_fidelity,
     "soak": render_soak,
     "kernels": render_kernels,

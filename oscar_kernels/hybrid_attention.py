@@ -154,12 +154,12 @@ class HybridAttention:
     request of a speculative verify (0: no verify), which sizes the staging workspace:
     2 x layers x max_batch x max_draft_tokens x H x D bf16 (plus one layer's rotated copies);
     ``key_debias``: every read of an INT2 key subtracts half its rounding-noise variance from
-    its logit (reference module doc); FlashInfer's prefill has no such term, so the
+    its logit (reference module doc; opt-in); FlashInfer's prefill has no such term, so the
     "flashinfer" prefix read becomes "bf16" (whose materialised rows carry the keys' scales)."""
 
     def __init__(self, cache: HybridCache, num_q_heads: int, sm_scale: float, *, max_batch: int | None = None,
                  prefix_read: str = "int2", decode_config=None, padding_page: int | None = None,
-                 learned_sinks: bool = False, max_draft_tokens: int = 0, key_debias: bool = True):
+                 learned_sinks: bool = False, max_draft_tokens: int = 0, key_debias: bool = False):
         if prefix_read not in PREFIX_READS:
             raise ValueError(f"prefix_read {prefix_read!r}: choose from {', '.join(PREFIX_READS)}")
         layer = cache.layers[0]

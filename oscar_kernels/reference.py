@@ -4,12 +4,15 @@ Shapes: T new tokens, B requests, H KV heads, Hq query heads (Hq % H == 0, query
 reads KV head h // (Hq // H)), D head_dim. All attention runs in the rotated space:
 callers pass q' = q R_K and get o' (un-rotate with o = o' R_V^T, see :func:`rotate`).
 
-Key debias (``key_debias=True``, the default read): an INT2 key's rounding error e (uniform in
+Key debias (``key_debias=True``; off by default, see below): an INT2 key's rounding error e (uniform in
 +-scale/2 per channel, variance scale^2 / 12) adds q'.e to its logit, and E[exp(x + q'.e)] =
 exp(x + var/2): every history key is weighted up against the exact BF16 sinks and ring, the more
 the longer the history. Each INT2 position's logit therefore subtracts half its noise variance,
     sm_scale^2 / 24 * sum_g scale_g^2 |q'_g|^2        (g: the key's channel groups),
-which needs nothing but the stored scales (:func:`key_noise_bias`).
+which needs nothing but the stored scales (:func:`key_noise_bias`). It is right on average
+(SmolLM2-135M: perplexity and agreement with BF16 improve) but costs retrieval (passkey hits
+fall): the needle's distinctive key has the largest scales and takes the largest cut
+(benchmarks/RESULTS.md), so it is an opt-in (--oscar-key-debias on), not the default.
 """
 from __future__ import annotations
 
@@ -149,7 +152,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
 
 def reference_decode(q_rot: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
                      req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = False) -> torch.Tensor:
     """One query token per request (q' [B, Hq, D]) over its n = seq_lens[b] cached
     positions (the new token already stored); ``sinks`` [Hq] as in :func:`_attend`;
     ``key_debias``: the module doc's logit debias at the INT2 positions.
@@ -164,7 +167,7 @@ def reference_decode(q_rot: torch.Tensor, layer: HybridLayerCache, index: Hybrid
 def reference_extend(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
                      layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                      rows: torch.Tensor, prefix_lens: torch.Tensor, qo_indptr: torch.Tensor,
-                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
+                     sm_scale: float, sinks: torch.Tensor | None = None, key_debias: bool = False) -> torch.Tensor:
     """Prefill / chunked prefill. New tokens (q', k', v' [T, *, D], request b owns rows
     qo_indptr[b]:qo_indptr[b+1]) attend to the hybrid prefix of length prefix_lens[b]
     (read rule with n = prefix length) and causally to the new BF16 tokens themselves;
@@ -192,7 +195,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
                      layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
                      rows: torch.Tensor, prefix_lens: torch.Tensor, positions: torch.Tensor,
                      slots: torch.Tensor, ancestors: torch.Tensor, sm_scale: float,
-                     sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, key_debias: bool = False) -> torch.Tensor:
     """Speculative verify: B requests of T draft tokens each (token t = b * T + i), already
     INT2-stored at ``slots`` (no sinks, no ring). Draft i of request b (position
     p_i = n + d_i, n = prefix_lens[b], depth d_i) attends to exactly what decode at length

@@ -118,7 +118,7 @@ def _decode_stage1(q_rot_ptr, stride_q_batch, stride_q_head, rows_ptr, lens_ptr,
                    GQ: tl.constexpr, BH: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                    S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BN_BF16: tl.constexpr,
                    PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr, PDL: tl.constexpr = False,
-                   DEBIAS: tl.constexpr = True):
+                   DEBIAS: tl.constexpr = False):
     """Partial attention of one (request, KV head, split); see module doc. mid_o is
     [B, Hq, 1 + NS, D] float32 (o~ = sum p v / sum p), mid_lse [B, Hq, 1 + NS] (log2).
     PDL: launched while the query rotation runs; the request layout (written before that
@@ -516,7 +516,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
                   seq_lens: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
                   workspace: DecodeWorkspace | None = None,
                   config: DecodeConfig | None = None, launch: DecodeLaunch | None = None,
-                  sinks: torch.Tensor | None = None, key_debias: bool = True) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, key_debias: bool = False) -> torch.Tensor:
     """Decode attention (reference.reference_decode between the rotations): returns o [B, Hq, D] (q.dtype or
     ``out``'s dtype), un-rotated. ``sinks``: [Hq] learned sink logits (any float dtype) or None;
     ``key_debias``: the INT2 scores' debias (reference module doc).

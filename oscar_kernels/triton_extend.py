@@ -46,7 +46,7 @@ def _extend_kernel(q_rot_ptr, stride_q_token, stride_q_head, k_new_ptr, v_new_pt
                    GQ: tl.constexpr, GQP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    GK: tl.constexpr, GV: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
                    BN_BF16: tl.constexpr, PAIR: tl.constexpr, INTERP: tl.constexpr, SLOT64: tl.constexpr,
-                   BF16_PREFIX: tl.constexpr, HAS_SINK: tl.constexpr = False, DEBIAS: tl.constexpr = True):
+                   BF16_PREFIX: tl.constexpr, HAS_SINK: tl.constexpr = False, DEBIAS: tl.constexpr = False):
     """Grid (cdiv(max_extend_len, BM), B, H); writes o' (rotated space, float32) to o_ptr.
 
     BF16_PREFIX: the prefix was materialised (triton_materialize) as BF16 rows
@@ -237,7 +237,7 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                   max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None,
                   prefix_read: str = "int2", prefix_lens_host: Sequence[int] | None = None,
                   launch: ExtendLaunch | None = None, sinks: torch.Tensor | None = None,
-                  key_debias: bool = True) -> torch.Tensor:
+                  key_debias: bool = False) -> torch.Tensor:
     """Extend attention (reference.reference_extend between the rotations): q [T, Hq, D] unrotated; k_rot,
     v_rot [T, H, D] bf16 rotated new keys/values; returns o [T, Hq, D] un-rotated.
     ``sinks``: [Hq] learned sink logits (any float dtype) or None; ``key_debias``: the INT2

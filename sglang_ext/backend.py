@@ -51,7 +51,7 @@ def rows_in_use(req_to_token_pool) -> Optional[list[int]]:
 
 
 def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = False,
-                       key_debias: bool = True) -> str:
+                       key_debias: bool = False) -> str:
     """Resolve --oscar-extend-prefix (settings.resolve_extend_prefix) on ``device``:
     "int2" | "bf16" | "flashinfer" (the last only where flashinfer imports, on CUDA)."""
     cuda = torch.device(device).type == "cuda"
@@ -98,7 +98,7 @@ class OscarAttnBackend(AttentionBackend):
 
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
-                 context_len: int = 0, learned_sinks: bool = False, key_debias: bool = True):
+                 context_len: int = 0, learned_sinks: bool = False, key_debias: bool = False):
         """``pool``: the model runner's KV pool, an OscarKVPool or (a Gated DeltaNet hybrid) the
         hybrid linear pool holding one, whose full-attention layers this backend serves (SGLang's
         HybridLinearAttnBackend sends it those layers only, with their model layer ids);

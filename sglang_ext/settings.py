@@ -34,9 +34,9 @@ BATCH_INVARIANT_EXTEND_PREFIX = ("auto", "int2")
 
 
 def resolve_extend_prefix(choice: str, cuda: bool, flashinfer_imports: bool, deterministic: bool = False,
-                          key_debias: bool = True) -> str:
+                          key_debias: bool = False) -> str:
     """The prefix read a server runs: ``choice`` unless "auto", which is "int2" under
-    --enable-deterministic-inference, else on CUDA "bf16" with the key debias (FlashInfer's
+    --enable-deterministic-inference, else on CUDA "bf16" with the key debias on (FlashInfer's
     prefill has no term for it) and "flashinfer" without it where flashinfer imports, else
     "int2" (the Triton read, no scratch buffer)."""
     if choice != "auto":
@@ -82,9 +82,10 @@ FLAGS = (
               "imports on CUDA, else int2; int2 under --enable-deterministic-inference; bf16 on CUDA "
               "with --oscar-key-debias on, which FlashInfer cannot apply)."),
     OscarFlag("oscar_key_debias", str,
-              "OSCAR: on (default) or off: each INT2 key's logit subtracts half the variance its "
+              "OSCAR: on or off (default): each INT2 key's logit subtracts half the variance its "
               "rounding adds (from its stored scales), which otherwise weights the INT2 history up "
-              "against the exact BF16 sinks and ring; off also lets auto prefill read through FlashInfer."),
+              "against the exact BF16 sinks and ring: lower perplexity, fewer retrieval (passkey) hits; "
+              "on makes auto prefill read bf16 (FlashInfer cannot apply it)."),
 )
 FLAG_BY_FIELD = {f.field: f for f in FLAGS}
 
@@ -100,7 +101,7 @@ class OscarSettings:
     recent_window: int
     sink_slots: int | None
     extend_prefix: str = DEFAULT_EXTEND_PREFIX
-    key_debias: bool = True
+    key_debias: bool = False
 
 
 def is_oscar(server_args) -> bool:
@@ -152,11 +153,11 @@ def oscar_settings(server_args) -> OscarSettings:
     path = os.path.expanduser(str(path))
     if not os.path.isfile(path):
         raise OscarConfigError(f"--oscar-rotations {path}: no such file")
-    key_debias = _choice(server_args, "oscar_key_debias", "on", ("on", "off")) == "on"
+    key_debias = _choice(server_args, "oscar_key_debias", "off", ("on", "off")) == "on"
     extend_prefix = _choice(server_args, "oscar_extend_prefix", DEFAULT_EXTEND_PREFIX, EXTEND_PREFIX_READS)
     if key_debias and extend_prefix == "flashinfer":
-        raise OscarConfigError("--oscar-extend-prefix flashinfer cannot apply the key debias: add "
-                               "--oscar-key-debias off, or use bf16 (auto picks it)")
+        raise OscarConfigError("--oscar-extend-prefix flashinfer cannot apply --oscar-key-debias on: "
+                               "use bf16 (auto picks it) or drop the debias")
     return OscarSettings(
         rotations_path=path,
         sink_tokens=_int(server_args, "oscar_sink_tokens", DEFAULT_SINK_TOKENS, 0),

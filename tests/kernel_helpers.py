@@ -117,7 +117,7 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def decode_reference(sc: Scenario, q: torch.Tensor, sinks: torch.Tensor | None = None,
-                     key_debias: bool = True) -> torch.Tensor:
+                     key_debias: bool = False) -> torch.Tensor:
     """Un-rotated reference decode output (float32) of q [B, Hq, D]."""
     hq = q.shape[1]
     q_rot = ref.rotate(q, ref.expand_gqa(sc.rotation.k_rot, hq))
@@ -126,7 +126,7 @@ def decode_reference(sc: Scenario, q: torch.Tensor, sinks: torch.Tensor | None =
     return ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
 
 
-def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=None, key_debias=True):
+def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=None, key_debias=False):
     """The kernel against the reference; returns the kernel's output."""
     q = random_q(sc, hq, seed)
     want = decode_reference(sc, q, sinks, key_debias)
@@ -138,7 +138,7 @@ def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=No
     return got
 
 
-def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", sinks=None, key_debias=True):
+def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2", sinks=None, key_debias=False):
     """The kernel against the reference; returns the kernel's output."""
     g = torch.Generator().manual_seed(4)
     h, d, dev = sc.layer.num_kv_heads, sc.layer.head_dim, sc.device

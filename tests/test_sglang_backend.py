@@ -197,7 +197,8 @@ class Sim:
         qr = rotate(q, expand_gqa(rot.k_rot, HQ))
         e = len(new_positions)
         mask = torch.arange(n_all)[None, :] <= torch.arange(e)[:, None] + n_prefix
-        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks, k_var=torch.cat(var))
+        o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks,
+                    k_var=torch.cat(var) if self.backend.attention.key_debias else None)
         return rotate(o, expand_gqa(rot.v_rot, HQ).transpose(-1, -2)).reshape(e, HQ * D)
 
     def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True, learned_sinks=None):
@@ -237,6 +238,20 @@ def test_chunked_prefill_continuation_keeps_the_ring():
     right = sim.expected(3, "A", 0, 32, list(range(32, 40)), "A", valid_from=0)
     wrong = sim.expected(3, "A", 0, 32, list(range(32, 40)), "A", valid_from=32)
     assert (right - wrong).abs().max() > 0.05
+
+
+def test_key_debias_through_the_backend_matches_the_oracle():
+    """--oscar-key-debias on: chunked prefill and decode through the backend match the oracle
+    with the INT2 keys' debias (run_a checks every step), and differ from the plain read."""
+    on, off = Sim(key_debias=True), Sim()
+    assert on.backend.attention.key_debias and not off.backend.attention.key_debias
+    run_a(on, decodes=2)
+    run_a(off, decodes=2)
+    step = [dict(rid="A", row=3, content="A", n=43)]
+    outs_on, outs_off = on.decode(step), off.decode(step)
+    for l, o in enumerate(outs_on):
+        close(o, on.expected_decode(3, "A", l, 43, "A", 0))
+    assert max((a.float() - b.float()).abs().max().item() for a, b in zip(outs_on, outs_off)) > 1e-3
 
 
 def test_new_request_in_a_reused_row_resets_the_ring():

@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs --recent >= P)")
     ap.add_argument("--key-page-scale-dtype", choices=sorted(SCALE_DTYPES), default=None,
                     help="with --key-channel-page: the page scales' dtype (default: the rotations file's)")
-    ap.add_argument("--key-debias", type=float, default=1.0, metavar="C",
-                    help="the INT2 keys' logit debias, times C: 1 (default) as the kernels apply it, 0 off "
+    ap.add_argument("--key-debias", type=float, default=0.0, metavar="C",
+                    help="the INT2 keys' logit debias, times C: 1 as the kernels apply it, 0 off (default) "
                          "(the kernels take 0 or 1; the fake-quantisation ablations any C >= 0)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap

@@ -128,7 +128,7 @@ class FakeInt2KVSim(Bf16KVSim):
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", parts: str = "kv", value_group_size: int | None = None,
                  value_scale_dtype: str | None = None, key_channel_page: int = 0,
-                 key_page_scale_dtype: str | None = None, key_debias: float = 1.0):
+                 key_page_scale_dtype: str | None = None, key_debias: float = 0.0):
         if parts not in ("k", "v", "kv"):
             raise ValueError(f"parts must be 'k', 'v' or 'kv', not {parts!r}")
         if sink_tokens < 0 or recent_window < 0:
@@ -250,7 +250,7 @@ class HybridKVSim(_KVSim):
     def __init__(self, rotations: list[LayerRotation], group_size: int, sink_tokens: int,
                  recent_window: int, max_batch: int, max_len: int, device="cpu",
                  scale_dtype: str = "float16", page_size: int | None = None,
-                 value_group_size: int | None = None, key_debias: bool = True):
+                 value_group_size: int | None = None, key_debias: bool = False):
         num_layers = len(rotations)
         super().__init__(num_layers, max_batch, max_len, device)
         if sink_tokens < 0 or recent_window < 0:
