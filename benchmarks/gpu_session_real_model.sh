@@ -23,7 +23,8 @@
 # leaves the simulator out of a full run (the servers and GPU tests only). CANDIDATES=1 first runs
 # benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that). DEBIAS_SIM=1 runs the
 # simulator with the key debias on and off (SmolLM2 2k/4k/8k; tinylm-A 8k when `pack` had TINYLM_DIR)
-# instead of the tinylm-A servers.
+# instead of the tinylm-A servers. FRONTIER=1 runs the simulator on the key groups of 8 and 4 and a
+# 512-token ring (ROT_DIR holds smol_oscar_g4); NO_SERVERS=1 leaves the SmolLM2 servers out.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -94,13 +95,24 @@ run_all() {
     done
     wait; merge_sim; step "done"; return
   fi
+  local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
+  if [ -n "${FRONTIER:-}" ]; then  # issue 46's bytes frontier: key groups of 8 and 4, a 512-token BF16 ring
+    step "frontier"
+    $PY "${ev[@]}" --batch 4 --method g8="$rot/smol_oscar_g8.safetensors" --method g4="$rot/smol_oscar_g4.safetensors" \
+      --ppl-len 2048,4096,8190 --ppl-windows 16 --passkey-trials 20 --lengths 2048,4096,8192 \
+      --out "$R/frontier_groups_smollm2.json" > "$R/logs/sim_frontier_groups.log" 2>&1 &
+    $PY "${ev[@]}" --batch 4 --recent 512 --method oscar_w512="$rot/smol_oscar.safetensors" \
+      --ppl-len 2048,4096,8190 --ppl-windows 16 --passkey-trials 20 --lengths 2048,4096,8192 \
+      --out "$R/frontier_w512_smollm2.json" > "$R/logs/sim_frontier_w512.log" 2>&1 &
+  fi
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
              --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
              --server-args "--mem-fraction-static 0.1 --max-total-tokens 140000 --max-running-requests 32")
-  step "servers smollm2"
-  $PY "${srv[@]}" --out "$R/srv_bf16.json" > "$R/logs/srv_bf16.out" 2>&1 &
-  $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
+  [ -z "${NO_SERVERS:-}" ] && step "servers smollm2"
+  [ -z "${NO_SERVERS:-}" ] && $PY "${srv[@]}" --out "$R/srv_bf16.json" > "$R/logs/srv_bf16.out" 2>&1 &
+  [ -z "${NO_SERVERS:-}" ] && $PY "${srv[@]}" --no-bf16 --fp8 --out "$R/srv_fp8.json" > "$R/logs/srv_fp8.out" 2>&1 &
   local m
+  [ -n "${NO_SERVERS:-}" ] && SERVED=
   for m in $SERVED; do
     local file="${m%_nodebias}" off=()
     [ "$file" != "$m" ] && off=(--server-args "--mem-fraction-static 0.1 --max-total-tokens 140000 --max-running-requests 32 --oscar-key-debias off")
@@ -114,7 +126,6 @@ run_all() {
         ${GPU_TEST_FILES:-tests/test_kernels_gpu.py tests/test_server_hybrid_gpu.py} > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
       step "gpu tests ended" ) &
   fi
-  local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
   if [ -n "${DEBIAS_SIM:-}" ]; then  # the key debias on and off, each beside its own bf16 (a cut run keeps one)
     step "simulator: key debias on / off"
     local kd
@@ -191,7 +202,7 @@ case "${1:-}" in
     done
     if ! grep -qE " (done|stopped)$" "$R/steps.log"; then
       step "deadline: stopping what still runs"; pkill -f "server_fidelity|fidelity.cli|sglang_ext|sglang::" ; sleep 3
-      if [ -n "${SIM_ONLY:-}" ]; then merge_sim; else merge_servers; fi
+      if [ -n "${SIM_ONLY:-}" ]; then merge_sim; elif [ -z "${NO_SERVERS:-}" ]; then merge_servers; fi
     fi
     bash "$0" collect "$OUT"; cat "$R/steps.log" ;;
   start)
