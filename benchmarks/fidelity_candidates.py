@@ -83,6 +83,9 @@ CANDIDATES = {
                    "keys per channel over 16-position pages, fp8 page scales (the bytes spent on the keys)"),
     "kivi32-fp16": ("oscar", ["--int2-parts", "kv-fake", "--key-channel-page", "32", "--key-page-scale-dtype",
                               "float16"], "keys per channel over 32-position pages, fp16 page scales"),
+    "g4": ("oscar_g4", [], "key groups of 4 channels (rotations calibrated for g4): the frontier at +57% bytes"),
+    "debias": ("oscar", ["--key-debias", "1"], "the INT2 keys' logit debias (--oscar-key-debias on), kernels"),
+    "g8-debias": ("oscar_g8", ["--key-debias", "1"], "key groups of 8 and the key debias"),
 }
 FAKE = {"fake"}  # candidates paired also with the fake default: the simulator-only ones
 

@@ -23,8 +23,8 @@
 # leaves the simulator out of a full run (the servers and GPU tests only). CANDIDATES=1 first runs
 # benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that). DEBIAS_SIM=1 runs the
 # simulator with the key debias on and off (SmolLM2 2k/4k/8k; tinylm-A 8k when `pack` had TINYLM_DIR)
-# instead of the tinylm-A servers. FRONTIER=1 runs the simulator on the key groups of 8 and 4 and a
-# 512-token ring (ROT_DIR holds smol_oscar_g4); NO_SERVERS=1 leaves the SmolLM2 servers out.
+# instead of the tinylm-A servers. FRONTIER=1 runs the simulator at 8k on the key groups of 8 and 4 and
+# a 512-token ring (ROT_DIR holds smol_oscar_g4); NO_SERVERS=1 leaves the SmolLM2 servers out.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -99,10 +99,10 @@ run_all() {
   if [ -n "${FRONTIER:-}" ]; then  # issue 46's bytes frontier: key groups of 8 and 4, a 512-token BF16 ring
     step "frontier"
     $PY "${ev[@]}" --batch 4 --method g8="$rot/smol_oscar_g8.safetensors" --method g4="$rot/smol_oscar_g4.safetensors" \
-      --ppl-len 2048,4096,8190 --ppl-windows 16 --passkey-trials 20 --lengths 2048,4096,8192 \
+      --ppl-len 8190 --ppl-windows 16 --passkey-trials 20 --lengths 8192 \
       --out "$R/frontier_groups_smollm2.json" > "$R/logs/sim_frontier_groups.log" 2>&1 &
     $PY "${ev[@]}" --batch 4 --recent 512 --method oscar_w512="$rot/smol_oscar.safetensors" \
-      --ppl-len 2048,4096,8190 --ppl-windows 16 --passkey-trials 20 --lengths 2048,4096,8192 \
+      --ppl-len 8190 --ppl-windows 16 --passkey-trials 20 --lengths 8192 \
       --out "$R/frontier_w512_smollm2.json" > "$R/logs/sim_frontier_w512.log" 2>&1 &
   fi
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
