@@ -128,6 +128,8 @@ run_all() {
   fi
   if [ -n "${DEBIAS_SIM:-}" ]; then  # the key debias on and off, each beside its own bf16 (a cut run keeps one)
     step "simulator: key debias on / off"
+    # after the servers have sized their pools: the simulators' 8k logits take tens of GB
+    [ -z "${NO_SERVERS:-}" ] && sleep "${SIM_AFTER:-120}"
     local kd
     for kd in 1 0; do
       $PY "${ev[@]}" --key-debias $kd --method oscar="$rot/smol_oscar.safetensors" --ppl-len 2048,4096,8190 \
