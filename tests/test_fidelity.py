@@ -287,6 +287,25 @@ def test_fake_int2_ablation_attributes_the_error(tiny, stream):
         FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, value_group_size=48)
 
 
+def test_fake_sim_key_debias_tracks_the_kernels(tiny, stream):
+    """The fake simulator's key debias (C = 1) tracks the kernels' (HybridKVSim with
+    key_debias) as closely as the plain reads track each other, and moves the logits."""
+    from calibration.fidelity.sim_cache import FakeInt2KVSim
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    rot = baseline_rotations(shape, "tinylm-A", "hadamard", group_size=32)
+
+    def run(sim):
+        return _prefill_then_decode(sim_model, sim, ids)[:, CHUNK:]
+
+    hyb, hyb_on = run(HybridKVSim(rot.layers, 32, 4, 16, 1, L)), run(HybridKVSim(rot.layers, 32, 4, 16, 1, L, key_debias=True))
+    fake, fake_on = run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L)), run(FakeInt2KVSim(rot.layers, 32, 4, 16, 1, L, key_debias=1.0))
+    moved = (hyb_on - hyb).abs().mean().item()
+    assert moved > 0.01
+    to_on = (fake_on - hyb_on).abs().mean().item()
+    assert to_on < 1.5 * (fake - hyb).abs().mean().item() and to_on < (fake_on - hyb).abs().mean().item()
+
+
 def test_int2_parts_ablation_script(tinylm_dir, tmp_path):
     """benchmarks/fidelity_int2_parts.py: three oscar-eval runs on the same prompts, one JSON."""
     from benchmarks import fidelity_int2_parts
