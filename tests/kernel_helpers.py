@@ -132,7 +132,7 @@ def check_decode(sc: Scenario, hq: int, decode_fn, config=None, seed=3, sinks=No
     want = decode_reference(sc, q, sinks, key_debias)
     got = decode_fn(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
                     torch.tensor(sc.lens, dtype=torch.int32, device=sc.device), sc.sm_scale, config=config,
-                    key_debias=key_debias, **({} if sinks is None else {"sinks": sinks}))
+                    **({"key_debias": True} if key_debias else {}), **({} if sinks is None else {"sinks": sinks}))
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert_attention_close(got, want)
     return got
@@ -153,7 +153,7 @@ def check_extend(sc: Scenario, hq: int, new_lens, extend_fn, prefix_read="int2",
                                  qo, sc.sm_scale, sinks, key_debias)
     want = ref.rotate(o_rot, ref.expand_gqa(sc.rotation.v_rot, hq).transpose(-1, -2))
     got = extend_fn(q, k_rot, v_rot, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows, pre, qo,
-                    max(new_lens), sc.sm_scale, prefix_read=prefix_read, key_debias=key_debias,
+                    max(new_lens), sc.sm_scale, prefix_read=prefix_read, **({"key_debias": True} if key_debias else {}),
                     **({} if sinks is None else {"sinks": sinks}))
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     assert_attention_close(got, want)

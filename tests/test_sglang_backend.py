@@ -198,7 +198,8 @@ class Sim:
         e = len(new_positions)
         mask = torch.arange(n_all)[None, :] <= torch.arange(e)[:, None] + n_prefix
         o = _attend(qr, keys, vals, D ** -0.5, mask.unsqueeze(0), sinks=learned_sinks,
-                    k_var=torch.cat(var) if self.backend.attention.key_debias else None)
+                    k_var=torch.cat(var) if getattr(getattr(self.backend, "attention", None), "key_debias", False)
+                    else None)
         return rotate(o, expand_gqa(rot.v_rot, HQ).transpose(-1, -2)).reshape(e, HQ * D)
 
     def expected_decode(self, row, rid, layer, n, content, valid_from, sinks=True, learned_sinks=None):
