@@ -11,8 +11,7 @@ the longer the history. Each INT2 position's logit therefore subtracts half its 
     sm_scale^2 / 24 * sum_g scale_g^2 |q'_g|^2        (g: the key's channel groups),
 which needs nothing but the stored scales (:func:`key_noise_bias`). It is right on average
 (SmolLM2-135M: perplexity and agreement with BF16 improve) but costs retrieval (passkey hits
-fall): the needle's distinctive key has the largest scales and takes the largest cut
-(benchmarks/RESULTS.md), so it is an opt-in (--oscar-key-debias on), not the default.
+fall, benchmarks/RESULTS.md), so it is an opt-in (--oscar-key-debias on), not the default.
 """
 from __future__ import annotations
 
@@ -83,6 +82,11 @@ def key_noise_bias(q: torch.Tensor, k_var: torch.Tensor, sm_scale: float) -> tor
     return torch.einsum("qhg,hkg->hqk", qn, kv) * (sm_scale * sm_scale / 24.0)
 
 
+def key_scales_squared(layer: HybridLayerCache, slots: torch.Tensor) -> torch.Tensor:
+    """The keys' group scales squared at ``slots`` [n] -> [n, H, NG] float32 (key_noise_bias)."""
+    return layer.k_scales[slots.long()][..., 0].float().pow(2)
+
+
 def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: torch.Tensor,
               row: int, n: int, window_end: int | None = None, with_var: bool = False):
     """Keys and values (float32 [n, H, D], rotated space) of positions 0..n-1 of the
@@ -95,7 +99,7 @@ def hybrid_kv(layer: HybridLayerCache, index: HybridCacheIndex, req_to_token: to
     slots = req_to_token[row, :n].long()
     k = dequantise(unpack(layer.k_packed[slots]), layer.k_scales[slots])
     v = dequantise(unpack(layer.v_packed[slots]), layer.v_scales[slots])
-    var = layer.k_scales[slots][..., 0].float().pow(2) if with_var else None
+    var = key_scales_squared(layer, slots) if with_var else None
     if n == 0:
         return (k, v, var) if with_var else (k, v)
     pos = torch.arange(n, device=slots.device)
@@ -230,7 +234,7 @@ def reference_verify(q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tens
                 bf16 |= pa >= max(n_i - w, vf)
             kd = torch.where(bf16[:, None, None], k_rot[anc].float(), k_int2[anc])
             vd = torch.where(bf16[:, None, None], v_rot[anc].float(), v_int2[anc])
-            var_d = torch.where(bf16[:, None, None], 0.0, layer.k_scales[slots[anc].long()][..., 0].float().pow(2))
+            var_d = torch.where(bf16[:, None, None], 0.0, key_scales_squared(layer, slots[anc]))
             out[tok] = _attend(q_rot[tok:tok + 1], torch.cat([kp, kd]), torch.cat([vp, vd]), sm_scale,
                                sinks=sinks, k_var=torch.cat([var_p, var_d]) if key_debias else None)[0]
     return out

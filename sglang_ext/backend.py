@@ -89,10 +89,11 @@ class OscarAttnBackend(AttentionBackend):
         """The backend SGLang's registry builds for a model runner (model loaded, pools
         built), with the oscar settings of its server arguments."""
         sa, mc = model_runner.server_args, model_runner.model_config
+        settings = oscar_settings(sa)
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
                    sm_scale=model_attention_scale(model_runner.model),
-                   extend_prefix=oscar_settings(sa).extend_prefix, key_debias=oscar_settings(sa).key_debias,
+                   extend_prefix=settings.extend_prefix, key_debias=settings.key_debias,
                    deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len,
                    learned_sinks=bool(getattr(mc, "has_attention_sinks", False)))
 

@@ -62,9 +62,10 @@ def test_decode_debias_on_and_off_match_their_twin_and_differ(grp):
     cfg = triton_decode_mod.DecodeConfig(**_SMALL)
     on = kh.check_decode(sc, 4, triton_decode_mod.triton_decode, cfg, key_debias=True)
     off = kh.check_decode(sc, 4, triton_decode_mod.triton_decode, cfg, key_debias=False)
-    # the request with an INT2 history moves; the one that reads only BF16 does not
+    # the request with an INT2 history moves; the one that reads only BF16 does not (to rounding:
+    # the interpreter's dots round in the CPU's BLAS order, so nothing bitwise here)
     assert (on[2].float() - off[2].float()).abs().max() > 1e-2
-    assert torch.equal(on[0], off[0])
+    torch.testing.assert_close(on[0].float(), off[0].float(), rtol=2 ** -7, atol=1e-3)
 
 
 @pytest.mark.parametrize("prefix_read", ["int2", "bf16"])

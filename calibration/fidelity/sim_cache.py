@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from oscar_kernels.hybrid_attention import HybridAttention
 from oscar_kernels.hybrid_cache import HybridCache, LayerRotation, allocate_index, allocate_layer
 from oscar_kernels.contract.layout import check_group_sizes, torch_scale_dtype
-from oscar_kernels.int2 import clip, fake_quantise, minmax_codes
+from oscar_kernels.int2 import clip, dequantise, fake_quantise, minmax_codes, quantise
+from oscar_kernels.reference import expand_gqa, key_noise_bias, rotate
 
 
 CACHE_DTYPE = torch.bfloat16  # the server's model and KV dtype
@@ -92,9 +93,16 @@ class Bf16KVSim(_KVSim):
         qi = torch.arange(t, device=q.device).unsqueeze(1)
         kj = torch.arange(n, device=q.device).unsqueeze(0)
         mask = kj <= qi + n0
-        o = F.scaled_dot_product_attention(q.to(CACHE_DTYPE).float(), kk, vv, attn_mask=mask,
-                                           scale=scaling, enable_gqa=True)
+        qf = q.to(CACHE_DTYPE).float()
+        bias = self._logit_bias(layer_idx, qf, n0, n, t, scaling)
+        if bias is not None:  # a float mask: -inf where masked, minus the bias elsewhere
+            mask = torch.where(mask, 0.0, float("-inf")) - bias
+        o = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=True)
         return o.transpose(1, 2).to(CACHE_DTYPE).to(q.dtype)
+
+    def _logit_bias(self, layer_idx, q, n0, n, t, scaling):
+        """[B, Hq, T, n] to subtract from the step's logits (q [B, Hq, T, D]), or None: none."""
+        return None
 
     def _store(self, layer_idx, b, n0, n, k, v):
         """k/v [B, T, H, D] of positions n0..n."""
@@ -147,7 +155,7 @@ class FakeInt2KVSim(Bf16KVSim):
         self.key_page_scale_dtype = torch_scale_dtype(key_page_scale_dtype or scale_dtype)
         self.kq = [torch.zeros_like(x) for x in self.k] if "k" in parts else None
         self.key_debias = key_debias if self.kq is not None and not key_channel_page else 0.0
-        # per stored position and key group: its scale^2 (key_debias)
+        # per stored position and key group: its scale^2 (key_debias), written by the key quantiser
         self.kvar = ([torch.zeros(*x.shape[:-1], d // self.group_size, device=self.device) for x in self.k]
                      if self.key_debias else None)
         self.vq = [torch.zeros_like(x) for x in self.v] if "v" in parts else None
@@ -165,49 +173,31 @@ class FakeInt2KVSim(Bf16KVSim):
         if self.kq is not None and self.key_channel_page:
             self._store_key_pages(layer_idx, b, n0, n, r)
         elif self.kq is not None:
-            if self.kvar is not None:
-                self.kvar[layer_idx][:b, n0:n] = self._key_error_variance(k.to(CACHE_DTYPE), r)
-            self.kq[layer_idx][:b, n0:n] = self._fake(
-                k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
-                lambda x: fake_quantise(x, self.group_size, None, None, self.scale_dtype), r.k_shift)
+            def quantise_keys(x):  # fake INT2 of the rotated keys, keeping their scale^2 for the debias
+                codes, scales = quantise(x, self.group_size, self.scale_dtype)
+                if self.kvar is not None:
+                    self.kvar[layer_idx][:b, n0:n] = scales[..., 0].float().pow(2)
+                return dequantise(codes, scales)
+            self.kq[layer_idx][:b, n0:n] = self._fake(k.to(CACHE_DTYPE), r.k_rot, r.k_clip_min, r.k_clip_max,
+                                                      quantise_keys, r.k_shift)
         if self.vq is not None:
             self.vq[layer_idx][:b, n0:n] = self._fake(
                 v.to(CACHE_DTYPE), r.v_rot, r.v_clip_min, r.v_clip_max,
                 lambda x: fake_quantise(x, self.value_group_size, None, None, self.value_scale_dtype))
 
-    def _key_error_variance(self, k, r):
-        """k [B, T, H, D] -> the keys' group scales squared [B, T, H, D/G] (the rounding error's
-        variance per channel is scale^2 / 12), as the kernels read them."""
-        x_rot = clip(torch.einsum("bthd,hde->bthe", k.float(), r.k_rot) - r.k_shift, r.k_clip_min, r.k_clip_max)
-        g = self.group_size
-        _, scale_q, _ = minmax_codes(x_rot.unflatten(-1, (-1, g)), self.scale_dtype)
-        return scale_q.float() ** 2
-
-    def attend(self, layer_idx, q, k, v, scaling):
-        if self.kvar is None:
-            return super().attend(layer_idx, q, k, v, scaling)
-        b, hq, t, d = q.shape
-        n0, n = self.length, self.length + t
-        self._store(layer_idx, b, n0, n, k.transpose(1, 2), v.transpose(1, 2))
-        kk, vv = self._read(layer_idx, b, n0, n, t)
-        kk, vv = kk.transpose(1, 2).float(), vv.transpose(1, 2).float()
-        h = kk.shape[1]
+    def _logit_bias(self, layer_idx, q, n0, n, t, scaling):
+        """The kernels' key debias (reference.key_noise_bias) at the INT2 history, times key_debias."""
         s, hi = self._history(n0, n, t)
-        qf = q.to(CACHE_DTYPE).float()
-        # the kernels' key debias (oscar_kernels.reference module doc), times key_debias
-        r = self.rotations[layer_idx]
-        q_rot = torch.einsum("bhtd,hde->bhte", qf.view(b, h, hq // h, t, d).flatten(2, 3),
-                             r.k_rot).view(b, h, hq // h, t, -1, self.group_size)
-        qn = q_rot.pow(2).sum(-1)  # [B, H, rep, T, D/G]
-        kvar = torch.zeros(b, n, h, qn.shape[-1], device=q.device)
-        if hi > s:
-            kvar[:, s:hi] = self.kvar[layer_idx][:b, s:hi]
-        bias = torch.einsum("bhrtg,bnhg->bhrtn", qn, kvar).flatten(1, 2)  # [B, Hq, T, n]
-        qi = torch.arange(t, device=q.device).unsqueeze(1)
-        kj = torch.arange(n, device=q.device).unsqueeze(0)
-        mask = torch.where(kj <= qi + n0, 0.0, float("-inf")) - (self.key_debias * scaling ** 2 / 24.0) * bias
-        o = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return o.transpose(1, 2).to(CACHE_DTYPE).to(q.dtype)
+        if self.kvar is None or hi <= s:
+            return None
+        r, (b, hq) = self.rotations[layer_idx], q.shape[:2]
+        kvar = torch.zeros(n, *self.kvar[layer_idx].shape[2:], device=q.device)
+        bias = []
+        for row in range(b):
+            kvar[s:hi] = self.kvar[layer_idx][row, s:hi]
+            q_rot = rotate(q[row].transpose(0, 1), expand_gqa(r.k_rot, hq))  # [T, Hq, D]
+            bias.append(key_noise_bias(q_rot, kvar, scaling))
+        return self.key_debias * torch.stack(bias)
 
     def _history(self, n0, n, t):
         """The INT2-read positions [s, hi) of a step of t tokens after n0."""
