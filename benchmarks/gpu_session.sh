@@ -12,8 +12,9 @@
 #   bash benchmarks/gpu_session.sh start            # returns at once; steps in $R/steps.log
 #   bash benchmarks/gpu_session.sh wait SECONDS     # until done or SECONDS pass; collects into $OUT
 #
-# PROFILE_PROMPTS (default 160) requests of 8k in / 4k out fit an H100's oscar_int2 pool at
-# --mem-fraction-static 0.85; WINDOW_S bounds each configuration's window. SKIP_PROFILE=1 /
+# PROFILE_PROMPTS requests of 8k in / 4k out (default: what fills oscar_int2's pool at
+# --mem-fraction-static 0.85: 160 on an H100, 384 on an H200 as in e2e_decode_throughput_*.json);
+# WINDOW_S bounds each configuration's window. SKIP_PROFILE=1 /
 # SKIP_REST=1 leave a part out.
 set -uo pipefail
 R="${RUN_DIR:-/tmp/oscar_session}"
@@ -23,7 +24,10 @@ export PYTHONPATH="/tmp/site:$PWD"
 step() { echo "$(date -u +%T) $*" >> "$R/steps.log"; }
 
 profile() {
-  local n="${PROFILE_PROMPTS:-160}" cfg deadline
+  local mib n cfg deadline
+  mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)"
+  n=160; [ "${mib:-0}" -gt 100000 ] && n=384  # what oscar_int2's pool holds at 0.85: H100 ~2.2M tokens, H200 4.7M
+  n="${PROFILE_PROMPTS:-$n}"
   for cfg in oscar_int2 bf16_flashinfer; do
     step "profile $cfg steady_8k"
     deadline=520; [ "$cfg" = bf16_flashinfer ] && deadline=420
@@ -38,7 +42,8 @@ profile() {
 rest() {
   ( step "gpu tests"
     $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" \
-        tests/test_server_hybrid_gpu.py tests/test_kernels_gpu.py > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
+        tests/test_server_hybrid_gpu.py tests/test_kernels_gpu.py $(ls tests/test_server_speculative_gpu.py 2>/dev/null) \
+        > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
     step "gpu tests ended" ) &
   if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
     mkdir -p /tmp/oscar_unpack && cat /tmp/oscar_blob/part.* | tar -xf - -C /tmp/oscar_unpack \
