@@ -80,6 +80,19 @@ def depths(s: str) -> list[float]:
     return out
 
 
+def layer_list(s: str) -> list[int]:
+    """Model layers, sorted, no repeats: '0,3,5-7' (ranges inclusive)."""
+    out = []
+    for part in (x.strip() for x in s.split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected layers such as 0,3,5-7, got {s!r}")
+        out += range(int(lo), int(hi if dash else lo) + 1)
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"no layer or a layer repeated in {s!r}")
+    return sorted(out)
+
+
 def ppl_key(length: int) -> str:
     """The results' key of a perplexity length: ppl_8k for 8192, ppl_300 for 300."""
     return f"ppl_{length // 1024}k" if length % 1024 == 0 else f"ppl_{length}"

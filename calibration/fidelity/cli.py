@@ -20,6 +20,10 @@ positions past the first chunk, which read fresh BF16 K/V.
 its ``value_group_size`` (``--value-groups`` overrides the values' groups in fake runs);
 ``--key-channel-page P`` (fake runs only) quantises the keys KIVI-style instead: one scale and
 min per rotated channel over each page of P positions (simulator only; no kernel stores it).
+Per layer: ``--layer-rotations FILE:LAYERS`` gives those layers the rotations, key and value
+groups of another rotations file of the same model (one calibrated for those groups), so a
+layout can spend its bytes unevenly over the layers (kernels' numerics, reference path);
+``--bf16-layers LAYERS`` keeps those layers' K/V in BF16, to charge the INT2 loss to layers.
 """
 from __future__ import annotations
 
@@ -36,9 +40,9 @@ from oscar_kernels.contract.model_shape import ModelShape
 from oscar_kernels.contract.rotations_file import RotationsFileError, check_matches_model, load_rotations
 
 from . import runner, tasks
-from .args import Refusal, at_least, depths, passkey_lengths, ppl_key, ppl_lengths
+from .args import Refusal, at_least, depths, layer_list, passkey_lengths, ppl_key, ppl_lengths
 from .attention import use_simulated_attention
-from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim
+from .sim_cache import Bf16KVSim, FakeInt2KVSim, HybridKVSim, LayerSplitKVSim
 
 DEFAULT_SINK_TOKENS = 16
 DEFAULT_RECENT_WINDOW = 128
@@ -67,6 +71,13 @@ def _method(s: str) -> tuple[str, str]:
     if name == "bf16":
         raise argparse.ArgumentTypeError("'bf16' is the built-in reference; name the method otherwise")
     return name, path
+
+
+def _layer_rotations(s: str) -> tuple[str, list[int]]:
+    path, colon, layers = s.rpartition(":")
+    if not colon or not path:
+        raise argparse.ArgumentTypeError(f"--layer-rotations wants FILE:LAYERS (e.g. g8.safetensors:3,7), got {s!r}")
+    return path, layer_list(layers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--key-debias", type=float, default=0.0, metavar="C",
                     help="the INT2 keys' logit debias, times C: 1 as the kernels apply it, 0 off (default) "
                          "(the kernels take 0 or 1; the fake-quantisation ablations any C >= 0)")
+    ap.add_argument("--layer-rotations", type=_layer_rotations, action="append", default=[], metavar="FILE:LAYERS",
+                    help="with --int2-parts kv: these layers (e.g. 3,7-9) take their rotations and key/value groups "
+                         "from FILE (same model and scale dtype) in every method (repeatable, disjoint layers)")
+    ap.add_argument("--bf16-layers", type=layer_list, default=[], metavar="LAYERS",
+                    help="these layers keep K/V in BF16 in every method (attribution of the INT2 loss to layers)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -156,13 +172,31 @@ def _refuse(msg: str) -> Refusal:
     return Refusal("oscar-eval", msg)
 
 
-def _build_sim(rot, a, shape, max_len: int):
-    """The KV simulator of one method (``rot`` None: bf16) for sequences of up to ``max_len``."""
+def _per_layer(rot, overrides: list) -> tuple[list, list[tuple[int, int]]]:
+    """A method's rotations and (keys', values') groups of every layer: ``rot``'s, but for the
+    layers of each (layers, other rotations) in ``overrides``, which take the other file's."""
+    layers, groups = list(rot.layers), [(rot.meta.group_size, rot.meta.value_group_size)] * len(rot.layers)
+    for ids, other in overrides:
+        for i in ids:
+            layers[i], groups[i] = other.layers[i], (other.meta.group_size, other.meta.value_group_size)
+    return layers, groups
+
+
+def _build_sim(rot, a, shape, max_len: int, overrides: list = ()):
+    """The KV simulator of one method (``rot`` None: bf16) for sequences of up to ``max_len``;
+    ``overrides``: [(layers, rotations)] of --layer-rotations; --bf16-layers wraps it."""
+    bf16 = lambda: Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
     if rot is None:
-        return Bf16KVSim(shape.num_layers, shape.num_kv_heads, shape.head_dim, a.batch, max_len, a.device)
+        return bf16()
+    sim = _build_int2_sim(rot, a, max_len, overrides)
+    return LayerSplitKVSim(sim, bf16(), a.bf16_layers) if a.bf16_layers else sim
+
+
+def _build_int2_sim(rot, a, max_len: int, overrides: list):
     if a.int2_parts == "kv":
-        return HybridKVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
-                           a.device, rot.meta.scale_dtype, a.page_size, value_group_size=rot.meta.value_group_size,
+        layers, groups = _per_layer(rot, overrides)
+        return HybridKVSim(layers, [g for g, _ in groups], a.sink, a.recent, a.batch, max_len,
+                           a.device, rot.meta.scale_dtype, a.page_size, value_group_size=[g for _, g in groups],
                            key_debias=a.key_debias == 1.0)
     return FakeInt2KVSim(rot.layers, rot.meta.group_size, a.sink, a.recent, a.batch, max_len,
                          a.device, rot.meta.scale_dtype, parts=a.int2_parts.removesuffix("-fake"),
@@ -206,6 +240,11 @@ def main(argv=None) -> int:
         raise _refuse("--key-page-scale-dtype needs --key-channel-page")
     if a.ppl_windows and a.decode_tail >= min(a.ppl_len):
         raise _refuse(f"--decode-tail {a.decode_tail} must be shorter than the shortest --ppl-len {min(a.ppl_len)}")
+    if a.layer_rotations and a.int2_parts != "kv":
+        raise _refuse("--layer-rotations needs --int2-parts kv (the fake-quantisation ablations take one group size)")
+    over = [i for _, ids in a.layer_rotations for i in ids]
+    if len(set(over)) != len(over):
+        raise _refuse(f"--layer-rotations: a layer is given twice ({sorted(i for i in set(over) if over.count(i) > 1)})")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
@@ -224,6 +263,21 @@ def main(argv=None) -> int:
                           f"every layer is full attention")
         for path, rot in rotations.values():
             check_matches_model(rot.meta, shape, path)
+        overrides = []  # [(layers, rotations)] of --layer-rotations
+        for path, ids in a.layer_rotations:
+            other = load_rotations(path)
+            _check_disjoint(path, other.meta.calib_data)
+            check_matches_model(other.meta, shape, path)
+            bad = [i for i in ids if i >= shape.num_layers]
+            if bad:
+                raise _refuse(f"--layer-rotations {path}: layers {bad} outside the model's {shape.num_layers}")
+            dtypes = {r.meta.scale_dtype for _, r in rotations.values()} | {other.meta.scale_dtype}
+            if len(dtypes) > 1:
+                raise _refuse(f"--layer-rotations {path}: scale dtypes {sorted(dtypes)} differ (the cache takes one)")
+            overrides.append((ids, other))
+        bad = [i for i in a.bf16_layers if i >= shape.num_layers]
+        if bad:
+            raise _refuse(f"--bf16-layers {bad}: outside the model's {shape.num_layers} layers")
     except RotationsFileError as e:
         raise _refuse(str(e)) from None
 
@@ -284,15 +338,22 @@ def main(argv=None) -> int:
                               "recipe_detail": r.meta.recipe_detail, "calib_data": r.meta.calib_data,
                               "calib_tokens": r.meta.calib_tokens, "group_size": r.meta.group_size,
                               "value_group_size": r.meta.value_group_size, "scale_dtype": r.meta.scale_dtype,
-                              "created": r.meta.created}
+                              "created": r.meta.created,
+                              **({"layer_groups": [list(g) for g in _per_layer(r, overrides)[1]]} if overrides else {})}
                           for n, (p, r) in rotations.items()},
+            **({"layer_rotations": [{"file": os.path.abspath(p), "layers": ids, "recipe_detail": o.meta.recipe_detail,
+                                     "group_size": o.meta.group_size, "value_group_size": o.meta.value_group_size,
+                                     "calib_data": o.meta.calib_data, "created": o.meta.created}
+                                    for (p, _), (ids, o) in zip(a.layer_rotations, overrides)]}
+               if overrides else {}),
+            **({"bf16_layers": a.bf16_layers} if a.bf16_layers else {}),
             "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
         },
         "methods": {},
     }
 
     todo = ([("bf16", None)] if not a.no_bf16 else []) + [(n, r) for n, (_, r) in rotations.items()]
-    sims = {name: _build_sim(rot, a, shape, max_len) for name, rot in todo}
+    sims = {name: _build_sim(rot, a, shape, max_len, overrides) for name, rot in todo}
     methods = result["methods"] = {name: {} for name in sims}
     seconds = dict.fromkeys(sims, 0.0)
     if a.ppl_windows > 0:  # every length, all methods in lockstep with bf16

@@ -16,6 +16,11 @@ function registered in transformers' AttentionInterface):
   ``key_channel_page`` P > 0 (simulator only, no kernel stores it) quantises the keys KIVI-style:
   after the rotation, one scale and min per channel over a page of P tokens
   (:func:`fake_quantise_channels`), computed once the page is complete.
+- :class:`LayerSplitKVSim` (attribution): chosen layers through a BF16 cache, the others through
+  an INT2 simulator, so the INT2 loss can be charged to layers.
+
+:class:`HybridKVSim` also takes a group size per layer (a layout that spends its bytes unevenly
+over the layers; the reference path stores and reads every layer with its own groups).
 """
 from __future__ import annotations
 
@@ -230,10 +235,25 @@ class FakeInt2KVSim(Bf16KVSim):
         return kk, vv
 
 
+def per_layer_groups(num_layers: int, group_size, value_group_size=None) -> list[tuple[int, int]]:
+    """(keys' group, values' group) of each layer, from one size or one per layer for each
+    (the values default to the keys')."""
+    def each(x, what):
+        xs = list(x) if isinstance(x, (list, tuple)) else [x] * num_layers
+        if len(xs) != num_layers:
+            raise ValueError(f"{len(xs)} {what} group sizes for {num_layers} layers")
+        return xs
+    keys = each(group_size, "key")
+    values = keys if value_group_size is None else each(value_group_size, "value")
+    return list(zip(keys, values))
+
+
 class HybridKVSim(_KVSim):
     """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
     ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys');
-    ``key_debias``: HybridAttention's."""
+    either may be a list with one size per layer (HybridAttention sizes its Triton launches and
+    the debias from layer 0, so mixed sizes are refused with ``key_debias`` or where layer 0's
+    groups span the head and another's do not); ``key_debias``: HybridAttention's."""
 
     name = "hybrid"
 
@@ -253,12 +273,15 @@ class HybridKVSim(_KVSim):
         self.row_len = -(-max_len // self.page_size) * self.page_size  # rows start on a page
         num_slots = max_batch * self.row_len
         sdt = torch_scale_dtype(scale_dtype)
-        value_group_size = value_group_size or group_size
-        layers = [allocate_layer(num_slots, h, d, group_size, sink_tokens, recent_window,
+        groups = per_layer_groups(num_layers, group_size, value_group_size)
+        if len(set(groups)) > 1 and (key_debias or len({min(g) >= d for g in groups}) > 1):
+            raise ValueError("a group size per layer: HybridAttention plans its launches and the key debias from "
+                             "layer 0's groups, so the layers must agree on the debias (off) and on whether the "
+                             "groups span the head")
+        layers = [allocate_layer(num_slots, h, d, gk, sink_tokens, recent_window,
                                  num_sink_slots=max_batch, num_rows=max_batch,
-                                 scale_dtype=sdt, device=self.device,
-                                 value_group_size=value_group_size)
-                  for _ in range(num_layers)]
+                                 scale_dtype=sdt, device=self.device, value_group_size=gv)
+                  for gk, gv in groups]
         req_to_token = torch.arange(num_slots, dtype=torch.int32, device=self.device).view(max_batch, self.row_len)
         self.cache = HybridCache(layers, [r.to(self.device) for r in rotations],
                                  allocate_index(num_slots, self.page_size, max_batch, max_batch, device=self.device),
@@ -271,7 +294,13 @@ class HybridKVSim(_KVSim):
 
     @property
     def value_group_size(self) -> int:
+        """Layer 0's values' group (see :attr:`layer_groups` for every layer's)."""
         return self.cache.layers[0].value_group_size
+
+    @property
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """(keys' group, values' group) of every layer as stored."""
+        return [(lc.key_group_size, lc.value_group_size) for lc in self.cache.layers]
 
     def begin(self, batch: int) -> None:
         """Start ``batch`` new sequences: sink slots handed out afresh, every ring restarts."""
@@ -314,3 +343,33 @@ class HybridKVSim(_KVSim):
         kf = k.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
         vf = v.transpose(1, 2).reshape(b * t, -1, d).to(CACHE_DTYPE)
         return run(layer_idx, qf, kf, vf).view(b, t, hq, d).to(q.dtype)
+
+
+class LayerSplitKVSim(_KVSim):
+    """Attribution: the layers in ``bf16_layers`` attend through ``bf16`` (a Bf16KVSim), every
+    other layer through ``int2`` (an INT2 simulator); both hold every layer and advance together.
+    With no BF16 layer it is ``int2``; with all of them, ``bf16``: the INT2 loss of a model can
+    so be split over its layers (and the layers' shares compared with their sum)."""
+
+    def __init__(self, int2: _KVSim, bf16: Bf16KVSim, bf16_layers):
+        if (int2.num_layers, int2.max_batch, int2.max_len) != (bf16.num_layers, bf16.max_batch, bf16.max_len):
+            raise ValueError("the INT2 and BF16 simulators must have the same layers, batch and length")
+        bad = sorted(set(bf16_layers) - set(range(int2.num_layers)))
+        if bad:
+            raise ValueError(f"BF16 layers {bad} outside the model's {int2.num_layers}")
+        super().__init__(int2.num_layers, int2.max_batch, int2.max_len, int2.device)
+        self.int2, self.bf16, self.bf16_layers = int2, bf16, frozenset(bf16_layers)
+
+    def begin(self, batch: int) -> None:
+        super().begin(batch)
+        self.int2.begin(batch)
+        self.bf16.begin(batch)
+
+    def advance(self, tokens: int) -> None:
+        super().advance(tokens)
+        self.int2.advance(tokens)
+        self.bf16.advance(tokens)
+
+    def attend(self, layer_idx, q, k, v, scaling):
+        sim = self.bf16 if layer_idx in self.bf16_layers else self.int2
+        return sim.attend(layer_idx, q, k, v, scaling)
