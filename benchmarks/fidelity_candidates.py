@@ -87,6 +87,11 @@ CANDIDATES = {
     "debias": ("oscar", ["--key-debias", "1"], "the INT2 keys' logit debias (--oscar-key-debias on), kernels"),
     "g8-debias": ("oscar_g8", ["--key-debias", "1"], "key groups of 8 and the key debias"),
 }
+# attribution: one block of five layers keeps its K/V in BF16, the rest the default; what each block
+# gives back of the default's loss is that block's share of it (SmolLM2's 30 layers)
+CANDIDATES.update({f"bf16-L{lo}-{lo + 4}": ("oscar", ["--bf16-layers", f"{lo}-{lo + 4}"],
+                                            f"attribution: layers {lo}-{lo + 4} keep K/V in BF16")
+                   for lo in range(0, 30, 5)})
 FAKE = {"fake"}  # candidates paired also with the fake default: the simulator-only ones
 
 
@@ -94,9 +99,16 @@ def _csv(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
 
+def _rot_file(a, stem: str) -> str:
+    return f"{os.path.join(a.rot_dir, a.rot_prefix + stem)}.safetensors"
+
+
 def eval_argv(name: str, a, length: int) -> list[str]:
+    """oscar-eval's arguments; a ``(stem, layers)`` in a candidate's arguments names those layers'
+    rotations file (``--layer-rotations FILE:LAYERS``)."""
     stem, extra, _ = CANDIDATES[name]
-    argv = ["--model", a.model, "--method", f"oscar={os.path.join(a.rot_dir, a.rot_prefix + stem)}.safetensors"]
+    extra = [f"{_rot_file(a, x[0])}:{','.join(map(str, x[1]))}" if isinstance(x, tuple) else x for x in extra]
+    argv = ["--model", a.model, "--method", f"oscar={_rot_file(a, stem)}"]
     if name != "default":
         argv.append("--no-bf16")
     return argv + extra + ["--ppl-len", str(length), "--ppl-windows", str(a.ppl_windows), "--passkey-trials", "0",
@@ -130,9 +142,11 @@ def run_one(a, name: str, length: int) -> str:
     argv, path = eval_argv(name, a, length), run_path(a, name, length)
     if _same_argv(_load(path), argv):
         return f"{name} {length}: reused {path}"
-    rot = argv[argv.index("--method") + 1].partition("=")[2]
-    if not os.path.isfile(rot):
-        return f"{name} {length}: skipped, no rotations file {rot}"
+    rots = [argv[argv.index("--method") + 1].partition("=")[2]]
+    rots += [argv[i + 1].rpartition(":")[0] for i, x in enumerate(argv) if x == "--layer-rotations"]
+    for rot in rots:
+        if not os.path.isfile(rot):
+            return f"{name} {length}: skipped, no rotations file {rot}"
     cmd = [sys.executable, "-m", "calibration.fidelity.cli", *argv, "--out", path]
     with open(path + ".log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -142,8 +156,25 @@ def run_one(a, name: str, length: int) -> str:
 
 
 def bytes_of(settings: dict, head_dim: int) -> dict:
-    """INT2 bytes per token and KV head of a run's layout, keys and values apart."""
+    """Bytes per token and KV head of a run's layout, keys and values apart: its INT2 layout, or the
+    mean over the layers where they differ (``layer_groups`` of --layer-rotations; BF16 layers of
+    --bf16-layers at 2 x head_dim bytes each for K and V)."""
     rot = next(iter(settings["rotations"].values()))
+    groups, bf16 = rot.get("layer_groups"), set(settings.get("bf16_layers", ()))
+    if groups or bf16:
+        if not groups or settings.get("value_groups") or settings.get("key_channel_page"):
+            raise ValueError("per-layer bytes: need the run's layer_groups and per-token groups of the rotations files")
+        per = [{"key_bytes": 2 * head_dim, "value_bytes": 2 * head_dim} if i in bf16 else
+               bytes_of({"rotations": {"r": {"scale_dtype": rot["scale_dtype"], "group_size": gk,
+                                             "value_group_size": gv}}}, head_dim)
+               for i, (gk, gv) in enumerate(groups)]
+        keys, values = (sum(p[k] for p in per) / len(per) for k in ("key_bytes", "value_bytes"))
+        where = {}
+        for i, (gk, gv) in enumerate(groups):
+            where.setdefault("BF16" if i in bf16 else f"keys g{gk}, values g{gv}", []).append(i)
+        desc = "; ".join(f"{k}: layers {','.join(map(str, v))}" for k, v in where.items())
+        return {"bytes_per_token_head": keys + values, "key_bytes": keys, "value_bytes": values, "key_layout": f"per layer ({desc}), {rot['scale_dtype']} scale and min",
+                "value_layout": "per layer, as the keys", "layers": where}
     dt = rot["scale_dtype"]
     vg = settings.get("value_groups") or {"group_size": rot["value_group_size"], "scale_dtype": dt}
     codes = head_dim // 4

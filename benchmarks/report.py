@@ -559,7 +559,7 @@ def render_fidelity_candidates(results_dir: str) -> str:
         return none_yet("python3 -m benchmarks.fidelity_candidates --model DIR --rot-dir DIR", "CPU, about an hour")
     st, rows = data["settings"], data["rows"]
     lengths = sorted({n for r in rows.values() for n in r["ppl"]}, key=int)
-    header = ["candidate", "changes", "INT2 B / token / KV head (K + V)", "BF16 ring MB / request"]
+    header = ["candidate", "changes", "B / token / KV head, mean over layers (K + V)", "BF16 ring MB / request"]
     for n in lengths:
         header += [f"ppl {fmt(int(n))} (vs bf16)", f"NLL - default, {fmt(int(n))} (95%)", f"NLL - fake, {fmt(int(n))}"]
     vs_fake = lambda c: _gap(*c["nll_vs_fake"], 4) if c.get("nll_vs_fake") else "-"
@@ -573,7 +573,8 @@ def render_fidelity_candidates(results_dir: str) -> str:
                f"and W={st.get('recent')} unless a row says otherwise). bf16 ppl {bf16}. NLL - default: each window's mean "
                f"NLL minus the default's on the same window, mean and 95% half-width over windows; NLL - fake: the same "
                f"against the default in PyTorch fake quantisation (`fake`), the baseline of the simulator-only rows. "
-               f"Bytes: codes and per-token group scales, or per-channel page scales amortised over the page. "
+               f"Bytes: codes and per-token group scales, or per-channel page scales amortised over the page; "
+               f"the mean over the layers where layers differ (a BF16 layer: 2 bytes per channel for K and for V). "
                f"Source: `{_rel(os.path.join(results_dir, FIDELITY_CANDIDATES))}`.")
     return caption + "\n\n" + table(header, out)
 

@@ -153,7 +153,12 @@ def cmd_proxy(argv: list[str]) -> int:
     p.add_argument("--recent", type=int, default=0, help="most recent positions kept exact (BF16)")
     p.add_argument("--query-stride", type=int, default=8, help="evaluate every n-th query position")
     p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.add_argument("--calib-text", action="store_true",
+                   help="the default calibration text (the stdlib source, as oscar-calibrate reads it) instead of the "
+                        "test suite: choices made on the proxy then see nothing but what calibration saw")
     a = p.parse_args(argv)
+    if a.calib_text and a.data:
+        p.error("--calib-text and --data both name the text")
     check_at_least_one(tokens=a.tokens, seq_len=a.seq_len)
     text_sources.check_texts(a.data)
     rots = {}
@@ -168,7 +173,8 @@ def cmd_proxy(argv: list[str]) -> int:
     shape = ModelShape.from_hf_config(model.config)
     for f, rot in zip(a.rotations, rots.values()):
         check_matches_model(rot.meta, shape, f)
-    files = text_sources.expand_paths(a.data) if a.data else text_sources.stdlib_test_files()
+    files = (text_sources.expand_paths(a.data) if a.data else
+             text_sources.stdlib_files() if a.calib_text else text_sources.stdlib_test_files())
     texts = text_sources.read_texts(text_sources.shuffled(files, a.seed))
     windows = list(text_sources.token_stream(tok, texts, a.seq_len, a.tokens))
     res = run_proxy(model, windows, rots, sink=a.sink, recent=a.recent, device=device, progress=not a.quiet,
@@ -177,7 +183,8 @@ def cmd_proxy(argv: list[str]) -> int:
     if a.json:
         report = {"model": os.path.abspath(a.model), "tokens": sum(w.numel() for w in windows),
                   "seq_len": a.seq_len, "sink": a.sink, "recent": a.recent,
-                  "data": text_sources.describe(a.data) if a.data else "python stdlib test suite",
+                  "data": text_sources.describe(a.data) if a.data else
+                  "python stdlib source (the default calibration text)" if a.calib_text else "python stdlib test suite",
                   "rotations": {k: os.path.abspath(f) for k, f in zip(rots, a.rotations)}, "results": res}
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -133,3 +133,32 @@ def test_device_is_passed_and_a_missing_rotations_file_skips_its_candidate(tmp_p
     a.device = "cuda"
     assert fc.eval_argv("g8", a, 2048)[-2:] == ["--device", "cuda"]
     assert "skipped, no rotations file /r/smol_oscar_g8.safetensors" in fc.run_one(a, "g8", 2048)
+
+
+def test_bytes_of_a_layout_per_layer_is_the_mean_over_its_layers():
+    """Issue 46's uneven layouts: 2 layers at key groups 8 (+8 B) and 4 at 32 (-4 B) among 30 keep
+    the default's 42 B on average; BF16 layers cost 2 x head_dim bytes each for K and V."""
+    groups = [[8, 64]] * 2 + [[32, 64]] * 4 + [[16, 64]] * 24
+    st = {"rotations": {"oscar": {**_rot("oscar"), "layer_groups": groups}}}
+    b = fc.bytes_of(st, 64)
+    assert (b["bytes_per_token_head"], b["key_bytes"], b["value_bytes"]) == (42, 24, 18)
+    assert b["layers"] == {"keys g8, values g64": [0, 1], "keys g32, values g64": [2, 3, 4, 5],
+                           "keys g16, values g64": list(range(6, 30))}
+    up = fc.bytes_of({"rotations": {"oscar": {**_rot("oscar"), "layer_groups": [[4, 64]] * 3 + [[16, 64]] * 27}}}, 64)
+    assert up["bytes_per_token_head"] == pytest.approx(42 + 3 * 24 / 30)
+    bf16 = fc.bytes_of({"rotations": {"oscar": {**_rot("oscar"), "layer_groups": [[16, 64]] * 30}},
+                        "bf16_layers": [0, 1, 2, 3, 4]}, 64)
+    assert bf16["bytes_per_token_head"] == pytest.approx((5 * 256 + 25 * 42) / 30) and bf16["layers"]["BF16"] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="layer_groups"):
+        fc.bytes_of({"rotations": {"oscar": _rot("oscar")}, "bf16_layers": [0]}, 64)
+
+
+def test_a_layer_layout_names_its_files_and_is_skipped_without_them(tmp_path, monkeypatch):
+    a = _args(tmp_path)
+    monkeypatch.setitem(fc.CANDIDATES, "mix", ("oscar", ["--layer-rotations", ("oscar_g8", [3, 7])], "test"))
+    argv = fc.eval_argv("mix", a, 2048)
+    assert argv[argv.index("--layer-rotations") + 1] == "/r/smol_oscar_g8.safetensors:3,7"
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "smol_oscar.safetensors").write_text("")
+    a.rot_dir = str(tmp_path / "r")
+    assert fc.run_one(a, "mix", 2048).endswith(f"no rotations file {tmp_path}/r/smol_oscar_g8.safetensors")

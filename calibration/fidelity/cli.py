@@ -339,7 +339,8 @@ def main(argv=None) -> int:
                               "calib_tokens": r.meta.calib_tokens, "group_size": r.meta.group_size,
                               "value_group_size": r.meta.value_group_size, "scale_dtype": r.meta.scale_dtype,
                               "created": r.meta.created,
-                              **({"layer_groups": [list(g) for g in _per_layer(r, overrides)[1]]} if overrides else {})}
+                              **({"layer_groups": [list(g) for g in _per_layer(r, overrides)[1]]}
+                                 if overrides or a.bf16_layers else {})}
                           for n, (p, r) in rotations.items()},
             **({"layer_rotations": [{"file": os.path.abspath(p), "layers": ids, "recipe_detail": o.meta.recipe_detail,
                                      "group_size": o.meta.group_size, "value_group_size": o.meta.value_group_size,
