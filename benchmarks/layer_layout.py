@@ -1,0 +1,87 @@
+"""Issue 46: spend the keys' bytes unevenly over the layers, chosen on calibration-side data only.
+
+    python -m benchmarks.layer_layout --proxy benchmarks/results/layer_proxy_smollm2.json --budget 42,44,46
+
+The proxy (``oscar-calibrate proxy --calib-text --sink 16 --recent 128`` over one rotations file per
+key group size, each calibrated for its groups) gives every layer's attention KL with fake-INT2 keys
+at each group size, on the calibration text, never on the held-out windows. :func:`allocate` picks
+one key group size per layer that minimises the summed KL under a budget of mean bytes per token and
+KV head (the values keep the default's groups): an exact knapsack over the layers (a few hundred
+states), so the layout is a function of the calibration data and the budget alone. The summed
+per-layer KL is a proxy (each layer sees exact inputs, errors do not propagate); the candidates it
+picks are judged by the paired perplexity of ``benchmarks.fidelity_candidates``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+
+from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES
+
+
+def key_bytes(head_dim: int, group_size: int, scale_dtype: str) -> int:
+    """INT2 key bytes per token and KV head: codes + a scale and a min per group."""
+    return head_dim // 4 + (head_dim // group_size) * 2 * SCALE_DTYPE_BYTES[scale_dtype]
+
+
+def allocate(errors: dict[int, list[float]], cost: dict[int, int], budget: float) -> tuple[list[int], float]:
+    """One group size per layer minimising sum(errors[g][layer]) with sum(cost[g]) <= budget x layers
+    (budget: the mean key bytes allowed); ties go to the cheaper layout. Returns (groups, summed error)."""
+    sizes = sorted(errors)
+    layers = len(errors[sizes[0]])
+    unit = math.gcd(*cost.values())
+    cap = int(budget * layers // unit)
+    best = {0: (0.0, [])}  # bytes used (in units) -> (error, groups so far)
+    for layer in range(layers):
+        nxt = {}
+        for used, (err, groups) in best.items():
+            for g in sizes:
+                u = used + cost[g] // unit
+                if u > cap:
+                    continue
+                cand = (err + errors[g][layer], groups + [g])
+                if u not in nxt or (cand[0], u) < (nxt[u][0], u):
+                    nxt[u] = cand
+        best = nxt
+    if not best:
+        raise ValueError(f"no layout fits a mean of {budget} key bytes")
+    err, groups = min(best.values(), key=lambda v: (v[0], sum(cost[g] for g in v[1])))
+    return groups, err
+
+
+def proxy_errors(report: dict, metric: str = "attn_kl") -> dict[int, list[float]]:
+    """{key group size: per-layer ``metric``} from an ``oscar-calibrate proxy --json`` report whose
+    files are named ``*_g<G>`` (and one without a suffix: the default ``group_size``)."""
+    out = {}
+    for name, res in report["results"].items():
+        m = re.search(r"_g(\d+)$", name)
+        g = int(m.group(1)) if m else report.get("default_group_size", 16)
+        out[g] = [layer[metric] for layer in res["layers"]]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proxy", required=True, help="oscar-calibrate proxy --json output")
+    ap.add_argument("--budget", required=True, help="mean bytes per token and KV head, K + V (comma-separated)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--value-bytes", type=float, default=18.0, help="the values' bytes (default: groups of 64, fp8)")
+    ap.add_argument("--scale-dtype", default="float8_e4m3fn")
+    ap.add_argument("--metric", default="attn_kl", choices=("attn_kl", "logit_rel", "out_rel"))
+    a = ap.parse_args(argv)
+    with open(a.proxy) as f:
+        errors = proxy_errors(json.load(f), a.metric)
+    cost = {g: key_bytes(a.head_dim, g, a.scale_dtype) for g in errors}
+    for b in (float(x) for x in a.budget.split(",")):
+        groups, err = allocate(errors, cost, b - a.value_bytes)
+        mean = sum(cost[g] for g in groups) / len(groups) + a.value_bytes
+        by = {g: [i for i, x in enumerate(groups) if x == g] for g in sorted(set(groups))}
+        print(f"budget {b} B: mean {mean:.2f} B, summed {a.metric} {err:.4f}; "
+              + "; ".join(f"g{g}: {','.join(map(str, ls))}" for g, ls in by.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
