@@ -11,6 +11,18 @@ attention scale of the model's RadixAttention layers.
 Decode plans from the batch's static tensors only, in ``init_forward_metadata_in_graph``,
 as device ops: a CUDA-graph decode needs no host synchronisation and allocates nothing
 outside the graph.
+
+Speculative decoding (NGRAM, issue 49). SGLang runs a verify as a TARGET_VERIFY forward
+(ngram_worker.py:353): B requests of T = ``spec_info.draft_token_num`` drafts, draft i of
+request b at ``positions`` (prefix ``seq_lens[b]`` + depth) in slot ``out_cache_loc``
+(req_to_token[row, seq_len + i]), its tree in ``spec_info.custom_mask``. The backend plans
+HybridAttention.plan_verify (parents from the mask: :func:`verify_parents`) and runs
+HybridAttention.verify per layer (through ``forward_extend``: TARGET_VERIFY is an extend
+mode). After sampling, SGLang moves the accepted path to the front slots with the pool's
+``move_kv_cache`` (spec_utils.py:687), for chains and trees: :meth:`commit_accepted` reads the
+acceptance off that move, moves the INT2 cells and commits the BF16 sinks and ring, once per
+verify. The verify plan allocates, so verify runs without CUDA graphs (the refusals turn the
+decode graph, which SGLang captures as the verify under speculation, off).
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from oscar_kernels.hybrid_attention import HybridAttention, flashinfer_import_error, use_triton
+from oscar_kernels.hybrid_cache import move_int2_cells
 
 from .pool import OscarSWAKVPool, oscar_pool_of
 from .settings import DEFAULT_EXTEND_PREFIX, oscar_settings, resolve_extend_prefix
@@ -64,6 +77,51 @@ def choose_prefix_read(choice: str, device: torch.device, deterministic: bool = 
     return read
 
 
+def verify_parents(custom_mask: torch.Tensor, seq_lens: torch.Tensor, batch: int, num_drafts: int) -> torch.Tensor:
+    """int64 [B, T]: each draft's parent draft (-1: the prefix) from SGLang's verify mask, as
+    ngram_worker._derive_tree_links reads it: mask[b, i, j] marks draft j as draft i or an
+    ancestor of it, so i's parent is the largest such j < i. ``custom_mask`` bool, flat: per
+    request T rows of seq_lens[b] prefix columns then T draft columns (the CUDA layout,
+    ngram_worker.py:332, the Triton backend's mask_indptr) or, on SGLang's CPU path, T x T
+    per request. ``seq_lens`` int [B] (>= B entries); device ops, no host sync."""
+    b, t = batch, num_drafts
+    dev = custom_mask.device
+    j = torch.arange(t, device=dev)
+    if custom_mask.numel() == b * t * t:
+        m = custom_mask.view(b, t, t)
+    else:
+        n = seq_lens[:b].long()
+        size = t * (n + t)
+        start = torch.cumsum(size, 0) - size
+        at = start[:, None, None] + j[None, :, None] * (n + t)[:, None, None] + n[:, None, None] + j[None, None, :]
+        m = custom_mask[at]
+    below = m.bool() & (j[None, None, :] < j[None, :, None])
+    return torch.where(below, j[None, None, :], -1).amax(-1)
+
+
+def accept_index_from_move(tgt_loc: torch.Tensor, src_loc: torch.Tensor, draft_slots: torch.Tensor,
+                           batch: int, num_drafts: int) -> torch.Tensor:
+    """int64 [B, T]: the accepted drafts of each request in path order, -1 after the last
+    (HybridAttention.commit's accept_index), read off SGLang's move of a verify's accepted
+    path: src_loc [M] the accepted drafts' slots (each request's run in path order, requests
+    in order, then zero padding: spec_utils.move_accept_tokens_to_target_kvcache),
+    draft_slots [B*T] the verify's slots (out_cache_loc). A draft slot is never 0 (SGLang's
+    padding page), so a padding entry matches no draft. Device ops, no host sync."""
+    b, t = batch, num_drafts
+    src = src_loc.long()
+    match = src[:, None] == draft_slots.long()[None, :]  # [M, B*T]
+    hit = match.any(1)
+    tok = match.to(torch.int8).argmax(1)
+    req, draft = tok // t, tok % t
+    counts = torch.zeros(b + 1, dtype=torch.int64, device=src.device)
+    counts.scatter_add_(0, torch.where(hit, req, b), torch.ones_like(req))
+    first = torch.cumsum(counts, 0) - counts  # each request's first entry
+    k = torch.arange(src.shape[0], device=src.device) - first[torch.where(hit, req, b)]
+    out = torch.full((b + 1, t + 1), -1, dtype=torch.int64, device=src.device)  # row b / column t: padding
+    out.index_put_((torch.where(hit, req, b), torch.where(hit, k.clamp(0, t), t)), torch.where(hit, draft, -1))
+    return out[:b, :t]
+
+
 def model_attention_scale(model) -> float:
     """The attention scale of every RadixAttention layer of ``model`` (one value)."""
     scales = {float(m.scaling) for m in model.modules() if isinstance(m, RadixAttention)}
@@ -90,16 +148,19 @@ class OscarAttnBackend(AttentionBackend):
         built), with the oscar settings of its server arguments."""
         sa, mc = model_runner.server_args, model_runner.model_config
         settings = oscar_settings(sa)
+        spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM (refusals: the others)
+        drafts = int(getattr(sa, "speculative_num_draft_tokens", None) or 0) if spec else 0
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
                    sm_scale=model_attention_scale(model_runner.model),
                    extend_prefix=settings.extend_prefix, key_debias=settings.key_debias,
                    deterministic=bool(sa.enable_deterministic_inference), context_len=mc.context_len,
-                   learned_sinks=bool(getattr(mc, "has_attention_sinks", False)))
+                   learned_sinks=bool(getattr(mc, "has_attention_sinks", False)), max_draft_tokens=drafts)
 
     def __init__(self, pool, req_to_token_pool, *, num_q_heads: int, sm_scale: float,
                  extend_prefix: str = DEFAULT_EXTEND_PREFIX, deterministic: bool = False,
-                 context_len: int = 0, learned_sinks: bool = False, key_debias: bool = False):
+                 context_len: int = 0, learned_sinks: bool = False, key_debias: bool = False,
+                 max_draft_tokens: int = 0):
         """``pool``: the model runner's KV pool, an OscarKVPool or (a Gated DeltaNet hybrid) the
         hybrid linear pool holding one, whose full-attention layers this backend serves (SGLang's
         HybridLinearAttnBackend sends it those layers only, with their model layer ids);
@@ -109,7 +170,9 @@ class OscarAttnBackend(AttentionBackend):
         batch-invariant decode splits for ``context_len`` tokens and the INT2 prefix read;
         ``learned_sinks``: the model passes per-head sink logits (``sinks=``, gpt-oss), which join
         the softmax of the full-attention layers (the "flashinfer" prefix read becomes "bf16");
-        ``key_debias``: --oscar-key-debias (HybridAttention's key_debias)."""
+        ``key_debias``: --oscar-key-debias (HybridAttention's key_debias); ``max_draft_tokens``:
+        --speculative-num-draft-tokens of a speculative server (0: none), which sizes the verify's
+        staging workspace (HybridAttention) and makes this backend the pool's ``verify_commit``."""
         oscar_pool = oscar_pool_of(pool)
         if oscar_pool is None:
             raise ValueError("--attention-backend oscar needs --kv-cache-dtype oscar_int2 "
@@ -129,8 +192,11 @@ class OscarAttnBackend(AttentionBackend):
         self.attention = HybridAttention(pool.cache, num_q_heads, sm_scale, max_batch=rows,
                                          prefix_read=self.prefix_read, decode_config=config,
                                          padding_page=PADDING_PAGE, learned_sinks=learned_sinks,
-                                         key_debias=key_debias)
+                                         key_debias=key_debias, max_draft_tokens=max_draft_tokens)
         self.learned_sinks = learned_sinks
+        self._verify_pending = False  # a planned verify whose acceptance has not been committed
+        if max_draft_tokens:
+            pool.verify_commit = self.commit_accepted
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
             logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",
                         self.prefix_read, self.attention.warm_up())
@@ -153,8 +219,44 @@ class OscarAttnBackend(AttentionBackend):
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             self._plan_extend(forward_batch)
             return
+        if mode.is_target_verify() and self.attention.max_draft_tokens:
+            self._plan_verify(forward_batch)
+            return
         raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
-                                  "(speculative decoding is not supported with oscar_int2)")
+                                  "(of speculative decoding, oscar_int2 serves the NGRAM verify)")
+
+    def _plan_verify(self, fb) -> None:
+        """Reads ``req_pool_indices, seq_lens, positions, out_cache_loc`` and ``spec_info``'s
+        ``draft_token_num, custom_mask`` of a TARGET_VERIFY forward batch (module doc)."""
+        spec = fb.spec_info
+        t = int(spec.draft_token_num)
+        bs = fb.req_pool_indices.shape[0]
+        # A new plan replaces one whose acceptance never came: a dummy TARGET_VERIFY forward
+        # (SGLang's autotune warm-up, base_runner._dummy_run) samples nothing and moves nothing;
+        # it wrote INT2 cells of its own slots only. A mask-less batch is a chain.
+        mask = getattr(spec, "custom_mask", None)
+        parents = None if mask is None else verify_parents(mask, fb.seq_lens, bs, t)
+        self.attention.plan_verify(fb.req_pool_indices[:bs].long(), fb.seq_lens[:bs], fb.positions[:bs * t],
+                                   fb.out_cache_loc[:bs * t], num_draft_tokens=t, parents=parents)
+        self._verify_pending = True
+
+    def commit_accepted(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """The pool's ``move_kv_cache`` after the planned verify (tgt_loc, src_loc int [M]:
+        pool.OscarKVPool.move_kv_cache): every layer's INT2 cells move from src to tgt (a
+        no-op for a chain, whose drafts already sit in their final slots), then
+        HybridAttention.commit writes the accepted drafts' BF16 sinks and ring cells and ends
+        the rows' rings at prefix + accepted. The acceptance is read off the move
+        (:func:`accept_index_from_move`)."""
+        plan = self.attention._verify
+        if not self._verify_pending or plan is None:
+            raise NotImplementedError("moving KV slots is supported with --kv-cache-dtype oscar_int2 only "
+                                      "right after an NGRAM verify (it would copy INT2 codes without their "
+                                      "BF16 sinks and ring cells)")
+        b, t = plan.rows.shape[0], plan.num_draft_tokens
+        accept_index = accept_index_from_move(tgt_loc, src_loc, plan.slots, b, t)
+        move_int2_cells(self.pool.layers, tgt_loc, src_loc)
+        self.attention.commit(accept_index)
+        self._verify_pending = False
 
     def _plan_extend(self, fb) -> None:
         """Reads ``batch_size, req_pool_indices, extend_prefix_lens, extend_seq_lens,
@@ -245,7 +347,8 @@ class OscarAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         # the output buffer SGLang's RadixAttention pre-allocates for this call, if any
         out = getattr(forward_batch, "_attn_output", None)
-        return self._run(self.attention.extend, q, k, v, layer, out, kwargs, save_kv_cache)
+        run = self.attention.verify if forward_batch.forward_mode.is_target_verify() else self.attention.extend
+        return self._run(run, q, k, v, layer, out, kwargs, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._run(self.attention.decode, q, k, v, layer, None, kwargs, save_kv_cache)

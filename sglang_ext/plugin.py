@@ -224,6 +224,7 @@ def hooks() -> list[Hook]:
         Hook(t["server_args_post_init"], server_args_hooks.post_init, around),
         Hook(t["check_server_args"], server_args_hooks.check_server_args, after),
         Hook(t["model_specific_adjustments"], server_args_hooks.model_specific_adjustments, around),
+        Hook(t["ngram_args"], server_args_hooks.handle_ngram, around),
         Hook(t["host_pool_cls"], host_pool.get_mha_host_pool_cls_hook, around),
         Hook(t["hicache_storage_config"], host_pool.storage_config_hook, after),
     ]

@@ -8,7 +8,14 @@ sinks and rings, one shared index) is written only by the oscar attention backen
 ``k_buffer``/``v_buffer`` are the packed uint8 codes and ``k_scale_buffer``/
 ``v_scale_buffer`` the scales, so SGLang code that inspects those names sees real
 tensors; every path that would copy only part of the state (CPU offload, PD transfer,
-speculative moves) raises instead of corrupting it.
+prefix-valid commits) raises instead of corrupting it.
+
+Speculative decoding (NGRAM): after each verify SGLang moves the accepted drafts' KV to
+their final slots with ``move_kv_cache`` (spec_utils.move_accept_tokens_to_target_kvcache,
+for chains and trees alike); that call is where the pool learns the acceptance, so it goes
+to the attention backend that planned the verify (``verify_commit``, set by
+OscarAttnBackend), which moves the INT2 cells and commits the BF16 sinks and ring. Without
+a planned verify a move is refused.
 """
 from __future__ import annotations
 
@@ -123,6 +130,9 @@ class OscarKVPool(MHATokenToKVPool):
                                  f"{head_num} KV heads of dim {head_dim}")
         self.req_to_token = req_to_token
         self._rotations_host = list(rotations)
+        # OscarAttnBackend.commit_accepted(tgt_loc, src_loc) of a backend that runs speculative
+        # verifies (move_kv_cache's doc), else None
+        self.verify_commit = None
         super().__init__(size, page_size, torch.bfloat16, head_num, head_dim, layer_num, device,
                          enable_memory_saver, v_head_dim=head_dim, start_layer=start_layer,
                          end_layer=end_layer, enable_alt_stream=enable_alt_stream,
@@ -216,7 +226,13 @@ class OscarKVPool(MHATokenToKVPool):
         _refuse("prefix-valid commit (speculative decoding)")
 
     def move_kv_cache(self, tgt_loc, src_loc):
-        _refuse("moving KV slots (speculative decoding)")
+        """SGLang's move of the accepted drafts after a speculative verify: tgt_loc, src_loc int
+        [M] slots (the accepted path's final slots and the verify's, each request's run in
+        path order, zero-padded). The backend that planned the verify moves every layer's INT2
+        cells and commits the accepted tokens' BF16 sinks and ring cells (module doc)."""
+        if self.verify_commit is None:
+            _refuse("moving KV slots outside an NGRAM speculative verify")
+        self.verify_commit(tgt_loc, src_loc)
 
 
 class OscarHybridLinearKVPool(HybridLinearKVPool):

@@ -32,6 +32,18 @@ logger = logging.getLogger(__name__)
 # (tc_piecewise custom-op capture, breakable, full) are off in v1.
 PREFILL_GRAPH_BACKENDS = ("disabled",)
 DECODE_GRAPH_BACKENDS = ("full", "disabled")
+# Under speculative decoding SGLang's decode graph runner captures the TARGET_VERIFY forward
+# instead of decode (runner/decode_cuda_graph_runner.py:278), and HybridAttention.plan_verify
+# allocates (the verify's virtual decode batch): decode graphs are off with NGRAM.
+SPECULATIVE_DECODE_GRAPH_BACKENDS = ("disabled",)
+
+# --speculative-algorithm values served with oscar_int2 (issue 49): NGRAM (no draft model; its
+# verify is HybridAttention.plan_verify / verify, its acceptance the pool's move_kv_cache).
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+_DRAFT_MODEL_WHY = (
+    "a draft model's own KV pool would be built as a second oscar_int2 pool with the target's rotations "
+    "file, and SGLang 0.5.17's EAGLE-family worker accepts a chain verify without any call the pool "
+    "could commit the BF16 ring from; NGRAM is served")
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -48,8 +60,6 @@ _FLAG_RULES = (
     ("enable_unified_memory", bool, "--enable-unified-memory",
      "the unified memory pool assumes one uniform KV itemsize"),
     ("enable_hisparse", bool, "--enable-hisparse", "HiSparse uses its own host KV layout"),
-    ("speculative_algorithm", lambda v: v is not None, "--speculative-algorithm",
-     "speculative decoding moves KV without the BF16 ring (rejected drafts would overwrite live cells)"),
     ("dcp_size", lambda v: (v or 1) > 1, "--dcp-size", "decode context parallelism is not supported"),
     ("enable_prefill_cp", bool, "--enable-prefill-cp", "prefill context parallelism is not supported"),
     ("attn_cp_size", lambda v: (v or 1) > 1, "--attn-cp-size",
@@ -97,6 +107,10 @@ def apply_oscar_defaults(server_args) -> None:
     # lowest-precedence switch: --cuda-graph-backend-prefill / --cuda-graph-config still win
     # (and are checked after resolution)
     server_args.disable_prefill_cuda_graph = True
+    if speculative_algorithm(server_args) is not None:  # SPECULATIVE_DECODE_GRAPH_BACKENDS says why
+        server_args.disable_decode_cuda_graph = True
+        logger.info("oscar: --speculative-algorithm %s runs its verify without CUDA graphs "
+                    "(HybridAttention.plan_verify allocates)", speculative_algorithm(server_args))
     warmups = [w for w in (server_args.warmups or "").split(",") if w]
     if WARMUP_NAME not in warmups and not server_args.skip_server_warmup:  # sglang_ext.warmup
         server_args.warmups = ",".join(warmups + [WARMUP_NAME])
@@ -109,10 +123,27 @@ def _check_flags(sa) -> None:
     for field, refused, flag, why in _FLAG_RULES:
         if refused(getattr(sa, field, None)):
             raise _refuse(flag, why)
+    _check_speculative(sa)
     _check_hicache(sa)
     for env, why in _ENV_RULES:
         if os.environ.get(env, "").strip().lower() in _TRUE:
             raise _refuse(f"{env}=1", why)
+
+
+def speculative_algorithm(sa) -> str | None:
+    """--speculative-algorithm as SGLang resolves it (upper case), or None."""
+    algo = getattr(sa, "speculative_algorithm", None)
+    return None if algo is None else str(algo).upper()
+
+
+def _check_speculative(sa) -> None:
+    """NGRAM is served (SPECULATIVE_ALGORITHMS); every draft-model algorithm is refused in one
+    line (_DRAFT_MODEL_WHY), and so is a draft-model path given without an algorithm."""
+    algo = speculative_algorithm(sa)
+    if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
+        raise _refuse(f"--speculative-algorithm {algo}", _DRAFT_MODEL_WHY)
+    if getattr(sa, "speculative_draft_model_path", None) is not None:
+        raise _refuse("--speculative-draft-model-path", _DRAFT_MODEL_WHY)
 
 
 def _check_hicache(sa) -> None:
@@ -155,11 +186,15 @@ def _phase_backend(sa, phase: str):
 
 
 def _check_cuda_graphs(sa) -> None:
-    for phase, allowed in (("prefill", PREFILL_GRAPH_BACKENDS), ("decode", DECODE_GRAPH_BACKENDS)):
+    spec = speculative_algorithm(sa) is not None
+    decode = SPECULATIVE_DECODE_GRAPH_BACKENDS if spec else DECODE_GRAPH_BACKENDS
+    for phase, allowed in (("prefill", PREFILL_GRAPH_BACKENDS), ("decode", decode)):
         backend, flag = _phase_backend(sa, phase)
         if backend is not None and backend not in allowed:
+            extra = (" under --speculative-algorithm, whose decode graph is the verify (a verify plan "
+                     "allocates, not capturable yet)") if spec and phase == "decode" else ""
             raise _refuse(f"{flag} {backend}", f"use {' or '.join(allowed)} "
-                          f"(--cuda-graph-backend-{phase} or --cuda-graph-config)")
+                          f"(--cuda-graph-backend-{phase} or --cuda-graph-config){extra}")
 
 
 def _check_page_size(sa, settings) -> None:
@@ -292,6 +327,12 @@ def _check_hybrid_features(sa, arch: str, sliding: bool = False) -> None:
     (``sliding``: its hybrid sliding-window pool)."""
     from .sglang_bridge import is_blackwell
 
+    algo = speculative_algorithm(sa)
+    if algo is not None:
+        raise _refuse(f"--speculative-algorithm {algo} on {arch}",
+                      "speculative decoding is served on full-attention models only (the hybrid's "
+                      f"{'sliding-window' if sliding else 'Gated DeltaNet'} layers verify outside the "
+                      "oscar backend, untested with its verify and commit)")
     if not sliding and getattr(sa, "device", None) in (None, "cuda") and is_blackwell():
         # attention_registry.attn_backend_wrapper asserts this for hybrid GDN models on Blackwell
         raise OscarConfigError(f"--kv-cache-dtype {OSCAR_KV_DTYPE} cannot serve {arch} on this Blackwell GPU: "

@@ -11,7 +11,10 @@
 - ``_handle_model_specific_adjustments`` (around): SGLang asserts that gpt-oss runs on an
   attention backend with learned sinks and sliding windows; under oscar_int2 its sliding layers
   run on SGLang's Triton backend and its full layers on oscar (sinks included), so the check
-  sees the Triton backend it names.
+  sees the Triton backend it names;
+- ``_handle_ngram`` (around, ``arg_groups/speculative_hook.py``): SGLang refuses NGRAM's tree
+  drafts with --page-size > 1 on every attention backend but flashinfer; under oscar_int2 the
+  check runs on a chain and the tree's width is restored after it (:func:`handle_ngram`).
 """
 from __future__ import annotations
 
@@ -80,3 +83,26 @@ def _serves_sliding_layers_on_sglang(sa) -> bool:
     except Exception:  # SGLang's own method reports a config it cannot read
         return False
     return bool(archs) and archs[0] in HYBRID_SWA_ARCHITECTURES
+
+
+def handle_ngram(original, server_args):
+    """SGLang's NGRAM argument handler sets speculative_eagle_topk to
+    --speculative-ngram-max-bfs-breadth (the draft tree's width) and refuses a width > 1 with
+    --page-size > 1 on every attention backend but flashinfer (arg_groups/speculative_hook.py:736).
+    The oscar backend reads each draft's ancestors by their own slots (verify_decode) and the pool
+    moves the accepted path's INT2 cells to their final slots before the ring is committed
+    (OscarAttnBackend.commit_accepted), so under oscar_int2 the handler runs with width 1 and the
+    width is restored after it, with the steps SGLang derives from it
+    (num_draft_tokens // width, unless --speculative-num-steps was given)."""
+    if not is_oscar(server_args):
+        return original(server_args)
+    width = server_args.speculative_ngram_max_bfs_breadth
+    steps_given = server_args.speculative_num_steps is not None
+    server_args.speculative_ngram_max_bfs_breadth = 1
+    try:
+        original(server_args)
+    finally:
+        server_args.speculative_ngram_max_bfs_breadth = width
+    server_args.speculative_eagle_topk = width
+    if not steps_given:
+        server_args.speculative_num_steps = max(server_args.speculative_num_draft_tokens // width, 1)

@@ -110,6 +110,7 @@ HOOK_TARGETS = {
     "server_args_post_init": f"{_SERVER_ARGS}.__post_init__",
     "check_server_args": f"{_SERVER_ARGS}.check_server_args",
     "model_specific_adjustments": f"{_SERVER_ARGS}._handle_model_specific_adjustments",
+    "ngram_args": "sglang.srt.arg_groups.speculative_hook._handle_ngram",
     "host_pool_cls": "sglang.srt.mem_cache.hiradix_cache.get_mha_host_pool_cls",
     "hicache_storage_config": "sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config",
 }

@@ -363,12 +363,38 @@ def test_plugin_path_yaml_config(real_model_dir, tiny_rot, tmp_path):
     (["--oscar-sink-tokens", "100", "--page-size", "64"], "--oscar-sink-tokens 100 exceeds --page-size 64: "
      "--kv-cache-dtype oscar_int2 keeps the sinks on a sequence's first page (use --page-size 128, or "
      "--oscar-sink-tokens 64 or fewer)"),
-    (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is not supported"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE is not supported"),
+    (["--speculative-algorithm", "NGRAM", "--cuda-graph-backend-decode", "full"],
+     "--cuda-graph-backend-decode full is not supported with --kv-cache-dtype oscar_int2: use disabled "
+     "(--cuda-graph-backend-decode or --cuda-graph-config) under --speculative-algorithm"),
 ])
 def test_refusals_through_post_init(extra, match, real_model_dir, tiny_rot):
     with pytest.raises(OscarConfigError) as ei:
         _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *extra)
     assert match in one_line(ei)
+
+
+@pytest.mark.parametrize("width", [None, "1", "4"])
+def test_ngram_is_served_with_tree_drafts_and_no_decode_graph(width, real_model_dir, tiny_rot):
+    """NGRAM resolves under oscar_int2 (SGLang's own refusal of tree drafts on paged backends
+    other than flashinfer is lifted by the _handle_ngram hook: the draft tree keeps its width),
+    with the decode CUDA graph (SGLang's verify graph under speculation) off."""
+    extra = [] if width is None else ["--speculative-ngram-max-bfs-breadth", width]
+    sa = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot,
+                  "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "8", *extra)
+    topk = 10 if width is None else int(width)  # SGLang's default --speculative-ngram-max-bfs-breadth
+    assert sa.speculative_algorithm == "NGRAM" and sa.speculative_eagle_topk == topk
+    assert sa.speculative_num_steps == max(8 // topk, 1) and sa.speculative_num_draft_tokens == 8
+    assert sa.page_size == DEFAULT_PAGE_SIZE and sa.attention_backend == "oscar"
+    assert sa.cuda_graph_config.decode.backend == "disabled"
+    sa.check_server_args()
+
+
+def test_ngram_tree_refusal_stays_for_other_kv_caches(real_model_dir):
+    """The hook passes through: without oscar_int2 SGLang's own check still refuses."""
+    with pytest.raises(ValueError, match="only supported for the 'flashinfer' backend"):
+        _prepare(real_model_dir, "--speculative-algorithm", "NGRAM", "--page-size", "16",
+                 "--attention-backend", "triton")
 
 
 def test_rotations_for_another_model_refused(real_model_dir, small_rot):
