@@ -236,8 +236,11 @@ class OscarAttnBackend(AttentionBackend):
         # it wrote INT2 cells of its own slots only. A mask-less batch is a chain.
         mask = getattr(spec, "custom_mask", None)
         parents = None if mask is None else verify_parents(mask, fb.seq_lens, bs, t)
-        self.attention.plan_verify(fb.req_pool_indices[:bs].long(), fb.seq_lens[:bs], fb.positions[:bs * t],
-                                   fb.out_cache_loc[:bs * t], num_draft_tokens=t, parents=parents)
+        # private copies of what the commit reads after sampling: SGLang advances the batch's
+        # seq_lens (and may filter its rows) between this verify and the next
+        self.attention.plan_verify(fb.req_pool_indices[:bs].clone().long(), fb.seq_lens[:bs].clone(),
+                                   fb.positions[:bs * t], fb.out_cache_loc[:bs * t].clone(),
+                                   num_draft_tokens=t, parents=parents)
         self._verify_pending = True
 
     def commit_accepted(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:

@@ -21,7 +21,9 @@ full-attention layers charged at INT2 bytes in SGLang's HybridSWAPoolConfigurato
 gpt-oss backend check told that its sliding layers run on SGLang's Triton backend; no
 fused RoPE+store kernel (it would write BF16 into the packed buffers); prompt chunks aligned
 under --enable-deterministic-inference (:mod:`sglang_ext.chunk_alignment`); the flags,
-defaults and refusals (:mod:`sglang_ext.server_args_hooks`); the INT2 HiCache host tier
+defaults and refusals (:mod:`sglang_ext.server_args_hooks`, also SGLang's NGRAM argument handler,
+whose refusal of tree drafts on paged backends other than flashinfer the oscar verify does not
+need); the INT2 HiCache host tier
 (:mod:`sglang_ext.host_pool`). Every hook passes through unchanged when the server is not
 serving ``oscar_int2``.
 """
