@@ -92,6 +92,17 @@ CANDIDATES = {
 CANDIDATES.update({f"bf16-L{lo}-{lo + 4}": ("oscar", ["--bf16-layers", f"{lo}-{lo + 4}"],
                                             f"attribution: layers {lo}-{lo + 4} keep K/V in BF16")
                    for lo in range(0, 30, 5)})
+# key groups per layer (benchmarks.layer_layout over layer_proxy_smollm2.json: the attention KL of each
+# layer at key groups 32 / 16 / 8 / 4 on the calibration text, S 16, W 128), values g64 everywhere
+_LAYOUTS = {42: ([7, 14, 18, 20], [0, 1, 6, 10, 11, 12, 13, 25]),
+            44: ([6, 7, 8, 10, 14, 18, 20, 23], [25]),
+            46: ([3, 5, 6, 7, 8, 9, 10, 14, 15, 17, 18, 20, 21, 22, 23, 24], [25])}
+CANDIDATES.update({
+    f"layers-{b}": ("oscar", ["--layer-rotations", ("oscar_g8", g8), "--layer-rotations", ("oscar_g32", g32)],
+                    f"key groups per layer for a mean of {b} B, chosen on the calibration text's per-layer "
+                    f"attention KL (benchmarks.layer_layout): g8 at layers {','.join(map(str, g8))}, g32 at "
+                    f"{','.join(map(str, g32))}, g16 elsewhere")
+    for b, (g8, g32) in _LAYOUTS.items()})
 FAKE = {"fake"}  # candidates paired also with the fake default: the simulator-only ones
 
 

@@ -38,3 +38,19 @@ def test_proxy_errors_read_the_group_size_from_the_file_names(tmp_path, capsys):
     path.write_text(json.dumps(report))
     assert ll.main(["--proxy", str(path), "--budget", "42"]) == 0
     assert "mean 42.00 B" in capsys.readouterr().out and ll.allocate(ll.proxy_errors(report), COST, 26)[0] == [8, 32]
+
+
+def test_the_study_layouts_are_the_proxys_choice_on_the_calibration_text():
+    """benchmarks.fidelity_candidates' layers-42 / 44 / 46 rows: the knapsack's layouts on the committed
+    proxy (calibration text) at today's 42 B, +5% and +10%, not hand-picked."""
+    from benchmarks import fidelity_candidates as fc
+    from benchmarks.server_harness import ROOT
+    with open(f"{ROOT}/benchmarks/results/layer_proxy_smollm2.json") as f:
+        report = json.load(f)
+    assert report["data"].startswith("python stdlib source") and (report["sink"], report["recent"]) == (16, 128)
+    errors = ll.proxy_errors(report)
+    for label, budget in ((42, 42.0), (44, 42 * 1.05), (46, 42 * 1.10)):
+        groups, _ = ll.allocate(errors, COST, budget - 18)
+        g8, g32 = fc._LAYOUTS[label]
+        assert [i for i, g in enumerate(groups) if g == 8] == g8 and [i for i, g in enumerate(groups) if g == 32] == g32
+        assert set(groups) <= {8, 16, 32}
