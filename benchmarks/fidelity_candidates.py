@@ -28,7 +28,13 @@ there into ``--out``. Candidates (``CANDIDATES``):
   --group-size 16 --value-group-size 64 --clip layer --clip-objective attn --clip-skip-first 16``,
   otherwise the defaults of ``*_oscar``), stored as ``*_oscar_cliplayer``; ``clip-head`` the same with
   ``--clip head`` (``*_oscar_cliphead``), ``g8-clip-layer`` with ``--group-size 8`` (``*_oscar_g8_cliplayer``);
-- ``tok131k``: the default recipe on 131,072 calibration tokens (``--tokens 131072``, ``*_oscar_tok131k``).
+- ``tok131k``: the default recipe on 131,072 calibration tokens (``--tokens 131072``, ``*_oscar_tok131k``);
+- ``bf16-L<a>-<b>``: attribution, layers a..b keep K/V in BF16 (``oscar-eval --bf16-layers``), the rest the default;
+- ``layers-42`` / ``-44`` / ``-46``: key groups per layer (``oscar-eval --layer-rotations``: those layers take the
+  rotations of ``*_oscar_g8`` or ``*_oscar_g32``, ``oscar-calibrate --group-size 32 --value-group-size 64``),
+  chosen by ``benchmarks.layer_layout`` on the calibration text's per-layer attention KL
+  (``benchmarks/results/layer_proxy_smollm2.json``: ``oscar-calibrate proxy --calib-text --tokens 16384 --sink 16
+  --recent 128`` over the g16, g8, g4 and g32 files) for a mean of 42 B, +5% and +10%.
 
 Bytes per token and KV head: codes (D/4 each for K and V) + per-token group scales and mins, or for
 per-channel key pages 2 D scale bytes / P amortised over the page's P tokens. BF16 bytes: the ring
