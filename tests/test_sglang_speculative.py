@@ -228,6 +228,21 @@ def test_rounds_in_a_row_across_the_ring_and_a_page():
     next_decode(spec, plain, reqs, [r["n"] for r in reqs])
 
 
+@pytest.mark.slow
+def test_the_triton_path_tree_then_chain(monkeypatch):
+    """The kernels a GPU runs (Triton, interpreted here): the verify through triton_decode over
+    the virtual requests, the commit through triton_store; a tree round, then a chain round."""
+    monkeypatch.setenv("OSCAR_FORCE_TRITON", "1")
+    spec, plain = servers(6, REQS)
+    assert spec.sim.backend.attention.triton and spec.sim.backend.attention.verify_workspace is not None
+    reqs = [dict(r) for r in REQS]
+    for parents, accepted in (([TREE, TREE], [[0, 2, 4], [0, 1, 3, 5]]), ([_chain(6)] * 2, [[0, 1], list(range(6))])):
+        lens = run_round(spec, plain, reqs, parents, accepted)
+        for r, n in zip(reqs, lens):
+            r["n"] = n
+    next_decode(spec, plain, reqs, [r["n"] for r in reqs])
+
+
 def test_inside_the_sinks():
     """A 2-token prompt: the drafts at positions 2..5 include sink positions (S = 4), which
     only the commit writes."""
