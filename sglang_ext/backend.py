@@ -149,7 +149,10 @@ class OscarAttnBackend(AttentionBackend):
         sa, mc = model_runner.server_args, model_runner.model_config
         settings = oscar_settings(sa)
         spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM (refusals: the others)
-        drafts = int(getattr(sa, "speculative_num_draft_tokens", None) or 0) if spec else 0
+        # the most drafts a verify may hold (more than --speculative-num-draft-tokens under
+        # --speculative-adaptive: ServerArgs.max_speculative_num_draft_tokens)
+        drafts = max(int(getattr(sa, name, None) or 0) for name in
+                     ("speculative_num_draft_tokens", "max_speculative_num_draft_tokens")) if spec else 0
         return cls(model_runner.token_to_kv_pool, model_runner.req_to_token_pool,
                    num_q_heads=mc.get_max_num_attention_heads() // model_runner.ps.attn_tp_size,
                    sm_scale=model_attention_scale(model_runner.model),

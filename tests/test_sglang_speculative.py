@@ -298,3 +298,32 @@ def test_accept_index_from_move():
     src = torch.tensor([106, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # request 0 accepts nothing
     got = accept_index_from_move(torch.zeros(12, dtype=torch.int64), src, slots, 2, 6)
     assert got.tolist() == [[-1] * 6, [0, -1, -1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("algo, drafts, adaptive_max, want", [
+    (None, 8, None, 0), ("NGRAM", 8, None, 8), ("NGRAM", 4, 7, 7)])
+def test_the_backend_sizes_the_verify_from_the_server_arguments(algo, drafts, adaptive_max, want, tmp_path):
+    """A speculative server's backend stages up to --speculative-num-draft-tokens drafts per
+    request (ServerArgs.max_speculative_num_draft_tokens under --speculative-adaptive) and is the
+    pool's verify_commit; without speculation it stages none and the pool refuses moves."""
+    from sglang_ext.backend import OscarAttnBackend
+    from sglang_ext.settings import OSCAR_KV_DTYPE
+    from test_sglang_backend import CTX
+
+    sim = Sim()
+    sim.pool.verify_commit = None  # the Sim's own backend stages nothing either
+    rotations = tmp_path / "r.safetensors"
+    rotations.write_bytes(b"")
+    sa = SimpleNamespace(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=str(rotations),
+                         enable_deterministic_inference=False, speculative_algorithm=algo,
+                         speculative_num_draft_tokens=drafts, max_speculative_num_draft_tokens=adaptive_max)
+    runner = SimpleNamespace(server_args=sa, model_config=SimpleNamespace(get_max_num_attention_heads=lambda: HQ,
+                                                                          context_len=CTX),
+                             ps=SimpleNamespace(attn_tp_size=1), token_to_kv_pool=sim.pool,
+                             req_to_token_pool=sim.req_pool, model=torch.nn.ModuleList(sim.layers))
+    backend = OscarAttnBackend.from_model_runner(runner)
+    assert backend.attention.max_draft_tokens == want
+    assert (sim.pool.verify_commit is not None) == bool(want)
+    if want:
+        assert sim.pool.verify_commit.__self__ is backend
+        assert backend.attention.draft_kv.shape[:3] == (len(sim.layers), 2, sim.pool.req_to_token.shape[0] * want)
