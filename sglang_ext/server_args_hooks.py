@@ -105,4 +105,4 @@ def handle_ngram(original, server_args):
         server_args.speculative_ngram_max_bfs_breadth = width
     server_args.speculative_eagle_topk = width
     if not steps_given:
-        server_args.speculative_num_steps = max(server_args.speculative_num_draft_tokens // width, 1)
+        server_args.speculative_num_steps = server_args.speculative_num_draft_tokens // width
