@@ -327,3 +327,37 @@ def test_the_backend_sizes_the_verify_from_the_server_arguments(algo, drafts, ad
     if want:
         assert sim.pool.verify_commit.__self__ is backend
         assert backend.attention.draft_kv.shape[:3] == (len(sim.layers), 2, sim.pool.req_to_token.shape[0] * want)
+
+
+@pytest.mark.parametrize("sliding, arch, layers", [(False, "Qwen3NextForCausalLM", "Gated DeltaNet"),
+                                                   (True, "GptOssForCausalLM", "sliding-window")])
+def test_ngram_on_a_hybrid_model_is_refused_in_one_line(sliding, arch, layers):
+    from sglang_ext import refusals
+    from sglang_ext.settings import OSCAR_KV_DTYPE, OscarConfigError
+
+    sa = SimpleNamespace(device="cpu", enable_hierarchical_cache=False, hicache_storage_backend=None,
+                         speculative_algorithm="ngram")
+    with pytest.raises(OscarConfigError) as ei:
+        refusals._check_hybrid_features(sa, arch, sliding=sliding)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"--speculative-algorithm NGRAM on {arch} is not supported with "
+                                              f"--kv-cache-dtype {OSCAR_KV_DTYPE}") and layers in msg
+    refusals._check_hybrid_features(SimpleNamespace(**{**vars(sa), "speculative_algorithm": None}), arch,
+                                    sliding=sliding)
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("speculative_algorithm", "standalone", "--speculative-algorithm STANDALONE"),
+    ("speculative_algorithm", "EAGLE3", "--speculative-algorithm EAGLE3"),
+    ("speculative_draft_model_path", "/models/draft", "--speculative-draft-model-path")])
+def test_draft_model_speculation_is_refused_in_one_line(field, value, flag):
+    from sglang_ext import refusals
+    from sglang_ext.settings import OscarConfigError
+
+    sa = SimpleNamespace(speculative_algorithm=None, speculative_draft_model_path=None)
+    setattr(sa, field, value)
+    with pytest.raises(OscarConfigError) as ei:
+        refusals._check_speculative(sa)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"{flag} is not supported") and "NGRAM is served" in msg
+    refusals._check_speculative(SimpleNamespace(speculative_algorithm="NGRAM", speculative_draft_model_path=None))
