@@ -247,6 +247,13 @@ def plot(data: dict, path: str) -> str | None:
     return path
 
 
+def plot_name(results_path: str) -> str:
+    """The plot's file name beside an e2e results file: e2e_decode_throughput_X.json -> decode_profile_X.png
+    (one plot per results file: the same model on two GPUs keeps two)."""
+    stem = os.path.basename(results_path).removesuffix(".json").removeprefix("e2e_decode_throughput_")
+    return f"decode_profile_{stem}.png"
+
+
 def default_results() -> str:
     from benchmarks.e2e import RESULTS
 
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         src = argv[1] if len(argv) > 1 else default_results()
         with open(src, encoding="utf-8") as f:
             data = json.load(f)
-        out = argv[2] if len(argv) > 2 else os.path.join(os.path.dirname(src), f"decode_profile_{data.get('model', 'm')}.png")
+        out = argv[2] if len(argv) > 2 else os.path.join(os.path.dirname(src), plot_name(src))
         made = plot(data, out)
         print(f"plot: {made}" if made else f"{src}: no profile yet (run benchmarks/e2e.py with --profile-steps)")
         return 0

@@ -255,7 +255,7 @@ def render_e2e_decode_throughput(path: str, data: dict) -> list[str]:
 def render_decode_profile(results_dir: str) -> str:
     """Issue 48's "where the step goes": the ``profile`` of each steady entry of the e2e decode-throughput
     files (benchmarks/decode_profile.py), ms per decode step by category, one column per configuration
-    and workload; the stacked-bar plot beside it when ``decode_profile_<model>.png`` exists."""
+    and workload; the stacked-bar plot beside it when its file (decode_profile.plot_name) exists."""
     from benchmarks import decode_profile as dp
 
     parts = []
@@ -281,7 +281,7 @@ def render_decode_profile(results_dir: str) -> str:
         parts.append("Everything else, largest kernels (ms per step): " + "; ".join(
             f"{n} {w}: " + ", ".join(f"`{k['name']}` {fmt(k['ms_per_step'], 2)}" for k in p.get("top_other", [])[:4])
             for n, w, p in runs) + ".")
-        png = f"decode_profile_{data.get('model', 'm')}.png"
+        png = dp.plot_name(path)
         if os.path.isfile(os.path.join(results_dir, png)):
             parts.append(f"![ms per decode step by category](results/{png})")
     if not parts:
