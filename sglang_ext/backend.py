@@ -197,7 +197,8 @@ class OscarAttnBackend(AttentionBackend):
                                          padding_page=PADDING_PAGE, learned_sinks=learned_sinks,
                                          key_debias=key_debias, max_draft_tokens=max_draft_tokens)
         self.learned_sinks = learned_sinks
-        self._verify_pending = False  # a planned verify whose acceptance has not been committed
+        # (slots int [B*T], B, T) of the planned verify whose acceptance has not been committed
+        self._pending_verify: Optional[tuple[torch.Tensor, int, int]] = None
         if max_draft_tokens:
             pool.verify_commit = self.commit_accepted
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
@@ -241,10 +242,10 @@ class OscarAttnBackend(AttentionBackend):
         parents = None if mask is None else verify_parents(mask, fb.seq_lens, bs, t)
         # private copies of what the commit reads after sampling: SGLang advances the batch's
         # seq_lens (and may filter its rows) between this verify and the next
+        slots = fb.out_cache_loc[:bs * t].clone()
         self.attention.plan_verify(fb.req_pool_indices[:bs].clone().long(), fb.seq_lens[:bs].clone(),
-                                   fb.positions[:bs * t], fb.out_cache_loc[:bs * t].clone(),
-                                   num_draft_tokens=t, parents=parents)
-        self._verify_pending = True
+                                   fb.positions[:bs * t], slots, num_draft_tokens=t, parents=parents)
+        self._pending_verify = (slots, bs, t)
 
     def commit_accepted(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """The pool's ``move_kv_cache`` after the planned verify (tgt_loc, src_loc int [M]:
@@ -253,16 +254,15 @@ class OscarAttnBackend(AttentionBackend):
         HybridAttention.commit writes the accepted drafts' BF16 sinks and ring cells and ends
         the rows' rings at prefix + accepted. The acceptance is read off the move
         (:func:`accept_index_from_move`)."""
-        plan = self.attention._verify
-        if not self._verify_pending or plan is None:
+        if self._pending_verify is None:
             raise NotImplementedError("moving KV slots is supported with --kv-cache-dtype oscar_int2 only "
                                       "right after an NGRAM verify (it would copy INT2 codes without their "
                                       "BF16 sinks and ring cells)")
-        b, t = plan.rows.shape[0], plan.num_draft_tokens
-        accept_index = accept_index_from_move(tgt_loc, src_loc, plan.slots, b, t)
+        slots, b, t = self._pending_verify
+        accept_index = accept_index_from_move(tgt_loc, src_loc, slots, b, t)
         move_int2_cells(self.pool.layers, tgt_loc, src_loc)
         self.attention.commit(accept_index)
-        self._verify_pending = False
+        self._pending_verify = None
 
     def _plan_extend(self, fb) -> None:
         """Reads ``batch_size, req_pool_indices, extend_prefix_lens, extend_seq_lens,
