@@ -40,10 +40,13 @@ profile() {
 }
 
 rest() {
-  ( step "gpu tests"
-    $PY -m pytest -m gpu -v -p no:cacheprovider --junitxml "$R/gpu_tests.xml" \
-        tests/test_server_hybrid_gpu.py tests/test_kernels_gpu.py $(ls tests/test_server_speculative_gpu.py 2>/dev/null) \
-        > "$R/logs/gpu_tests.log" 2>&1 || step "FAILED gpu tests"
+  ( local suite name
+    for suite in tests/test_server_hybrid_gpu.py $(ls tests/test_server_speculative_gpu.py 2>/dev/null) tests/test_kernels_gpu.py; do
+      name="$(basename "$suite" .py)"; step "gpu tests $name"
+      # one pytest call per suite: its error report is written when it ends, its servers' logs under --basetemp
+      $PY -m pytest -m gpu -v -rfE -p no:cacheprovider --basetemp "$R/pytest_$name" --junitxml "$R/gpu_$name.xml" \
+          "$suite" > "$R/logs/gpu_$name.log" 2>&1 || step "FAILED gpu tests $name"
+    done
     step "gpu tests ended" ) &
   if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
     mkdir -p /tmp/oscar_unpack && cat /tmp/oscar_blob/part.* | tar -xf - -C /tmp/oscar_unpack \
@@ -67,6 +70,7 @@ collect() {
   local small=() f
   for f in "$R"/e2e_logs/*.trace.json.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 25000000 ] && small+=("e2e_logs/${f##*/}"); done
   tar -czf "$1/results.tmp" -C "$R" steps.log $(cd "$R" && ls *.json *.xml logs/*.log e2e_logs/*.log 2>/dev/null) \
+      $(cd "$R" && find pytest_* -name "*.log" -size -2M 2>/dev/null) \
       $(cd "$R" && ls frontier/*.json frontier/steps.log frontier/logs/*.log 2>/dev/null) "${small[@]}" \
       && mv "$1/results.tmp" "$1/results.tar.gz"
   cp "$R/steps.log" "$1/"
