@@ -172,7 +172,8 @@ def run_round(spec, plain, reqs, parents, accepted):
 
 def next_decode(spec, plain, reqs, lens):
     """One plain decode step on both servers after the acceptance: equal outputs, and the
-    read-rule oracle's (sinks and the request's ring window BF16, the rest INT2)."""
+    read-rule oracle's (sinks and the request's ring window BF16 from its ``valid_from``, 0
+    unless given, the rest INT2)."""
     step = [dict(rid=r["rid"], row=r["row"], content=("next", r["rid"]), n=n + 1) for r, n in zip(reqs, lens)]
     for r, n in zip(reqs, lens):
         ensure_pages(spec.sim, r["row"], n + 1)
@@ -181,7 +182,8 @@ def next_decode(spec, plain, reqs, lens):
     for l in range(len(a)):
         close(a[l], b[l].float())
         for j, (r, n) in enumerate(zip(reqs, lens)):
-            close(a[l][j:j + 1], spec.sim.expected_decode(r["row"], r["rid"], l, n + 1, ("next", r["rid"]), 0))
+            close(a[l][j:j + 1], spec.sim.expected_decode(r["row"], r["rid"], l, n + 1, ("next", r["rid"]),
+                                                          r.get("valid_from", 0)))
 
 
 def servers(t, reqs):
@@ -240,6 +242,22 @@ def test_the_triton_path_tree_then_chain(monkeypatch):
         lens = run_round(spec, plain, reqs, parents, accepted)
         for r, n in zip(reqs, lens):
             r["n"] = n
+    next_decode(spec, plain, reqs, [r["n"] for r in reqs])
+
+
+def test_after_a_radix_hit():
+    """D's first 32 positions are A's slots (a radix hit: A's sinks, read as INT2 past them;
+    D's ring valid from 32), its prompt ends at 40; verify rounds of D beside A."""
+    spec, plain = servers(6, REQS[:1])
+    for s in (spec, plain):
+        s.sim.share(4, 3, 32)
+        s.sim.extend([dict(rid="D", row=4, content="D", prefix=32, new=8)])
+    reqs = [dict(REQS[0]), dict(rid="D", row=4, n=40, valid_from=32)]
+    for parents, accepted in (([TREE, _chain(6)], [[0, 2, 4], [0, 1, 2, 3]]), ([_chain(6), TREE], [[0], [0, 1, 3, 5]])):
+        lens = run_round(spec, plain, reqs, parents, accepted)
+        for r, n in zip(reqs, lens):
+            r["n"] = n
+    assert int(spec.sim.pool.index.ring_valid_from[4]) == 32
     next_decode(spec, plain, reqs, [r["n"] for r in reqs])
 
 
