@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session that spans several device calls (it runs detached; each call waits on it):
-#   1. where a steady decode step goes (issue 48): benchmarks/e2e.py steady_8k with --profile-steps,
+#   1. where a steady decode step goes (issue 48): benchmarks/e2e.py steady_8k (PROFILE_WORKLOAD=steady_32k:
+#      that one) with --profile-steps,
 #      oscar_int2 then bf16_flashinfer, each alone on the GPU, same requests and flags;
 #   2. then, side by side (nothing timed): the hybrid-model server tests and the kernel GPU suite
 #      (issue 47: tests/test_server_hybrid_gpu.py, tests/test_kernels_gpu.py) and the 8k bytes frontier
@@ -27,14 +28,16 @@ profile() {
   local mib n cfg deadline
   mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)"
   n=160; [ "${mib:-0}" -gt 100000 ] && n=384  # what oscar_int2's pool holds at 0.85: H100 ~2.2M tokens, H200 4.7M
+  local w="${PROFILE_WORKLOAD:-steady_8k}"
+  if [ "$w" = steady_32k ]; then n=$(( n * 12 / 34 )); fi  # 32k in + 2k out per request instead of 8k + 4k
   n="${PROFILE_PROMPTS:-$n}"
   for cfg in oscar_int2 bf16_flashinfer; do
-    step "profile $cfg steady_8k"
+    step "profile $cfg $w"
     deadline=520; [ "$cfg" = bf16_flashinfer ] && deadline=420
-    $PY -m benchmarks.e2e --phases steady_8k --configs "$cfg" --profile-steps 20 \
+    $PY -m benchmarks.e2e --phases "$w" --configs "$cfg" --profile-steps 20 \
         --dt-num-prompts "$n" --max-running-requests "$n" --dt-window-s "${WINDOW_S:-240}" \
         --deadline-s "$deadline" --dt-reference /nonexistent \
-        --out "$R/e2e_decode_profile_h100.json" --log-dir "$R/e2e_logs" \
+        --out "$R/e2e_decode_profile.json" --log-dir "$R/e2e_logs" \
         > "$R/logs/e2e_$cfg.log" 2>&1 || step "FAILED profile $cfg"
   done
 }
