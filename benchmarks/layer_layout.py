@@ -51,13 +51,16 @@ def allocate(errors: dict[int, list[float]], cost: dict[int, int], budget: float
     return groups, err
 
 
-def proxy_errors(report: dict, metric: str = "attn_kl") -> dict[int, list[float]]:
-    """{key group size: per-layer ``metric``} from an ``oscar-calibrate proxy --json`` report whose
-    files are named ``*_g<G>`` (and one without a suffix: the default ``group_size``)."""
+def proxy_errors(report: dict, metric: str = "attn_kl", default_group: int = 16) -> dict[int, list[float]]:
+    """{key group size: per-layer ``metric``} from an ``oscar-calibrate proxy --json`` report: each
+    file's key group size as the report records it, or (reports without ``group_sizes``) from its
+    name, ``*_g<G>``, and ``default_group`` for a name without that suffix."""
     out = {}
     for name, res in report["results"].items():
         m = re.search(r"_g(\d+)$", name)
-        g = int(m.group(1)) if m else report.get("default_group_size", 16)
+        g = report["group_sizes"][name][0] if "group_sizes" in report else int(m.group(1)) if m else default_group
+        if g in out:
+            raise ValueError(f"two rotations files with key groups of {g} in the proxy report")
         out[g] = [layer[metric] for layer in res["layers"]]
     return out
 
@@ -70,9 +73,11 @@ def main(argv=None) -> int:
     ap.add_argument("--value-bytes", type=float, default=18.0, help="the values' bytes (default: groups of 64, fp8)")
     ap.add_argument("--scale-dtype", default="float8_e4m3fn")
     ap.add_argument("--metric", default="attn_kl", choices=("attn_kl", "logit_rel", "out_rel"))
+    ap.add_argument("--default-group", type=int, default=16,
+                    help="key groups of a file named without _g<G> (reports without group_sizes)")
     a = ap.parse_args(argv)
     with open(a.proxy) as f:
-        errors = proxy_errors(json.load(f), a.metric)
+        errors = proxy_errors(json.load(f), a.metric, a.default_group)
     cost = {g: key_bytes(a.head_dim, g, a.scale_dtype) for g in errors}
     for b in (float(x) for x in a.budget.split(",")):
         groups, err = allocate(errors, cost, b - a.value_bytes)

@@ -185,7 +185,9 @@ def cmd_proxy(argv: list[str]) -> int:
                   "seq_len": a.seq_len, "sink": a.sink, "recent": a.recent,
                   "data": text_sources.describe(a.data) if a.data else
                   "python stdlib source (the default calibration text)" if a.calib_text else "python stdlib test suite",
-                  "rotations": {k: os.path.abspath(f) for k, f in zip(rots, a.rotations)}, "results": res}
+                  "rotations": {k: os.path.abspath(f) for k, f in zip(rots, a.rotations)},
+                  "group_sizes": {k: [r.meta.group_size, r.meta.value_group_size] for k, r in rots.items()},
+                  "results": res}
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=1)
     return 0

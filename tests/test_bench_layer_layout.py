@@ -54,3 +54,14 @@ def test_the_study_layouts_are_the_proxys_choice_on_the_calibration_text():
         g8, g32 = fc._LAYOUTS[label]
         assert [i for i, g in enumerate(groups) if g == 8] == g8 and [i for i, g in enumerate(groups) if g == 32] == g32
         assert set(groups) <= {8, 16, 32}
+
+
+def test_proxy_errors_prefer_the_recorded_group_sizes():
+    rows = {"layers": [{"attn_kl": 0.1, "logit_rel": 0, "out_rel": 0}]}
+    report = {"results": {"tiny_oscar": rows, "tiny_oscar_g16": rows}}
+    assert set(ll.proxy_errors(report, default_group=32)) == {32, 16}
+    report["group_sizes"] = {"tiny_oscar": [32, 128], "tiny_oscar_g16": [64, 128]}  # the record wins over the name
+    assert set(ll.proxy_errors(report)) == {32, 64}
+    report["group_sizes"]["tiny_oscar_g16"] = [32, 128]
+    with pytest.raises(ValueError, match="two rotations files"):
+        ll.proxy_errors(report)
