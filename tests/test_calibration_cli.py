@@ -193,6 +193,14 @@ def test_proxy_cli_writes_json(tmp_path, tiny_dir, capsys):
     assert "out_rel" in capsys.readouterr().out
     rep = json.load(open(js))
     assert rep["tokens"] == 128 and set(rep["results"]) == {"h"}
+    assert rep["data"] == "python stdlib test suite" and rep["group_sizes"]["h"] == [8, 32]  # head_dim 32: D / 4, min(128, D)
+    # --calib-text: the calibration text itself (the stdlib source), another text than the test suite's
+    assert main(["proxy", "--model", tiny_dir, "--rotations", out, "--tokens", "128", "--seq-len", "64",
+                 "--json", js, "--quiet", "--calib-text"]) == 0
+    calib = json.load(open(js))
+    assert calib["data"].startswith("python stdlib source") and calib["results"] != rep["results"]
+    with pytest.raises(SystemExit):
+        main(["proxy", "--model", tiny_dir, "--rotations", out, "--calib-text", "--data", tiny_dir])
     assert ModelShape  # imported for the type of the expected shape in other tests
 
 
