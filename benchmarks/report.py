@@ -552,11 +552,63 @@ def render_real_model_study(results_dir: str) -> str:
 FIDELITY_CANDIDATES = "study_candidates_smollm2.json"
 
 
+LAYER_PROXY = "layer_proxy_smollm2.json"
+
+
 def render_fidelity_candidates(results_dir: str) -> str:
-    """Issue 46's study of what closes the real model's gap: candidates paired by window with the default."""
+    """Issue 46's study of what closes the real model's gap: candidates paired by window with the default,
+    SmolLM2's (with its per-layer attribution) first, then any other model's ``study_candidates_*.json``."""
     data = _maybe_load(results_dir, FIDELITY_CANDIDATES)
     if not data.get("rows"):
         return none_yet("python3 -m benchmarks.fidelity_candidates --model DIR --rot-dir DIR", "CPU, about an hour")
+    parts = [_candidates_table(data, os.path.join(results_dir, FIDELITY_CANDIDATES))]
+    attribution = _layer_attribution(data, _maybe_load(results_dir, LAYER_PROXY), os.path.join(results_dir, LAYER_PROXY))
+    if attribution:
+        parts.append(attribution)
+    for path in sorted(glob.glob(os.path.join(results_dir, "study_candidates_*.json"))):
+        if os.path.basename(path) != FIDELITY_CANDIDATES:
+            parts.append(_candidates_table(_load(path), path))
+    return "\n\n".join(parts)
+
+
+def _layer_attribution(data: dict, proxy: dict, proxy_path: str) -> str | None:
+    """The ``bf16-L<a>-<b>`` rows (a block of layers in BF16, the rest the default) as each block's share
+    of the default's loss, beside the calibration-side proxy's share (its summed attention KL at the
+    default's key groups) for the same block."""
+    rows = {k: r for k, r in data["rows"].items() if k.startswith("bf16-L")}
+    default = data["rows"].get(data["default"], {}).get("ppl", {})
+    if not rows or not default:
+        return None
+    kl = next((r["layers"] for n, r in proxy.get("results", {}).items()
+               if proxy.get("group_sizes", {}).get(n, [None])[0] == 16 or n.endswith("_oscar")), None)
+    out = []
+    for name, r in rows.items():
+        lo, hi = (int(x) for x in name.removeprefix("bf16-L").split("-"))
+        cells = [f"{lo}-{hi}"]
+        for n, c in sorted(r["ppl"].items(), key=lambda kv: int(kv[0])):
+            loss = default[n]["nll_vs_bf16"][0] if n in default else None
+            gap = c.get("nll_vs_default")
+            cells += [_gap(-gap[0], gap[1], 4) if gap else "-",
+                      f"{-gap[0] / loss:.0%}" if gap and loss else "-"]
+        if kl:
+            cells.append(f"{sum(x['attn_kl'] for x in kl[lo:hi + 1]) / sum(x['attn_kl'] for x in kl):.0%}")
+        out.append(cells)
+    lengths = sorted({n for r in rows.values() for n in r["ppl"]}, key=int)
+    header = ["layers in BF16"]
+    for n in lengths:
+        header += [f"NLL given back, {fmt(int(n))} (95%)", f"share of the default's NLL - bf16, {fmt(int(n))}"]
+    if kl:
+        header.append("proxy's share (attention KL, calibration text)")
+    caption = (f"Per layer: which layers carry the INT2 loss. Each row keeps one block of layers' K/V in BF16 and the "
+               f"rest at the default (`oscar-eval --bf16-layers`), paired by window with the default; the NLL it gives "
+               f"back is that block's share of the default's NLL - bf16 (the shares need not add up to 100%: errors "
+               f"of layers compound). Proxy: the block's part of the summed per-layer attention KL with fake-INT2 keys "
+               f"at the default's groups (`oscar-calibrate proxy --calib-text`, {proxy.get('tokens')} tokens of "
+               f"{proxy.get('data')}; `{_rel(proxy_path)}`), what the per-layer layouts are chosen on.")
+    return caption + "\n\n" + table(header, out)
+
+
+def _candidates_table(data: dict, path: str) -> str:
     st, rows = data["settings"], data["rows"]
     lengths = sorted({n for r in rows.values() for n in r["ppl"]}, key=int)
     header = ["candidate", "changes", "B / token / KV head, mean over layers (K + V)", "BF16 ring MB / request"]
@@ -575,7 +627,7 @@ def render_fidelity_candidates(results_dir: str) -> str:
                f"against the default in PyTorch fake quantisation (`fake`), the baseline of the simulator-only rows. "
                f"Bytes: codes and per-token group scales, or per-channel page scales amortised over the page; "
                f"the mean over the layers where layers differ (a BF16 layer: 2 bytes per channel for K and for V). "
-               f"Source: `{_rel(os.path.join(results_dir, FIDELITY_CANDIDATES))}`.")
+               f"Source: `{_rel(path)}`.")
     return caption + "\n\n" + table(header, out)
 
 

@@ -162,3 +162,24 @@ def test_a_layer_layout_names_its_files_and_is_skipped_without_them(tmp_path, mo
     (tmp_path / "r" / "smol_oscar.safetensors").write_text("")
     a.rot_dir = str(tmp_path / "r")
     assert fc.run_one(a, "mix", 2048).endswith(f"no rotations file {tmp_path}/r/smol_oscar_g8.safetensors")
+
+
+def test_the_attribution_table_gives_each_blocks_share_beside_the_proxys(tmp_path):
+    a = _args(tmp_path)
+    _write(tmp_path, a, "default", {"bf16": _details(5.0, [1.0, 1.5, 2.0]), "oscar": _details(5.1, [1.04, 1.54, 2.04])})
+    groups = [[16, 64]] * 30
+    _write(tmp_path, a, "bf16-L0-4", {"oscar": _details(5.05, [1.03, 1.53, 2.03])}, bf16_layers=[0, 1, 2, 3, 4])
+    run = json.loads((tmp_path / "bf16-L0-4_2048.json").read_text())
+    run["settings"]["rotations"]["oscar"]["layer_groups"] = groups
+    (tmp_path / "bf16-L0-4_2048.json").write_text(json.dumps(run))
+    out = fc.study(a, {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64})
+    assert out["rows"]["bf16-L0-4"]["bytes_per_token_head"] == pytest.approx((5 * 256 + 25 * 42) / 30)
+    (tmp_path / report.FIDELITY_CANDIDATES).write_text(json.dumps(out))
+    kl = [{"attn_kl": 0.2 if i < 5 else 0.1, "logit_rel": 0, "out_rel": 0} for i in range(30)]
+    (tmp_path / report.LAYER_PROXY).write_text(json.dumps({"tokens": 8, "data": "calib", "results": {
+        "smol_oscar": {"layers": kl}, "smol_oscar_g8": {"layers": [{**x, "attn_kl": 0} for x in kl]}}}))
+    text = report.render_fidelity_candidates(str(tmp_path))
+    row = next(line for line in text.splitlines() if line.startswith("| 0-4 |")).split(" | ")
+    assert row[1] == "+0.0100 ± 0.0000" and row[2] == "25%" and row[3].rstrip(" |") == "29%"  # 1.0 / 3.5 of the KL
+    (tmp_path / "study_candidates_tinylm-A.json").write_text(json.dumps({**out, "model": "tinylm-A"}))
+    assert "tinylm-A in simulation" in report.render_fidelity_candidates(str(tmp_path))
