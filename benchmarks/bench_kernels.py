@@ -2,6 +2,7 @@
 FlashInfer's paged BF16 decode, plus the store kernel and the device copy bandwidth.
 
     python -m benchmarks.bench_kernels [--breakdown] [--out benchmarks/results/kernels_h200.json]
+    python -m benchmarks.bench_kernels --rotations --out benchmarks/results/kernels_rotations_h100.json
 
 Writes the JSON (after every stage, so an interrupted run keeps what it measured) and a
 plot next to it (same name, .png). Shapes: Qwen3-8B-like layer (32 query heads, 8 KV heads,
@@ -16,7 +17,9 @@ context) ends the run with what was measured so far. ``--breakdown`` times the d
 each of its kernels left out on the key cases (where the time goes). ``--group-size /
 --value-group-size / --scale-dtype`` set the INT2 layout of the table and the breakdown
 (``--group-size 128 --scale-dtype float16``: the layout whose groups span the head, with its
-own tuned tiles).
+own tuned tiles). ``--rotations`` times only ROTATION_CASES (a served step's many requests over
+short contexts), today's decode beside the same decode with one-row rotation programs at every
+batch (``block_rotation_min_batch`` out of reach), side by side.
 """
 from __future__ import annotations
 
@@ -348,6 +351,30 @@ def breakdown_record(scs, q, b, n):
     return rec
 
 
+ROTATION_CASES = ((8, 8192), (32, 8192), (64, 8192), (160, 8192), (64, 65536))
+
+
+def run_rotations(result: dict, out: Path, layout: Layout) -> None:
+    """The decode with rotations in row blocks (the default from block_rotation_min_batch
+    requests) against one-row rotation programs at every batch, on ROTATION_CASES."""
+    per_row = DecodeConfig(block_rotation_min_batch=1 << 30)
+    for b, n in ROTATION_CASES:
+        scs = layout_copies(b, n, l2_bytes(), layout)
+        q = kc.random_q(scs[0], HQ)
+        rec = {"batch": b, "context": n, "block_rotation": DecodeConfig().block_rotation(b)}
+        rec["default_us"], _, err = oscar_timed("default", scs, q, None, rep=40)
+        rec["row_rotations_us"], _, err2 = oscar_timed("row rotations", scs, q, per_row, rep=40)
+        if err or err2:
+            rec["error"] = err or err2
+        if rec["default_us"] and rec["row_rotations_us"]:
+            rec["default_vs_row"] = round(rec["default_us"] / rec["row_rotations_us"], 3)
+        result["rotations"].append(rec)
+        log(f"rotations b={b} n={n}: " + ", ".join(f"{k}={v}" for k, v in rec.items() if k.endswith(("_us", "_row"))))
+        save(result, out)
+        del scs, q
+        torch.cuda.empty_cache()
+
+
 def layout_copies(b: int, n: int, l2: int, layout: Layout):
     return cold_copies(b, n, l2, layout.key_group, torch_scale_dtype(layout.scale_dtype), value_group=layout.value_group)
 
@@ -385,6 +412,8 @@ def main(argv=None):
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the decode with each kernel left out, on the key cases")
+    ap.add_argument("--rotations", action="store_true",
+                    help="only the row-block rotations against one-row rotation programs (ROTATION_CASES)")
     ap.add_argument("--cases", type=parse_cases, default=None, metavar="BxN,...",
                     help="only these batch x context cases of the table (e.g. 8x65536; default: all)")
     ap.add_argument("--group-size", type=int, default=None,
@@ -411,13 +440,18 @@ def main(argv=None):
               "triton_bf16_note": "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd, "
                                   "max_kv_splits=8 (SGLang default), splits from get_num_kv_splits_triton",
               "flashinfer_note": "BatchDecodeWithPagedKVCacheWrapper, NHD, page 16, tensor cores for GQA>=4",
-              "copy_GBps": None, "cases": [], "skipped": [], "breakdown": []}
+              "copy_GBps": None, "cases": [], "skipped": [], "breakdown": [], "rotations": []}
     l2 = l2_bytes()
     result["l2_bytes"] = l2
     log(f"device {dev.name}, {dev.multi_processor_count} SMs, L2 {l2 >> 20} MiB")
     result["copy_GBps"] = round(copy_bandwidth(), 1)
     log(f"copy bandwidth {result['copy_GBps']} GB/s")
     save(result, out)
+    if args.rotations:
+        run_rotations(result, out, layout)
+        result["elapsed_s"] = round(time.time() - T0, 1)
+        save(result, out)
+        return
 
     cases = []
     for b in BATCHES:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session that spans several device calls (it runs detached; each call waits on it):
+#   0. the decode kernel's rotations in row blocks against one-row programs (bench_kernels --rotations);
 #   1. where a steady decode step goes (issue 48): benchmarks/e2e.py steady_8k (PROFILE_WORKLOAD=steady_32k:
 #      that one) with --profile-steps,
 #      oscar_int2 then bf16_flashinfer, each alone on the GPU, same requests and flags;
@@ -62,7 +63,14 @@ rest() {
   wait
 }
 
+rotations() {  # alone on the GPU (timed): row-block rotations against one-row programs, side by side
+  step "kernels: rotations"
+  $PY -m benchmarks.bench_kernels --rotations --out "$R/kernels_rotations.json" > "$R/logs/kernels_rotations.log" 2>&1 \
+    || step "FAILED kernels rotations"
+}
+
 session() {
+  [ -n "${SKIP_ROTATIONS:-}" ] || rotations
   [ -n "${SKIP_PROFILE:-}" ] || profile
   [ -n "${SKIP_REST:-}" ] || rest
   step "done"

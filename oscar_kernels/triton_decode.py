@@ -20,7 +20,15 @@ no allocation when a :class:`DecodeWorkspace` is given):
 3. ``_decode_merge_row`` log-sum-exp merge of the 1 + NS partials (plus, for models with learned
    attention sinks, the query head's sink logit as one more denominator term), then o = o' @ R_V[h]^T,
    one program per query head (up to SPLIT_MERGE_MAX_BATCH requests: ``_decode_merge_split``,
-   one program per query head and channel block, then the un-rotation by ``_rotate_q_kernel``).
+   one program per query head and channel block; from DecodeConfig.block_rotation_min_batch
+   requests on, the query-head merge without its un-rotation; both then un-rotate by
+   ``_rotate_q_kernel``).
+
+Rotations: a small batch rotates one row per program (D/32 programs per row: a short chain of
+loads for a few rows); from ``block_rotation_min_batch`` requests on, both rotations take
+blocks of rows per program as extend does (R[h] read once per EXTEND_ROTATION_ROWS rows), since
+per-row programs re-read R[h] (32-64 KB) for every request and query head: at 159 requests of a
+served Qwen3-8B step, the query-head merge alone re-read ~167 MB of rotations per layer.
 
 On sm_90+ launches 2 and 3 (and the split merge's un-rotation) use programmatic dependent
 launch (triton_common.wait_for_prior_grid): stage 1 reads its request layout meanwhile.
@@ -203,13 +211,15 @@ def add_sink(m, l, sinks_ptr, hq, HAS_SINK: tl.constexpr):
 @triton.jit(do_not_specialize=["NSP"])
 def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch, stride_out_head, sinks_ptr,
                       NSP, NSP2: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, EB: tl.constexpr,
-                      SPB: tl.constexpr, HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False):
+                      SPB: tl.constexpr, HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False,
+                      UNROTATE: tl.constexpr = True):
     """o[b, hq] = (sum_s 2^{lse_s - m} o~_s / sum_s 2^{lse_s - m}) @ R_V[h]^T with h = hq // GQ
     and m the max of the lse_s (one vector load), one query head per program, grid (B, Hq);
     the partials up to the last one that attended to something, SPB at a time as [SPB, D]
     tiles (independent loads, no running rescale); the un-rotation o[e] = sum_d o'[d]
     R_V[h][e, d] as float32 products and sums. HAS_SINK: sinks_ptr[hq] joins the denominator
-    (add_sink). PDL: launched with programmatic dependent launch (waits for stage 1 first)."""
+    (add_sink). PDL: launched with programmatic dependent launch (waits for stage 1 first).
+    UNROTATE=False: o' itself (float32) goes to out, un-rotated afterwards in row blocks."""
     wait_for_prior_grid(PDL)
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -229,6 +239,9 @@ def _decode_merge_row(mid_o_ptr, mid_lse_ptr, rot_ptr, out_ptr, stride_out_batch
         o = tl.load(mid_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=(w > 0)[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
     o_rot = acc / tl.where(l > 0, l, 1.0)
+    if not UNROTATE:
+        tl.store(out_ptr + b * stride_out_batch + hq * stride_out_head + d, o_rot)
+        return
     e = tl.arange(0, EB)
     rot = rot_ptr + (hq // GQ) * D * D
     for e0 in tl.static_range(0, D, EB):
@@ -307,6 +320,7 @@ UNCAPPED_REGISTERS = 232  # registers per thread of an uncapped stage 1 (sm_90),
 MIN_BLOCK_H = 8  # query-head rows per stage-1 program at least (the tensor cores' smallest N)
 ROTATE_OUT_BLOCK = 32  # output columns per decode rotation program: a row's rotation over D/32 programs
 SPLIT_MERGE_MAX_BATCH = 4  # the split merge up to this many requests (latency), the query-head merge above
+BLOCK_ROTATION_MIN_BATCH = 32  # from this many requests: both rotations in row blocks (module doc)
 MERGE_PARTIALS_PER_STEP = 64  # partials the query-head merge loads at once ([64, D] tiles)
 
 
@@ -323,6 +337,8 @@ class DecodeConfig:
     # one stage-1 shape and one merge at every batch (the large-batch tiles, the query-head
     # merge): deterministic inference, see batch_invariant_config
     batch_invariant: bool = False
+    # requests from which both rotations run in row blocks (the merge leaves o' un-rotated)
+    block_rotation_min_batch: int = BLOCK_ROTATION_MIN_BATCH
 
     def stage1_tiles(self, batch: int, groups_span_head: bool = True) -> Stage1Tiles:
         """Stage 1's tiles for a batch of ``batch`` requests. ``groups_span_head``: both K
@@ -334,6 +350,10 @@ class DecodeConfig:
     def merge_grid_for(self, batch: int) -> str:
         """The merge a batch of ``batch`` requests runs: "split" or "query_head"."""
         return "split" if batch <= SPLIT_MERGE_MAX_BATCH and not self.batch_invariant else "query_head"
+
+    def block_rotation(self, batch: int) -> bool:
+        """Whether a batch of ``batch`` requests rotates q' and o' in blocks of rows (module doc)."""
+        return batch >= self.block_rotation_min_batch and not self.batch_invariant
 
     def resident_per_sm(self, batch: int, groups_span_head: bool = True) -> int:
         """Stage-1 programs an SM holds at once, from the register budget (65536 per SM;
@@ -403,7 +423,8 @@ class DecodeWorkspace:
         self.mid_o = torch.empty(cap * num_q_heads * head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(cap * num_q_heads, dtype=torch.float32, device=device)
         # merged o' before the un-rotation (batches that run the "split" merge only)
-        split_rows = max((b for b in range(1, max_batch + 1) if self.config.merge_grid_for(b) == "split"), default=0)
+        split_rows = max((b for b in range(1, max_batch + 1)
+                          if self.config.merge_grid_for(b) == "split" or self.config.block_rotation(b)), default=0)
         self.o_rot = torch.empty(split_rows * num_q_heads * head_dim, dtype=torch.float32, device=device)
 
     def launch(self, batch: int, groups_span_head: bool = True) -> "DecodeLaunch":
@@ -418,11 +439,12 @@ class DecodeWorkspace:
         hq, d = self.num_q_heads, self.head_dim
         return DecodeLaunch(
             batch=batch, splits=ns, min_chunk=cfg.min_chunk, tiles=cfg.stage1_tiles(batch, groups_span_head),
-            split_merge=split_merge, merge_width=self.merge_width, pdl=pdl_supported(self.device),
+            split_merge=split_merge, block_rotation=cfg.block_rotation(batch), merge_width=self.merge_width,
+            pdl=pdl_supported(self.device),
             q_rot=self.q_rot[:batch * hq * d].view(batch, hq, d),
             mid_o=self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d),
             mid_lse=self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1),
-            o_rot=self.o_rot[:batch * hq * d].view(batch, hq, d) if split_merge else None)
+            o_rot=self.o_rot[:batch * hq * d].view(batch, hq, d) if split_merge or cfg.block_rotation(batch) else None)
 
 
 @dataclass(frozen=True)
@@ -434,12 +456,13 @@ class DecodeLaunch:
     min_chunk: int
     tiles: Stage1Tiles
     split_merge: bool  # the split merge + separate un-rotation (small batches), else the query-head merge
+    block_rotation: bool  # both rotations in blocks of rows (large batches), else one row per program
     merge_width: int  # power of two >= max_splits + 1 (the merge's lse vector)
     pdl: bool  # programmatic dependent launch between the kernels
     q_rot: torch.Tensor  # bf16 [B, Hq, D] rotated queries
     mid_o: torch.Tensor  # float32 [B, Hq, 1 + NS, D] partial outputs
     mid_lse: torch.Tensor  # float32 [B, Hq, 1 + NS] their log2-sum-exp
-    o_rot: torch.Tensor | None  # float32 [B, Hq, D] merged o' (split merge only)
+    o_rot: torch.Tensor | None  # float32 [B, Hq, D] merged o' (split merge or block rotation only)
 
 
 def _block_h(gq: int) -> int:
@@ -504,11 +527,18 @@ def rotate_queries(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, num_wa
 EXTEND_ROTATION_ROWS = 32
 
 
-def rotate_tokens(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """rotate_queries for many tokens (extend): EXTEND_ROTATION_ROWS rows per program."""
+def rotate_tokens(q: torch.Tensor, rot: torch.Tensor, out: torch.Tensor, transpose: bool = False,
+                  **pdl) -> torch.Tensor:
+    """rotate_queries for many rows (extend, and decode from block_rotation_min_batch requests):
+    EXTEND_ROTATION_ROWS rows per program. ``pdl``: rotate_queries' pdl_wait / pdl_release."""
     gqp = triton.next_power_of_2(q.shape[1] // rot.shape[0])
     return rotate_queries(q, rot, out, num_warps=8, transpose=transpose,
-                          tokens_per_program=max(1, EXTEND_ROTATION_ROWS // gqp))
+                          tokens_per_program=max(1, EXTEND_ROTATION_ROWS // gqp), **pdl)
+
+
+def _row_rotate(x, rot, out, **pdl):
+    """Decode's rotation of a small batch: one row per program, D/ROTATE_OUT_BLOCK programs per row."""
+    return rotate_queries(x, rot, out, out_block=ROTATE_OUT_BLOCK, **pdl)
 
 
 def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIndex,
@@ -544,7 +574,8 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
     check_sinks(sinks, hq)
     ns, tiles, pdl = launch.splits, launch.tiles, launch.pdl
     q_rot, mid_o, mid_lse = launch.q_rot, launch.mid_o, launch.mid_lse
-    rotate_queries(q, rotation.k_rot.contiguous(), q_rot, out_block=ROTATE_OUT_BLOCK, pdl_release=pdl)
+    rotate = rotate_tokens if launch.block_rotation else _row_rotate
+    rotate(q, rotation.k_rot.contiguous(), q_rot, pdl_release=pdl)
     scale_pairs = group_scale_args(layer)
     _decode_stage1[(b, h, ns + 1)](
         q_rot, q_rot.stride(0), q_rot.stride(1), rows, seq_lens, *sink_index_args(index, req_to_token),
@@ -561,14 +592,16 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, launch.o_rot, mid_lse if sinks is None else sinks,
                                                NSP=ns + 1, NSP2=launch.merge_width, D=d, DB=db,
                                                HAS_SINK=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
-        rotate_queries(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, out_block=ROTATE_OUT_BLOCK,
-                       pdl_wait=pdl)
+        rotate(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, pdl_wait=pdl)
     else:
+        merged = launch.o_rot if launch.block_rotation else out  # o' (float32), or o itself
         _decode_merge_row[(b, hq)](
-            mid_o, mid_lse, rotation.v_rot.contiguous(), out, out.stride(0), out.stride(1),
+            mid_o, mid_lse, rotation.v_rot.contiguous(), merged, merged.stride(0), merged.stride(1),
             mid_lse if sinks is None else sinks,
             NSP=ns + 1, NSP2=launch.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=MERGE_PARTIALS_PER_STEP,
-            HAS_SINK=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HAS_SINK=sinks is not None, PDL=pdl, UNROTATE=not launch.block_rotation, num_warps=4, launch_pdl=pdl,
         )
+        if launch.block_rotation:
+            rotate(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, pdl_wait=pdl)
     return out
 

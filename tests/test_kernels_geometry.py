@@ -30,7 +30,8 @@ from oscar_kernels.contract.layout import KVLayout  # noqa: E402
 _, _, store_mod, decode_mod, _, extend_mod = kh.interpreted_kernel_modules()
 
 # several INT2 splits per request at these small lengths (the launch shapes are the tuned ones)
-_SMALL = dict(min_chunk=16, target_programs=64, max_splits=4)
+# block_rotation_min_batch 8: the cases' batches of 8-16 take the large-batch rotations
+_SMALL = dict(min_chunk=16, target_programs=64, max_splits=4, block_rotation_min_batch=8)
 # lengths: 1 is shorter than S + W = 12, 40 has 28 INT2 positions (two splits of 16)
 _LENS = [40, 1, 13, 25, 7, 33, 9, 18, 3, 29, 16, 37, 5, 21, 11, 40]
 # an output that came from another KV head's cache differs from the true one by at least
@@ -94,10 +95,10 @@ def _run_decode(sc, hq, config, seed=3):
 
 
 def _branch(config, batch: int, span: bool) -> tuple:
-    """(layout class, stage-1 tiles regime, merge) a decode batch runs."""
+    """(layout class, stage-1 tiles regime, merge, rotations in row blocks) a decode batch runs."""
     tiles = config.stage1_tiles(batch, span)
     regime = "small" if tiles == decode_mod.STAGE1_TILES[span].small and not config.batch_invariant else "large"
-    return ("G=D" if span else "default", regime, config.merge_grid_for(batch))
+    return ("G=D" if span else "default", regime, config.merge_grid_for(batch), config.block_rotation(batch))
 
 
 # ---------------------------------------------------------------- builder: distinct heads
@@ -193,7 +194,7 @@ def test_decode_batch_invariant_geometry(gq, h, d, span, b):
     """The batch-invariant decode (large-batch tiles and the query-head merge at any batch)."""
     cfg = decode_mod.batch_invariant_config(max(_LENS[:b]), 4, gq * h, d,
                                             base=decode_mod.DecodeConfig(max_splits=4, min_chunk=16))
-    assert _branch(cfg, b, span)[1:] == ("large", "query_head")
+    assert _branch(cfg, b, span)[1:] == ("large", "query_head", False)
     sc = _scenario(_LENS[:b], h, d, span, seed=gq + d)
     q, got = _run_decode(sc, gq * h, cfg)
     _assert_each_query_head_reads_its_kv_head(got, _decode_candidates(sc, q), gq, f"batch-invariant gq{gq}")

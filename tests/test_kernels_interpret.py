@@ -366,6 +366,26 @@ def test_merge_splits_small_batches_only():
         kh.assert_attention_close(got, kh.decode_reference(sc, q))
 
 
+def test_large_batches_rotate_in_row_blocks():
+    """From block_rotation_min_batch requests on, q' and o' are rotated in row blocks (the merge
+    leaves o' un-rotated in the workspace): same outputs as the reference, below the threshold
+    the per-row rotations, and never when batch-invariant (one shape at every batch)."""
+    td = triton_decode_mod
+    cfg = td.DecodeConfig(**_SMALL, block_rotation_min_batch=6)
+    assert [cfg.block_rotation(b) for b in (1, 5, 6, 64)] == [False, False, True, True]
+    assert not replace(cfg, batch_invariant=True).block_rotation(64)
+    ws = td.DecodeWorkspace(7, 8, 2, 64, "cpu", cfg)
+    assert ws.o_rot.numel() == 7 * 8 * 64  # o' rows for the largest batch
+    lens = [9, 50, 3, 17, 40, 5, 30]
+    sc = kc.build(lens, H=2, D=64, G=16, S=4, W=8, page=8, seed=21)
+    q = kc.random_q(sc, 8)
+    launch = ws.launch(len(lens), False)
+    assert launch.block_rotation and not launch.split_merge
+    got = td.triton_decode(q, sc.layer, sc.index, sc.rotation, sc.req_to_token, sc.rows,
+                           torch.tensor(lens, dtype=torch.int32), sc.sm_scale, launch=launch)
+    kh.assert_attention_close(got, kh.decode_reference(sc, q))
+
+
 def test_decode_workspace_reuse_and_out():
     sc = kc.build([20, 33], H=2, D=64, G=16, S=4, W=8, page=8, seed=12)
     cfg = triton_decode_mod.DecodeConfig(**_SMALL)
