@@ -34,7 +34,10 @@ there into ``--out``. Candidates (``CANDIDATES``):
   rotations of ``*_oscar_g8`` or ``*_oscar_g32``, ``oscar-calibrate --group-size 32 --value-group-size 64``),
   chosen by ``benchmarks.layer_layout`` on the calibration text's per-layer attention KL
   (``benchmarks/results/layer_proxy_smollm2.json``: ``oscar-calibrate proxy --calib-text --tokens 16384 --sink 16
-  --recent 128`` over the g16, g8, g4 and g32 files) for a mean of 42 B, +5% and +10%.
+  --recent 128`` over the g16, g8, g4 and g32 files) for a mean of 42 B, +5% and +10%; ``layers-42-up`` / ``-down``
+  its finer or its coarser layers alone;
+- ``tiny-layers-74`` (tinylm-A, ``--rot-prefix tiny_``, files ``tiny_oscar_g16`` / ``_g64`` calibrated with
+  ``--group-size 16`` / ``64 --value-group-size 128``): its own proxy's layout at its default's 74 B.
 
 Bytes per token and KV head: codes (D/4 each for K and V) + per-token group scales and mins, or for
 per-channel key pages 2 D scale bytes / P amortised over the page's P tokens. BF16 bytes: the ring
@@ -109,6 +112,20 @@ CANDIDATES.update({
                     f"attention KL (benchmarks.layer_layout): g8 at layers {','.join(map(str, g8))}, g32 at "
                     f"{','.join(map(str, g32))}, g16 elsewhere")
     for b, (g8, g32) in _LAYOUTS.items()})
+# what carries the same-bytes layout: its finer layers alone (43.1 B), its coarser layers alone (40.9 B)
+CANDIDATES.update({
+    "layers-42-up": ("oscar", ["--layer-rotations", ("oscar_g8", _LAYOUTS[42][0])],
+                     "layers-42's g8 layers alone (g16 elsewhere)"),
+    "layers-42-down": ("oscar", ["--layer-rotations", ("oscar_g32", _LAYOUTS[42][1])],
+                       "layers-42's g32 layers alone (g16 elsewhere)"),
+})
+# tinylm-A (--rot-prefix tiny_: default key groups 32, values 128 at head_dim 128, 74 B): the same
+# knapsack on its own proxy (layer_proxy_tinylm-A.json) over files calibrated for key groups 16 / 32 / 64
+TINY_LAYOUT = {"oscar_g16": [5, 7], "oscar_g64": [1, 2, 4, 6]}
+CANDIDATES["tiny-layers-74"] = (
+    "oscar", [x for stem, layers in TINY_LAYOUT.items() for x in ("--layer-rotations", (stem, layers))],
+    "tinylm-A: key groups per layer for its default's 74 B, chosen on the calibration text's per-layer attention KL: "
+    "g16 at layers 5,7, g64 at 1,2,4,6, g32 elsewhere")
 FAKE = {"fake"}  # candidates paired also with the fake default: the simulator-only ones
 
 

@@ -65,3 +65,16 @@ def test_proxy_errors_prefer_the_recorded_group_sizes():
     report["group_sizes"]["tiny_oscar_g16"] = [32, 128]
     with pytest.raises(ValueError, match="two rotations files"):
         ll.proxy_errors(report)
+
+
+def test_tinylm_layout_is_its_proxys_choice_at_its_defaults_bytes():
+    from benchmarks import fidelity_candidates as fc
+    from benchmarks.server_harness import ROOT
+    with open(f"{ROOT}/benchmarks/results/layer_proxy_tinylm-A.json") as f:
+        report = json.load(f)
+    assert report["data"].startswith("python stdlib source") and report["group_sizes"]["tiny_oscar"] == [32, 128]
+    errors = ll.proxy_errors(report)
+    cost = {g: ll.key_bytes(128, g, "float8_e4m3fn") for g in errors}
+    assert cost == {32: 40, 16: 48, 64: 36}
+    groups, _ = ll.allocate(errors, cost, 74 - 34)  # values: 32 B of codes + one fp8 scale and min
+    assert {f"oscar_g{g}": [i for i, x in enumerate(groups) if x == g] for g in (16, 64)} == fc.TINY_LAYOUT
