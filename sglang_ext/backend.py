@@ -23,6 +23,15 @@ mode). After sampling, SGLang moves the accepted path to the front slots with th
 acceptance off that move, moves the INT2 cells and commits the BF16 sinks and ring, once per
 verify. The verify plan allocates, so verify runs without CUDA graphs (the refusals turn the
 decode graph, which SGLang captures as the verify under speculation, off).
+
+STANDALONE (a draft model; SGLang's EAGLE-family V2 worker) verifies the same way, a chain
+(--speculative-eagle-topk 1: the refusals serve no draft-model trees), but SGLang accepts a chain
+with no ``move_kv_cache``: the one call it makes on the target's pool after every EAGLE-family
+verify is ``clear_unaccepted_c128_draft_states(req_pool_indices, seq_lens, accept_lens,
+num_draft_tokens)`` (eagle_worker_common.run_eagle_verify, after eagle_sample; only DeepSeek-V4's
+pool defines it upstream), so the pool defines it and :meth:`commit_chain` commits the first
+``accept_lens[b]`` drafts there. The draft model's own KV is SGLang's ordinary BF16 pool behind an
+ordinary backend (plugin.build_token_to_kv_pool_hook, refusals' draft attention backend).
 """
 from __future__ import annotations
 
@@ -148,7 +157,7 @@ class OscarAttnBackend(AttentionBackend):
         built), with the oscar settings of its server arguments."""
         sa, mc = model_runner.server_args, model_runner.model_config
         settings = oscar_settings(sa)
-        spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM (refusals: the others)
+        spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM, STANDALONE (refusals)
         # the most drafts a verify may hold (more than --speculative-num-draft-tokens under
         # --speculative-adaptive: ServerArgs.max_speculative_num_draft_tokens)
         drafts = max(int(getattr(sa, name, None) or 0) for name in
@@ -197,10 +206,12 @@ class OscarAttnBackend(AttentionBackend):
                                          padding_page=PADDING_PAGE, learned_sinks=learned_sinks,
                                          key_debias=key_debias, max_draft_tokens=max_draft_tokens)
         self.learned_sinks = learned_sinks
-        # (slots int [B*T], B, T) of the planned verify whose acceptance has not been committed
-        self._pending_verify: Optional[tuple[torch.Tensor, int, int]] = None
+        # (slots int [B*T], B, T, chain) of the planned verify whose acceptance has not been
+        # committed; chain: planned without parents (an EAGLE-family topk-1 verify)
+        self._pending_verify: Optional[tuple[torch.Tensor, int, int, bool]] = None
         if max_draft_tokens:
             pool.verify_commit = self.commit_accepted
+            pool.verify_commit_chain = self.commit_chain
         if device.type == "cuda":  # SGLang's own warm-up request never reads a cached prefix
             logger.info("oscar: compiled the attention kernels (prefill, %s prefix read, decode) in %.1f s",
                         self.prefix_read, self.attention.warm_up())
@@ -227,7 +238,7 @@ class OscarAttnBackend(AttentionBackend):
             self._plan_verify(forward_batch)
             return
         raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
-                                  "(of speculative decoding, oscar_int2 serves the NGRAM verify)")
+                                  "(of speculative decoding, oscar_int2 serves the NGRAM and STANDALONE verify)")
 
     def _plan_verify(self, fb) -> None:
         """Reads ``req_pool_indices, seq_lens, positions, out_cache_loc`` and ``spec_info``'s
@@ -237,15 +248,17 @@ class OscarAttnBackend(AttentionBackend):
         bs = fb.req_pool_indices.shape[0]
         # A new plan replaces one whose acceptance never came: a dummy TARGET_VERIFY forward
         # (SGLang's autotune warm-up, base_runner._dummy_run) samples nothing and moves nothing;
-        # it wrote INT2 cells of its own slots only. A mask-less batch is a chain.
+        # it wrote INT2 cells of its own slots only. A mask-less batch is a chain, and so is an
+        # EAGLE-family verify of topk 1 (EagleVerifyInput.topk), whose mask is not read.
         mask = getattr(spec, "custom_mask", None)
-        parents = None if mask is None else verify_parents(mask, fb.seq_lens, bs, t)
+        chain = mask is None or getattr(spec, "topk", None) == 1
+        parents = None if chain else verify_parents(mask, fb.seq_lens, bs, t)
         # private copies of what the commit reads after sampling: SGLang advances the batch's
         # seq_lens (and may filter its rows) between this verify and the next
         slots = fb.out_cache_loc[:bs * t].clone()
         self.attention.plan_verify(fb.req_pool_indices[:bs].clone().long(), fb.seq_lens[:bs].clone(),
                                    fb.positions[:bs * t], slots, num_draft_tokens=t, parents=parents)
-        self._pending_verify = (slots, bs, t)
+        self._pending_verify = (slots, bs, t, chain)
 
     def commit_accepted(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """The pool's ``move_kv_cache`` after the planned verify (tgt_loc, src_loc int [M]:
@@ -256,12 +269,31 @@ class OscarAttnBackend(AttentionBackend):
         (:func:`accept_index_from_move`)."""
         if self._pending_verify is None:
             raise NotImplementedError("moving KV slots is supported with --kv-cache-dtype oscar_int2 only "
-                                      "right after an NGRAM verify (it would copy INT2 codes without their "
+                                      "right after a speculative verify (it would copy INT2 codes without their "
                                       "BF16 sinks and ring cells)")
-        slots, b, t = self._pending_verify
+        slots, b, t, _ = self._pending_verify
         accept_index = accept_index_from_move(tgt_loc, src_loc, slots, b, t)
         move_int2_cells(self.pool.layers, tgt_loc, src_loc)
         self.attention.commit(accept_index)
+        self._pending_verify = None
+
+    def commit_chain(self, accept_lens: torch.Tensor, num_draft_tokens: int) -> None:
+        """The pool's ``clear_unaccepted_c128_draft_states`` after an EAGLE-family verify (module
+        doc): ``accept_lens`` int [>= B] accepted drafts per request, draft 0 (the last sampled
+        token) included, as SGLang's eagle_sample counts them (seq_lens += accept_lens);
+        ``num_draft_tokens`` the verify's T. The accepted drafts of a chain are its first
+        accept_lens[b], already in their final slots (req_to_token[row, n + i]): no INT2 cell
+        moves, HybridAttention.commit writes their BF16 sinks and ring cells and ends the rows'
+        rings at prefix + accepted. Once per verify; device ops, no host sync."""
+        if self._pending_verify is None:
+            raise NotImplementedError("an EAGLE-family acceptance is supported with --kv-cache-dtype oscar_int2 "
+                                      "only right after a STANDALONE chain verify (one commit per verify)")
+        slots, b, t, chain = self._pending_verify
+        if not chain or int(num_draft_tokens) != t:
+            raise NotImplementedError(f"oscar_int2 commits an EAGLE-family acceptance of a chain verify only "
+                                      f"(this verify: {'a chain' if chain else 'a tree'} of {t} drafts, the "
+                                      f"acceptance names {num_draft_tokens}); use --speculative-eagle-topk 1")
+        self.attention.commit(accept_lens=accept_lens[:b])
         self._pending_verify = None
 
     def _plan_extend(self, fb) -> None:

@@ -14,7 +14,9 @@ attention backend (also among SGLang's deterministic backends) and the ``--warmu
 ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`, which the oscar_int2 defaults add), and
 installs :func:`hooks` through :mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry): the KV
 dtype and its INT2 bytes per token; the KV budget less the fixed reserve (rings, sink store,
-rotations, sink index) and at most the reserved request rows; the :class:`OscarKVPool` (for a
+rotations, sink index; with a STANDALONE draft model, its BF16 KV beside the INT2 cells) and at
+most the reserved request rows; the :class:`OscarKVPool` (the target's only: a draft model's
+runner gets SGLang's ordinary pool; for a
 Gated DeltaNet hybrid, inside SGLang's hybrid linear pool, over the full-attention layers; for a
 hybrid sliding-window model (gpt-oss), inside SGLang's SWAKVPool beside its BF16 SWA pool, the
 full-attention layers charged at INT2 bytes in SGLang's HybridSWAPoolConfigurator); SGLang's
@@ -58,6 +60,11 @@ def create_oscar_backend(runner):
 def configure_kv_cache_dtype_hook(original, *args, **kwargs):
     if kwargs.get("server_args_kv_cache_dtype") != OSCAR_KV_DTYPE:
         return original(*args, **kwargs)
+    if kwargs.get("is_draft_worker"):
+        # a STANDALONE draft model keeps its own KV in SGLang's ordinary pool, in the model's
+        # dtype (what --kv-cache-dtype auto gives it): build_token_to_kv_pool_hook's doc says why
+        resolved, dtype = original(*args, **{**kwargs, "server_args_kv_cache_dtype": "auto"})
+        return resolved or "auto", dtype
     import torch
 
     model_dtype = kwargs.get("model_dtype")
@@ -67,8 +74,28 @@ def configure_kv_cache_dtype_hook(original, *args, **kwargs):
     return OSCAR_KV_DTYPE, torch.bfloat16
 
 
+def is_draft(kvc) -> bool:
+    """The configurator of a speculative draft model's runner (SGLang's ordinary pool)."""
+    return bool(getattr(kvc, "is_draft_worker", False))
+
+
+def draft_kv_bytes_per_token(kvc, plan) -> int:
+    """Bytes per token of the target's STANDALONE/EAGLE draft model's own KV pool, which SGLang
+    sizes to the target's token count (kv_cache_configurator: the draft runner reuses the
+    target's MemoryPoolConfig): the draft's layers (spec_aux_config.eagle_draft_num_layers) at
+    BF16 with the target's per-layer K/V geometry, SGLang's own assumption when it scales the
+    target's cell size for the draft (DefaultPoolConfigurator.__init__). 0 without a draft model."""
+    algo = getattr(kvc, "spec_algorithm", None)
+    if is_draft(kvc) or algo is None or not (algo.is_eagle() or algo.is_standalone()):
+        return 0
+    from .memory import bf16_bytes_per_token
+
+    layers = getattr(getattr(kvc, "spec_aux_config", None), "eagle_draft_num_layers", None)
+    return bf16_bytes_per_token(int(layers or 0), plan.num_kv_heads, plan.head_dim)
+
+
 def compute_cell_size_hook(original, configurator, kvc, num_layers):
-    if not is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args) or is_draft(kvc):
         return original(configurator, kvc, num_layers)
     from .pool import plan_for_configurator
 
@@ -78,23 +105,24 @@ def compute_cell_size_hook(original, configurator, kvc, num_layers):
 def profile_available_bytes_hook(result, kvc, *args, **kwargs):
     """AFTER: turn SGLang's KV budget into (oscar tokens) x (INT2 bytes per token); for a hybrid
     sliding-window model, the budget less the INT2 reserve (:func:`_hybrid_swa_budget`)."""
-    if not is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args) or is_draft(kvc):
         return None
     from .pool import plan_for_configurator
 
     plan = plan_for_configurator(kvc)
     if kvc.is_hybrid_swa:
         return _hybrid_swa_budget(result, plan)
-    tokens = plan.max_total_tokens(result)
+    draft = draft_kv_bytes_per_token(kvc, plan)
+    tokens = plan.max_total_tokens(result, draft)
     if tokens <= 0:
         raise _reserve_does_not_fit(result, plan)
     gib = 1 << 30
     logger.info("oscar_int2 pool plan: budget %.2f GiB, reserve %.2f GiB (rings %.2f, sinks %.2f,"
-                " rotations %.3f), %d B/token (INT2 groups: keys %d, values %d; %s scales) -> %d tokens",
+                " rotations %.3f), %d B/token (INT2 groups: keys %d, values %d; %s scales)%s -> %d tokens",
                 result / gib, plan.fixed_bytes / gib, plan.ring_bytes / gib, plan.sink_store_bytes / gib,
                 plan.rotation_bytes / gib, plan.bytes_per_token, plan.group_size, plan.value_group_size,
-                plan.scale_dtype, tokens)
-    return tokens * plan.bytes_per_token
+                plan.scale_dtype, f" + {draft} B/token of the draft model's BF16 KV" if draft else "", tokens)
+    return tokens * (plan.bytes_per_token + draft)  # DefaultPoolConfigurator's cell: default_pool_sizing_hook
 
 
 def _reserve_does_not_fit(result, plan) -> ValueError:
@@ -129,7 +157,7 @@ def swa_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
     token (codes + scales + the sink index's 4 bytes per page), the SWA layers what SGLang
     charges (BF16 K/V, --swa-full-tokens-ratio of the full tokens); one cell of both, as SGLang
     forms it."""
-    if not is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args) or is_draft(kvc):
         return None
     from .memory import INDEX_BYTES
     from .pool import plan_for_configurator
@@ -147,9 +175,23 @@ def swa_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
     return None
 
 
+def default_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
+    """DefaultPoolConfigurator.__init__, after: the cell is the INT2 bytes per token plus, with a
+    STANDALONE/EAGLE draft model, its BF16 KV (:func:`draft_kv_bytes_per_token`), not SGLang's
+    INT2 cell x (1 + draft layers / target layers), which would charge the draft's BF16 layers at
+    INT2 bytes (and overrun the budget by the difference)."""
+    if not is_oscar(kvc.server_args) or is_draft(kvc) or kvc.is_hybrid_swa:
+        return None
+    from .pool import plan_for_configurator
+
+    plan = plan_for_configurator(kvc)
+    configurator._cell_size = plan.bytes_per_token + draft_kv_bytes_per_token(kvc, plan)
+    return None
+
+
 def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
     """AFTER: never more running requests than request rows the rings were reserved for."""
-    if not is_oscar(kvc.server_args):
+    if not is_oscar(kvc.server_args) or is_draft(kvc):
         return None
     from .pool import plan_for_configurator
 
@@ -157,7 +199,12 @@ def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
 
 
 def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
-    if not is_oscar(kvc.server_args):
+    """The oscar pool for the target model; a speculative draft model's runner (STANDALONE)
+    gets SGLang's ordinary pool in the model's dtype (configure_kv_cache_dtype_hook), which its
+    ordinary attention backend (--speculative-draft-attention-backend, refusals) reads: the draft
+    is small, its KV is written at speculative positions by every draft step (no ring/sink
+    protocol to commit) and it would need rotations of its own to be INT2."""
+    if not is_oscar(kvc.server_args) or is_draft(kvc):
         return original(kvc, *args, **kwargs)
     from .refusals import hybrid_linear_problem, hybrid_swa_problem
 
@@ -214,6 +261,7 @@ def hooks() -> list[Hook]:
         Hook(t["kv_cache_dtype"], configure_kv_cache_dtype_hook, around),
         Hook(t["cell_size"], compute_cell_size_hook, around),
         Hook(t["swa_cell_size"], swa_pool_sizing_hook, after),
+        Hook(t["default_cell_size"], default_pool_sizing_hook, after),
         Hook(t["kv_budget"], profile_available_bytes_hook, after),
         Hook(t["max_num_reqs"], resolve_max_num_reqs_hook, after),
         Hook(t["build_pool"], build_token_to_kv_pool_hook, around),

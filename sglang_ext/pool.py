@@ -15,7 +15,10 @@ their final slots with ``move_kv_cache`` (spec_utils.move_accept_tokens_to_targe
 for chains and trees alike); that call is where the pool learns the acceptance, so it goes
 to the attention backend that planned the verify (``verify_commit``, set by
 OscarAttnBackend), which moves the INT2 cells and commits the BF16 sinks and ring. Without
-a planned verify a move is refused.
+a planned verify a move is refused. STANDALONE (SGLang's EAGLE-family worker) moves nothing after
+a chain verify; its one pool call after every verify, ``clear_unaccepted_c128_draft_states``
+(a DeepSeek-V4 pool method upstream), carries the acceptance to the backend instead
+(``verify_commit_chain``). The draft model's own KV is SGLang's ordinary BF16 pool, not this one.
 """
 from __future__ import annotations
 
@@ -133,6 +136,9 @@ class OscarKVPool(MHATokenToKVPool):
         # OscarAttnBackend.commit_accepted(tgt_loc, src_loc) of a backend that runs speculative
         # verifies (move_kv_cache's doc), else None
         self.verify_commit = None
+        # OscarAttnBackend.commit_chain(accept_lens, num_draft_tokens), the same backend's
+        # commit of an EAGLE-family chain verify (clear_unaccepted_c128_draft_states' doc)
+        self.verify_commit_chain = None
         super().__init__(size, page_size, torch.bfloat16, head_num, head_dim, layer_num, device,
                          enable_memory_saver, v_head_dim=head_dim, start_layer=start_layer,
                          end_layer=end_layer, enable_alt_stream=enable_alt_stream,
@@ -231,8 +237,20 @@ class OscarKVPool(MHATokenToKVPool):
         path order, zero-padded). The backend that planned the verify moves every layer's INT2
         cells and commits the accepted tokens' BF16 sinks and ring cells (module doc)."""
         if self.verify_commit is None:
-            _refuse("moving KV slots outside an NGRAM speculative verify")
+            _refuse("moving KV slots outside a speculative verify")
         self.verify_commit(tgt_loc, src_loc)
+
+    def clear_unaccepted_c128_draft_states(self, req_pool_indices, seq_lens, accept_lens, num_draft_tokens):
+        """SGLang 0.5.17's one pool call after every EAGLE-family verify (STANDALONE here:
+        eagle_worker_common.run_eagle_verify, right after eagle_sample, before any KV move; named
+        for DeepSeek-V4's compressed states, which this pool has none of). req_pool_indices,
+        seq_lens int [B] (the prefix before the verify), accept_lens int [B] (accepted drafts,
+        draft 0 included), num_draft_tokens the verify's T. A chain's accepted drafts already
+        sit in their final slots; the backend that planned the verify commits their BF16 sinks
+        and ring cells (OscarAttnBackend.commit_chain)."""
+        if self.verify_commit_chain is None:
+            _refuse("an EAGLE-family acceptance outside a speculative server")
+        self.verify_commit_chain(accept_lens, num_draft_tokens)
 
 
 class OscarHybridLinearKVPool(HybridLinearKVPool):

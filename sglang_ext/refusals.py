@@ -38,12 +38,20 @@ DECODE_GRAPH_BACKENDS = ("full", "disabled")
 SPECULATIVE_DECODE_GRAPH_BACKENDS = ("disabled",)
 
 # --speculative-algorithm values served with oscar_int2 (issue 49): NGRAM (no draft model; its
-# verify is HybridAttention.plan_verify / verify, its acceptance the pool's move_kv_cache).
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-_DRAFT_MODEL_WHY = (
-    "a draft model's own KV pool would be built as a second oscar_int2 pool with the target's rotations "
-    "file, and SGLang 0.5.17's EAGLE-family worker accepts a chain verify without any call the pool "
-    "could commit the BF16 ring from; NGRAM is served")
+# verify is HybridAttention.plan_verify / verify, its acceptance the pool's move_kv_cache) and
+# STANDALONE (a draft model of its own, chain drafts: the same verify, its acceptance the pool's
+# clear_unaccepted_c128_draft_states, the one pool call of SGLang's EAGLE-family worker after a
+# chain verify). The draft model keeps its KV in SGLang's ordinary pool in the model's dtype
+# behind an ordinary backend (DRAFT_ATTENTION_BACKEND unless --speculative-draft-attention-backend
+# names another): it is small, and INT2 would need rotations calibrated for it.
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DRAFT_MODEL_ALGORITHM = "STANDALONE"
+# Triton: built wherever the oscar kernels run (no flashinfer needed); flashinfer or fa3 may be named.
+DRAFT_ATTENTION_BACKEND = "triton"
+_OTHER_ALGORITHM_WHY = (
+    "oscar_int2 serves NGRAM and STANDALONE (chain drafts of a separate draft model); the EAGLE/EAGLE3/"
+    "NEXTN drafts (the target's hidden states, MTP layers) and the other draft workers are not wired "
+    "to the 2-bit verify and commit or checked against it yet")
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -108,9 +116,15 @@ def apply_oscar_defaults(server_args) -> None:
     # (and are checked after resolution)
     server_args.disable_prefill_cuda_graph = True
     if speculative_algorithm(server_args) is not None:  # SPECULATIVE_DECODE_GRAPH_BACKENDS says why
+        # SGLang's draft worker captures its own graphs under the same decode switch: off too
         server_args.disable_decode_cuda_graph = True
         logger.info("oscar: --speculative-algorithm %s runs its verify without CUDA graphs "
                     "(HybridAttention.plan_verify allocates)", speculative_algorithm(server_args))
+    if speculative_algorithm(server_args) == DRAFT_MODEL_ALGORITHM and \
+            getattr(server_args, "speculative_draft_attention_backend", None) is None:
+        server_args.speculative_draft_attention_backend = DRAFT_ATTENTION_BACKEND
+        logger.info("oscar: the %s draft model keeps its KV in SGLang's ordinary pool, read by "
+                    "--speculative-draft-attention-backend %s", DRAFT_MODEL_ALGORITHM, DRAFT_ATTENTION_BACKEND)
     warmups = [w for w in (server_args.warmups or "").split(",") if w]
     if WARMUP_NAME not in warmups and not server_args.skip_server_warmup:  # sglang_ext.warmup
         server_args.warmups = ",".join(warmups + [WARMUP_NAME])
@@ -137,13 +151,30 @@ def speculative_algorithm(sa) -> str | None:
 
 
 def _check_speculative(sa) -> None:
-    """NGRAM is served (SPECULATIVE_ALGORITHMS); every draft-model algorithm is refused in one
-    line (_DRAFT_MODEL_WHY), and so is a draft-model path given without an algorithm."""
+    """NGRAM and STANDALONE are served (SPECULATIVE_ALGORITHMS); every other algorithm is refused
+    in one line (_OTHER_ALGORITHM_WHY), and so is a draft-model path without STANDALONE. Under
+    STANDALONE: chain drafts only (a tree's accepted path is moved, and each branch's prefix tail
+    paged, through the pool after the acceptance call the commit uses; SGLang resolves the width
+    after __post_init__, so it is checked whenever set) and a draft attention backend that reads
+    SGLang's ordinary pool (not oscar)."""
     algo = speculative_algorithm(sa)
     if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
-        raise _refuse(f"--speculative-algorithm {algo}", _DRAFT_MODEL_WHY)
-    if getattr(sa, "speculative_draft_model_path", None) is not None:
-        raise _refuse("--speculative-draft-model-path", _DRAFT_MODEL_WHY)
+        raise _refuse(f"--speculative-algorithm {algo}", _OTHER_ALGORITHM_WHY)
+    if getattr(sa, "speculative_draft_model_path", None) is not None and algo != DRAFT_MODEL_ALGORITHM:
+        raise _refuse(f"--speculative-draft-model-path with --speculative-algorithm {algo}",
+                      f"a draft model is served with --speculative-algorithm {DRAFT_MODEL_ALGORITHM}")
+    if algo != DRAFT_MODEL_ALGORITHM:
+        return
+    topk = getattr(sa, "speculative_eagle_topk", None)
+    if topk is not None and topk > 1:
+        raise _refuse(f"--speculative-eagle-topk {topk} with {algo}",
+                      "tree drafts of a draft model are not served (SGLang moves their accepted path and "
+                      "pages each branch's prefix tail through the pool after the acceptance call that "
+                      "commits a chain); use --speculative-eagle-topk 1")
+    if getattr(sa, "speculative_draft_attention_backend", None) == OSCAR_ATTENTION_BACKEND:
+        raise _refuse(f"--speculative-draft-attention-backend {OSCAR_ATTENTION_BACKEND}",
+                      "the draft model's KV is SGLang's ordinary pool, read by an ordinary backend "
+                      f"(default {DRAFT_ATTENTION_BACKEND}; flashinfer or fa3 also work)")
 
 
 def _check_hicache(sa) -> None:

@@ -98,6 +98,7 @@ HOOK_TARGETS = {
     "kv_cache_dtype": "sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype",
     "cell_size": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
     "swa_cell_size": "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
+    "default_cell_size": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
     "kv_budget": f"{_CONFIGURATOR}._profile_available_bytes",
     "max_num_reqs": f"{_CONFIGURATOR}.resolve_max_num_reqs",
     "build_pool": f"{_CONFIGURATOR}._build_token_to_kv_pool",

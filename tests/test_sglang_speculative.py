@@ -76,9 +76,10 @@ class Server:
                 new = min(chunk, r["n"] - start)
                 self.sim.extend([dict(rid=r["rid"], row=r["row"], content=r["rid"], prefix=start, new=new)])
 
-    def verify(self, reqs, parents):
-        """reqs: dicts rid, row, n (cached length); parents [B][T]. Drafts' K/V content
-        (rid, round n, draft i). Returns per-layer outputs [B*T, HQ*D] and the batch."""
+    def verify(self, reqs, parents, topk=None):
+        """reqs: dicts rid, row, n (cached length); parents [B][T]; ``topk``: the spec_info's
+        (EagleVerifyInput.topk; NGRAM's has none). Drafts' K/V content (rid, round n, draft i).
+        Returns per-layer outputs [B*T, HQ*D] and the batch."""
         sim, t = self.sim, self.t
         rows, seq, slots, pos, masks = [], [], [], [], []
         for r, par in zip(reqs, parents):
@@ -87,7 +88,8 @@ class Server:
             slots.append(sim.pool.req_to_token[r["row"], r["n"]:r["n"] + t].long())
             pos.append(torch.tensor([r["n"] + d for d in _depths(par)]))
             masks.append(full_mask(par, r["n"]))
-        spec = SimpleNamespace(draft_token_num=t, custom_mask=torch.cat(masks), positions=torch.cat(pos))
+        spec = SimpleNamespace(draft_token_num=t, custom_mask=torch.cat(masks), positions=torch.cat(pos),
+                               **({} if topk is None else {"topk": topk}))
         fb = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
                              req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq),
                              out_cache_loc=torch.cat(slots), positions=torch.cat(pos), spec_info=spec, rids=None)
@@ -294,7 +296,7 @@ def test_a_move_without_a_verify_is_refused():
     assert "\n" not in str(e.value)
     outs, fb = spec.verify(REQS[:1], [_chain(4)])
     spec.accept(fb, REQS[:1], [[0, 1]])
-    with pytest.raises(NotImplementedError, match="right after an NGRAM verify"):
+    with pytest.raises(NotImplementedError, match="right after a speculative verify"):
         spec.sim.pool.move_kv_cache(idx, idx)  # one commit per verify
 
 
@@ -364,11 +366,12 @@ def test_ngram_on_a_hybrid_model_is_refused_in_one_line(sliding, arch, layers):
                                     sliding=sliding)
 
 
-@pytest.mark.parametrize("field, value, flag", [
-    ("speculative_algorithm", "standalone", "--speculative-algorithm STANDALONE"),
-    ("speculative_algorithm", "EAGLE3", "--speculative-algorithm EAGLE3"),
-    ("speculative_draft_model_path", "/models/draft", "--speculative-draft-model-path")])
-def test_draft_model_speculation_is_refused_in_one_line(field, value, flag):
+@pytest.mark.parametrize("field, value, flag, why", [
+    ("speculative_algorithm", "eagle", "--speculative-algorithm EAGLE", "serves NGRAM and STANDALONE"),
+    ("speculative_algorithm", "EAGLE3", "--speculative-algorithm EAGLE3", "serves NGRAM and STANDALONE"),
+    ("speculative_draft_model_path", "/models/draft", "--speculative-draft-model-path with --speculative-algorithm "
+     "None", "with --speculative-algorithm STANDALONE")])
+def test_other_draft_model_speculation_is_refused_in_one_line(field, value, flag, why):
     from sglang_ext import refusals
     from sglang_ext.settings import OscarConfigError
 
@@ -377,5 +380,5 @@ def test_draft_model_speculation_is_refused_in_one_line(field, value, flag):
     with pytest.raises(OscarConfigError) as ei:
         refusals._check_speculative(sa)
     msg = str(ei.value)
-    assert "\n" not in msg and msg.startswith(f"{flag} is not supported") and "NGRAM is served" in msg
+    assert "\n" not in msg and msg.startswith(f"{flag} is not supported") and why in msg
     refusals._check_speculative(SimpleNamespace(speculative_algorithm="NGRAM", speculative_draft_model_path=None))
