@@ -206,6 +206,10 @@ class OscarAttnBackend(AttentionBackend):
                                          padding_page=PADDING_PAGE, learned_sinks=learned_sinks,
                                          key_debias=key_debias, max_draft_tokens=max_draft_tokens)
         self.learned_sinks = learned_sinks
+        # SGLang's EAGLE-family worker sizes the verify tree mask it builds for the target's
+        # backend with bs * max_context_len tokens when the batch carries no seq_lens_sum
+        # (eagle_worker_common.build_eagle_verify_input), as for its own backends
+        self.max_context_len = context_len
         # (slots int [B*T], B, T, chain) of the planned verify whose acceptance has not been
         # committed; chain: planned without parents (an EAGLE-family topk-1 verify)
         self._pending_verify: Optional[tuple[torch.Tensor, int, int, bool]] = None
@@ -259,6 +263,12 @@ class OscarAttnBackend(AttentionBackend):
         self.attention.plan_verify(fb.req_pool_indices[:bs].clone().long(), fb.seq_lens[:bs].clone(),
                                    fb.positions[:bs * t], slots, num_draft_tokens=t, parents=parents)
         self._pending_verify = (slots, bs, t, chain)
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """SGLang's EAGLE-family worker (with SGLANG_ENABLE_OVERLAP_PLAN_STREAM) calls this after
+        the draft, to refresh what a verify planned early read of the mask and positions. Nothing
+        is planned early here: the verify plan is made in the forward (init_forward_metadata),
+        after the draft, and never inside a CUDA graph (the refusals keep verify graphs off)."""
 
     def commit_accepted(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """The pool's ``move_kv_cache`` after the planned verify (tgt_loc, src_loc int [M]:

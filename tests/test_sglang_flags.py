@@ -390,6 +390,23 @@ def test_ngram_is_served_with_tree_drafts_and_no_decode_graph(width, real_model_
     sa.check_server_args()
 
 
+def test_standalone_resolves_to_a_chain_with_an_ordinary_draft_backend(real_model_dir, tiny_rot):
+    """STANDALONE (the model drafting for itself) resolves under oscar_int2 with SGLang's own
+    defaults (3 steps, topk 1, 4 drafts), the target on oscar, the draft on Triton, decode graphs
+    off; a tree (--speculative-eagle-topk 2) is refused in one line once SGLang has resolved it."""
+    spec = ["--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, "--speculative-algorithm",
+            "STANDALONE", "--speculative-draft-model-path", str(real_model_dir)]
+    sa = _prepare(real_model_dir, *spec)
+    assert (sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens) == (3, 1, 4)
+    assert (sa.attention_backend, sa.speculative_draft_attention_backend) == ("oscar", "triton")
+    assert sa.cuda_graph_config.decode.backend == "disabled"
+    sa.check_server_args()
+    with pytest.raises(OscarConfigError) as ei:
+        _prepare(real_model_dir, *spec, "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+                 "--speculative-num-draft-tokens", "4")
+    assert one_line(ei).startswith("--speculative-eagle-topk 2 with STANDALONE is not supported")
+
+
 def test_ngram_tree_refusal_stays_for_other_kv_caches(real_model_dir):
     """The hook passes through: without oscar_int2 SGLang's own check still refuses."""
     with pytest.raises(ValueError, match="only supported for the 'flashinfer' backend"):

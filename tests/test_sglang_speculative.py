@@ -321,17 +321,19 @@ def test_accept_index_from_move():
 
 
 @pytest.mark.parametrize("algo, drafts, adaptive_max, want", [
-    (None, 8, None, 0), ("NGRAM", 8, None, 8), ("NGRAM", 4, 7, 7)])
+    (None, 8, None, 0), ("NGRAM", 8, None, 8), ("NGRAM", 4, 7, 7), ("STANDALONE", 4, None, 4)])
 def test_the_backend_sizes_the_verify_from_the_server_arguments(algo, drafts, adaptive_max, want, tmp_path):
     """A speculative server's backend stages up to --speculative-num-draft-tokens drafts per
     request (ServerArgs.max_speculative_num_draft_tokens under --speculative-adaptive) and is the
-    pool's verify_commit; without speculation it stages none and the pool refuses moves."""
+    pool's verify_commit and verify_commit_chain; without speculation it stages none and the pool
+    refuses moves. It carries the model's context length as max_context_len (SGLang's EAGLE-family
+    worker sizes the verify mask with it)."""
     from sglang_ext.backend import OscarAttnBackend
     from sglang_ext.settings import OSCAR_KV_DTYPE
     from test_sglang_backend import CTX
 
     sim = Sim()
-    sim.pool.verify_commit = None  # the Sim's own backend stages nothing either
+    sim.pool.verify_commit = sim.pool.verify_commit_chain = None  # the Sim's own backend's
     rotations = tmp_path / "r.safetensors"
     rotations.write_bytes(b"")
     sa = SimpleNamespace(kv_cache_dtype=OSCAR_KV_DTYPE, oscar_rotations=str(rotations),
@@ -343,9 +345,10 @@ def test_the_backend_sizes_the_verify_from_the_server_arguments(algo, drafts, ad
                              req_to_token_pool=sim.req_pool, model=torch.nn.ModuleList(sim.layers))
     backend = OscarAttnBackend.from_model_runner(runner)
     assert backend.attention.max_draft_tokens == want
-    assert (sim.pool.verify_commit is not None) == bool(want)
+    assert (sim.pool.verify_commit is not None) == (sim.pool.verify_commit_chain is not None) == bool(want)
+    assert backend.max_context_len == CTX
     if want:
-        assert sim.pool.verify_commit.__self__ is backend
+        assert sim.pool.verify_commit.__self__ is backend and sim.pool.verify_commit_chain.__self__ is backend
         assert backend.attention.draft_kv.shape[:3] == (len(sim.layers), 2, sim.pool.req_to_token.shape[0] * want)
 
 
