@@ -39,11 +39,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tinylm_dir() -> Path:
     if not (TINYLM / "config.json").is_file():
         pytest.skip(f"tinylm-A not found at {TINYLM} (needs ../shared/models/tinylm-A)")
     return TINYLM
+
+
+@pytest.fixture(scope="session")
+def tinylm_rotations(tinylm_dir, tmp_path_factory) -> str:
+    """tinylm-A's rotations file, calibrated once per session (the GPU server tests share it)."""
+    from sglang_cases import calibrate_tinylm_rotations
+
+    return calibrate_tinylm_rotations(tinylm_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
 
 
 @pytest.fixture(scope="session")

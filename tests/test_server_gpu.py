@@ -25,8 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINYLM
-from sglang_cases import calibrate_tinylm_rotations
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -113,25 +111,13 @@ def _chat(client, stream=False):
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    if not (TINYLM / "config.json").is_file():
-        pytest.skip(f"tinylm-A not found at {TINYLM}")
-    return TINYLM
-
-
-@pytest.fixture(scope="module")
-def rotations(model_dir, tmp_path_factory):
-    return calibrate_tinylm_rotations(model_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
-
-
-@pytest.fixture(scope="module")
-def bf16(model_dir, tmp_path_factory):
+def bf16(tinylm_dir, tmp_path_factory):
     """Greedy outputs and capacity of the BF16 reference server (then stopped)."""
     h = _harness()
     log_dir = str(tmp_path_factory.mktemp("logs"))
     # no CUDA graphs for the reference: on a fresh machine their capture compiled SGLang's
     # Triton kernels for 169 s; capacity is sized before capture, greedy outputs do not change
-    with h.Server("bf16", ["--model-path", str(model_dir), "--attention-backend", "triton",
+    with h.Server("bf16", ["--model-path", str(tinylm_dir), "--attention-backend", "triton",
                            "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", *COMMON], log_dir) as server:
         client = _client(server)
         return {"completions": [_greedy_tokens(client, p) for p in PROMPTS],
@@ -140,11 +126,11 @@ def bf16(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oscar(model_dir, rotations, bf16, tmp_path_factory):
+def oscar(tinylm_dir, tinylm_rotations, bf16, tmp_path_factory):
     h = _harness()
     log_dir = str(tmp_path_factory.mktemp("logs"))
-    server = h.Server("oscar", ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2",
-                                "--oscar-rotations", rotations, "--oscar-sink-tokens", str(SINKS),
+    server = h.Server("oscar", ["--model-path", str(tinylm_dir), "--kv-cache-dtype", "oscar_int2",
+                                "--oscar-rotations", tinylm_rotations, "--oscar-sink-tokens", str(SINKS),
                                 "--oscar-recent-window", str(WINDOW), *COMMON], log_dir)
     server.start()
     yield server
@@ -178,13 +164,13 @@ def test_chat_matches_bf16_within_the_windows(oscar, bf16):
         assert text == "".join(got)
 
 
-def test_radix_hit_matches_uncached_run(oscar, model_dir):
+def test_radix_hit_matches_uncached_run(oscar, tinylm_dir):
     """A hit on a one-page prefix reads the shared page's BF16 sinks: its greedy tokens equal
     the uncached run's up to a near-tie of the uncached run (the hit attends the prefix and
     the new tokens in two FlashInfer passes merged, the uncached run in one: rounding)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     prefix = tok(Path(json.__file__).read_text())["input_ids"][:64]  # one page: the shared sinks
     first = prefix + tok("first_helper = make_helper(1)\n")["input_ids"]
     second = prefix + tok("class SecondHelper:\n")["input_ids"]
@@ -200,11 +186,11 @@ def test_radix_hit_matches_uncached_run(oscar, model_dir):
     assert _harness().agree_up_to_a_near_tie(hit, cold, cold_top, NEAR_TIE) is None, (hit, cold)
 
 
-def test_long_prompt_chunked_prefill_and_int2_history(oscar, model_dir):
+def test_long_prompt_chunked_prefill_and_int2_history(oscar, tinylm_dir):
     """~2500 prompt tokens: three prefill chunks, INT2 history, then a radix hit on it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     ids = tok((ROOT / "sglang_ext" / "pool.py").read_text() * 3)["input_ids"][:2500]
     client = _client(oscar)
     assert oscar.get("/flush_cache") is not None
@@ -214,14 +200,14 @@ def test_long_prompt_chunked_prefill_and_int2_history(oscar, model_dir):
         assert (_cached_tokens(usage) > 2000) == expect_hit
 
 
-def test_concurrent_requests_share_graph_decode_batches(oscar, model_dir):
+def test_concurrent_requests_share_graph_decode_batches(oscar, tinylm_dir):
     """Eight requests at once (short and long, cache hits and misses): decode runs in
     padded CUDA-graph batches over several request rows; every request completes."""
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     long_ids = tok((ROOT / "sglang_ext" / "backend.py").read_text())["input_ids"][:1500]
     prompts = PROMPTS + [long_ids[:n] for n in (300, 700, 1100, 1500)]
     client = _client(oscar)
@@ -252,7 +238,7 @@ def _default_prefix_read() -> str:
 
 
 @pytest.mark.parametrize("read", ["int2", "bf16"])
-def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, rotations, tmp_path, read):
+def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, tinylm_dir, tinylm_rotations, tmp_path, read):
     """--oscar-extend-prefix int2 / bf16 against the default (flashinfer): a 3,000-token
     prompt prefilled in 1,024-token chunks (chunks 2 and 3 read the cached prefix through the
     read under test) gets the default read's per-token negative log-likelihoods up to
@@ -270,12 +256,12 @@ def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, 
     h = _harness()
     from benchmarks import server_fidelity
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     ids = tok((ROOT / "sglang_ext" / "backend.py").read_text() * 4)["input_ids"][:3000]
     assert len(ids) == 3000
     assert oscar.get("/flush_cache") is not None
     want = server_fidelity.window_nll(oscar, ids)
-    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+    args = ["--model-path", str(tinylm_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", tinylm_rotations,
             "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW),
             "--oscar-extend-prefix", read, *COMMON]
     args[args.index("--mem-fraction-static") + 1] = "0.3"  # next to the module's oscar server
@@ -291,7 +277,7 @@ def test_prefix_reads_score_a_prompt_as_the_default_read_does(oscar, model_dir, 
         (mean_diff, max(diffs), ratio)
 
 
-def test_deterministic_inference_outputs_do_not_depend_on_the_load(model_dir, rotations, tmp_path):
+def test_deterministic_inference_outputs_do_not_depend_on_the_load(tinylm_dir, tinylm_rotations, tmp_path):
     """--enable-deterministic-inference: four prompts of 1,200-3,000 tokens (prefilled in
     1,024-token chunks, INT2 history) give the same 48 greedy tokens alone and sent at once
     with four other requests (other batch sizes, other chunk packings, decode in padded
@@ -301,11 +287,11 @@ def test_deterministic_inference_outputs_do_not_depend_on_the_load(model_dir, ro
     from transformers import AutoTokenizer
 
     h = _harness()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     ids = tok((ROOT / "sglang_ext" / "pool.py").read_text() * 4)["input_ids"]
     probes = [ids[s:s + n] for s, n in ((0, 3000), (500, 1200), (900, 2100), (1700, 2600))]
     noise = [ids[s:s + n] for s, n in ((100, 700), (250, 1900), (40, 300), (1300, 1500))]
-    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+    args = ["--model-path", str(tinylm_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", tinylm_rotations,
             "--enable-deterministic-inference", *COMMON]
     args[args.index("--mem-fraction-static") + 1] = "0.3"  # next to the module's oscar server
     with h.Server("oscar-deterministic", args, str(tmp_path)) as server:

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINYLM
-from sglang_cases import calibrate_tinylm_rotations
 
 pytestmark = pytest.mark.gpu
 
@@ -59,25 +57,13 @@ def _harness():
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    if not (TINYLM / "config.json").is_file():
-        pytest.skip(f"tinylm-A not found at {TINYLM}")
-    return TINYLM
-
-
-@pytest.fixture(scope="module")
-def rotations(model_dir, tmp_path_factory):
-    return calibrate_tinylm_rotations(model_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
-
-
-@pytest.fixture(scope="module")
-def workload(model_dir):
+def workload(tinylm_dir):
     """[(prefix index, input ids)] in sending order: ROUNDS rounds over the prefixes, each
     request its own suffix (so a hit is exactly the prefix)."""
     import sglang
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     srt = Path(sglang.__file__).parent / "srt" / "managers"
     ids: list[int] = []
     need = sum(PREFIXES) + ROUNDS * len(PREFIXES) * SUFFIX
@@ -144,14 +130,14 @@ def _serve(name, args, workload, log_dir, env=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def never_evicts(model_dir, rotations, workload, tmp_path_factory):
-    args = ["--model-path", str(model_dir), "--oscar-rotations", rotations, *COMMON, *NEVER_EVICTS]
+def never_evicts(tinylm_dir, tinylm_rotations, workload, tmp_path_factory):
+    args = ["--model-path", str(tinylm_dir), "--oscar-rotations", tinylm_rotations, *COMMON, *NEVER_EVICTS]
     return _serve("oscar-never-evicts", args, workload, str(tmp_path_factory.mktemp("logs")))
 
 
 @pytest.fixture(scope="module")
-def hicache(model_dir, rotations, workload, never_evicts, tmp_path_factory):
-    args = ["--model-path", str(model_dir), "--oscar-rotations", rotations, *COMMON, *HICACHE]
+def hicache(tinylm_dir, tinylm_rotations, workload, never_evicts, tmp_path_factory):
+    args = ["--model-path", str(tinylm_dir), "--oscar-rotations", tinylm_rotations, *COMMON, *HICACHE]
     return _serve("oscar-hicache", args, workload, str(tmp_path_factory.mktemp("logs")), env=STRICT_LEAK_CHECK)
 
 
