@@ -1,6 +1,6 @@
-"""End-to-end on a GPU: NGRAM speculative decoding (issue 49) on tinylm-A with
+"""End-to-end on a GPU: NGRAM and STANDALONE speculative decoding (issue 49) on tinylm-A with
 --kv-cache-dtype oscar_int2, against the same server without speculation (same flags otherwise).
-Written without a GPU at hand: not run yet.
+Written without a GPU at hand: not run yet (the STANDALONE case added after the NGRAM ones).
 
 Run on the GPU machine (SGLang under /tmp/site, tinylm-A under .device/models):
     PYTHONPATH=/tmp/site python3 -m pytest -m gpu tests/test_server_speculative_gpu.py -v -s
@@ -12,6 +12,11 @@ tree drafts, the accepted path moved by SGLang through OscarKVPool.move_kv_cache
 0.5.17 refuses for paged backends other than flashinfer unless the oscar _handle_ngram hook lets it
 through). Both draft --speculative-num-draft-tokens 8 per verify and run the verify without CUDA
 graphs (the refusals turn the decode graph, SGLang's verify graph under speculation, off).
+Then a STANDALONE server: tinylm-A drafting for itself (--speculative-draft-model-path the same
+folder; --speculative-num-steps 3, --speculative-eagle-topk 1, --speculative-num-draft-tokens 4,
+SGLang's own STANDALONE defaults, a chain): SGLang's EAGLE-family worker, the draft's KV in SGLang's
+ordinary BF16 pool on --speculative-draft-attention-backend triton (the oscar default), the target's
+acceptance committed through OscarKVPool.clear_unaccepted_c128_draft_states (no KV move for a chain).
 
 Prompts: token ids of the checkout's own Python sources (code repeats, so NGRAM accepts), sent as
 input_ids with greedy sampling and ignore_eos; S = 64 sinks (one page), W = 128, page 64, chunked
@@ -21,12 +26,14 @@ prefill 1024:
   1,024, INT2 history) + 64 tokens;
 - shared prefixes: two prompts with a common 1,024-token prefix, the second a radix hit;
 - 16 concurrent requests of 300-1,800 tokens.
-Each NGRAM output must equal the reference's greedy tokens up to a near-tie (the first divergence,
+Each speculative output must equal the reference's greedy tokens up to a near-tie (the first divergence,
 if any, where the reference's own top candidates are within NEAR_TIE nats: a verify computes the
 drafts in one batch, so matmul and split-K rounding differ from one-token decode); every request
 must have been verified (spec_verify_ct > 0), and the code prompts must accept more than one
-token per verify on average. The accept lengths (SGLang's meta_info spec_accept_length =
-completion tokens / verifies) are printed and written to benchmarks/results/server_speculative_ngram.json.
+token per verify on average (a self-drafting STANDALONE server: more than 1.5, its draft differs from
+the target only by the KV cache's precision). The accept lengths (SGLang's meta_info
+spec_accept_length = completion tokens / verifies) are printed and written, per server, to
+benchmarks/results/server_speculative_ngram.json ("chain", "tree", "standalone").
 """
 import json
 import time
@@ -47,7 +54,14 @@ DRAFT_TOKENS = 8
 COMMON = ["--sampling-backend", "pytorch", "--mem-fraction-static", "0.5", "--page-size", str(PAGE),
           "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "16", "--enable-cache-report",
           "--log-level", "info"]
-NGRAM = {"chain": ["--speculative-ngram-max-bfs-breadth", "1"], "tree": []}
+NGRAM = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFT_TOKENS)]
+STANDALONE_STEPS, STANDALONE_DRAFTS = 3, 4
+# server -> its speculative flags (STANDALONE's draft model path, the served model, added at start)
+SPECULATION = {"chain": NGRAM + ["--speculative-ngram-max-bfs-breadth", "1"], "tree": NGRAM,
+               "standalone": ["--speculative-algorithm", "STANDALONE",
+                              "--speculative-num-steps", str(STANDALONE_STEPS), "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", str(STANDALONE_DRAFTS)]}
+MIN_ACCEPT = {"chain": 1.0, "tree": 1.0, "standalone": 1.5}
 # (offset into the token stream, prompt tokens, new tokens)
 SINGLE = [(0, 150, 96), (5000, 150, 96), (9000, 1000, 64), (12000, 1100, 64), (16000, 3000, 64)]
 SHARED_PREFIX = (20000, CHUNK)  # offset, tokens
@@ -145,15 +159,15 @@ def reference(model_dir, rotations, ids, tmp_path_factory):
         return {name: _with_tops(o) for name, o in _run_all(server, ids, top=True).items()}
 
 
-@pytest.fixture(scope="module", params=sorted(NGRAM))
+@pytest.fixture(scope="module", params=sorted(SPECULATION))
 def ngram(request, model_dir, rotations, ids, reference, tmp_path_factory):
-    """One NGRAM server's outputs (then stopped): (shape, name -> generate output, log text)."""
+    """One speculative server's outputs (then stopped): (shape, name -> generate output, log text)."""
     h = _harness()
+    draft = ["--speculative-draft-model-path", str(model_dir)] if request.param == "standalone" else []
     args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
             "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW),
-            "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFT_TOKENS),
-            *NGRAM[request.param], *COMMON]
-    with h.Server(f"oscar-ngram-{request.param}", args, str(tmp_path_factory.mktemp("logs"))) as server:
+            *SPECULATION[request.param], *draft, *COMMON]
+    with h.Server(f"oscar-spec-{request.param}", args, str(tmp_path_factory.mktemp("logs"))) as server:
         t0 = time.monotonic()
         outs = _run_all(server, ids, top=False)
         took = time.monotonic() - t0
@@ -169,19 +183,21 @@ def _record(shape, outs, took, info):
     if avg is None and isinstance(info, dict):  # per data-parallel rank
         avg = next((i.get("avg_spec_accept_length") for i in info.get("internal_states", [])
                     if isinstance(i, dict) and "avg_spec_accept_length" in i), None)
-    print(f"\nNGRAM {shape}: server avg accept length {avg}; per request "
+    print(f"\n{shape}: server avg accept length {avg}; per request "
           + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in lens.items()))
     try:
         prev = json.loads(RESULTS.read_text())
     except (OSError, ValueError):
         prev = {}
-    prev[shape] = {"model": "tinylm-A", "draft_tokens": DRAFT_TOKENS, "sink_tokens": SINKS,
+    drafts = STANDALONE_DRAFTS if shape == "standalone" else DRAFT_TOKENS
+    algorithm = "STANDALONE (tinylm-A drafting for itself)" if shape == "standalone" else "NGRAM"
+    prev[shape] = {"model": "tinylm-A", "algorithm": algorithm, "draft_tokens": drafts, "sink_tokens": SINKS,
                    "recent_window": WINDOW, "page_size": PAGE, "server_avg_accept_length": avg,
                    "accept_length": lens, "seconds_for_all_requests": round(took, 1)}
     _harness().save_json(str(RESULTS), prev)
 
 
-def test_ngram_greedy_outputs_equal_oscar_without_speculation(ngram, reference):
+def test_speculative_greedy_outputs_equal_oscar_without_speculation(ngram, reference):
     h = _harness()
     shape, outs, _ = ngram
     bad = {}
@@ -190,15 +206,15 @@ def test_ngram_greedy_outputs_equal_oscar_without_speculation(ngram, reference):
         why = h.agree_up_to_a_near_tie(got, want, tops, NEAR_TIE)
         if why is not None:
             bad[name] = why
-    assert not bad, f"NGRAM {shape}: {bad}"
+    assert not bad, f"{shape}: {bad}"
 
 
 def test_every_request_was_verified_and_code_accepts_drafts(ngram):
     shape, outs, _ = ngram
     unverified = [n for n, o in outs.items() if not o["meta_info"].get("spec_verify_ct")]
-    assert not unverified, f"NGRAM {shape}: no verify reported for {unverified}"
+    assert not unverified, f"{shape}: no verify reported for {unverified}"
     singles = [o["meta_info"]["spec_accept_length"] for n, o in outs.items() if n.startswith("single")]
-    assert sum(singles) / len(singles) > 1.0, f"NGRAM {shape}: accept lengths {singles}"
+    assert sum(singles) / len(singles) > MIN_ACCEPT[shape], f"{shape}: accept lengths {singles}"
 
 
 def test_shared_prefix_was_a_radix_hit(ngram):
@@ -208,6 +224,8 @@ def test_shared_prefix_was_a_radix_hit(ngram):
 
 
 def test_verify_ran_without_cuda_graphs(ngram):
-    """The decode graph (SGLang's TARGET_VERIFY graph under speculation) is off: no capture in the log."""
+    """The decode graph (SGLang's TARGET_VERIFY graph under speculation) is off: no capture in the
+    log; nor the STANDALONE draft worker's own graphs, which follow the same switch."""
     shape, _, log_text = ngram
     assert "Capture target decode CUDA graph end" not in log_text, shape
+    assert "Capture draft decode CUDA graph" not in log_text, shape
