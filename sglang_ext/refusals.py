@@ -153,10 +153,10 @@ def speculative_algorithm(sa) -> str | None:
 def _check_speculative(sa) -> None:
     """NGRAM and STANDALONE are served (SPECULATIVE_ALGORITHMS); every other algorithm is refused
     in one line (_OTHER_ALGORITHM_WHY), and so is a draft-model path without STANDALONE. Under
-    STANDALONE: chain drafts only (a tree's accepted path is moved, and each branch's prefix tail
-    paged, through the pool after the acceptance call the commit uses; SGLang resolves the width
-    after __post_init__, so it is checked whenever set) and a draft attention backend that reads
-    SGLang's ordinary pool (not oscar)."""
+    STANDALONE: chain drafts only (SGLang moves a tree's accepted path through the target's pool
+    after the acceptance call that commits a chain, and refuses trees on a paged backend other
+    than flashinfer/fa3/triton; SGLang resolves the width after __post_init__, so it is checked
+    whenever set) and a draft attention backend that reads SGLang's ordinary pool (not oscar)."""
     algo = speculative_algorithm(sa)
     if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
         raise _refuse(f"--speculative-algorithm {algo}", _OTHER_ALGORITHM_WHY)
@@ -168,9 +168,8 @@ def _check_speculative(sa) -> None:
     topk = getattr(sa, "speculative_eagle_topk", None)
     if topk is not None and topk > 1:
         raise _refuse(f"--speculative-eagle-topk {topk} with {algo}",
-                      "tree drafts of a draft model are not served (SGLang moves their accepted path and "
-                      "pages each branch's prefix tail through the pool after the acceptance call that "
-                      "commits a chain); use --speculative-eagle-topk 1")
+                      "tree drafts of a draft model are not served (SGLang 0.5.17 moves their accepted "
+                      "path after the acceptance call that commits a chain); use --speculative-eagle-topk 1")
     if getattr(sa, "speculative_draft_attention_backend", None) == OSCAR_ATTENTION_BACKEND:
         raise _refuse(f"--speculative-draft-attention-backend {OSCAR_ATTENTION_BACKEND}",
                       "the draft model's KV is SGLang's ordinary pool, read by an ordinary backend "
