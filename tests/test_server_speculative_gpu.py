@@ -42,8 +42,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINYLM
-from sglang_cases import calibrate_tinylm_rotations
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "server_speculative_ngram.json"
@@ -79,27 +77,11 @@ def _harness():
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if not (TINYLM / "config.json").is_file():
-        pytest.skip(f"tinylm-A not found at {TINYLM}")
-    return TINYLM
-
-
-@pytest.fixture(scope="module")
-def rotations(model_dir, tmp_path_factory):
-    return calibrate_tinylm_rotations(model_dir, tmp_path_factory.mktemp("rot") / "tinylm-oscar.safetensors")
-
-
-@pytest.fixture(scope="module")
-def ids(model_dir):
+def ids(tinylm_dir):
     """Token ids of the checkout's Python sources, repeated to the length the prompts need."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tinylm_dir))
     text = "".join(p.read_text() for d in ("sglang_ext", "oscar_kernels", "calibration")
                    for p in sorted((ROOT / d).rglob("*.py")))
     out = tok(text, add_special_tokens=False)["input_ids"]
@@ -150,21 +132,21 @@ def _run_all(server, ids, top):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, rotations, ids, tmp_path_factory):
+def reference(tinylm_dir, tinylm_rotations, ids, tmp_path_factory):
     """oscar_int2 without speculation: greedy tokens and their top candidates (then stopped)."""
     h = _harness()
-    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+    args = ["--model-path", str(tinylm_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", tinylm_rotations,
             "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW), *COMMON]
     with h.Server("oscar-reference", args, str(tmp_path_factory.mktemp("logs"))) as server:
         return {name: _with_tops(o) for name, o in _run_all(server, ids, top=True).items()}
 
 
 @pytest.fixture(scope="module", params=sorted(SPECULATION))
-def ngram(request, model_dir, rotations, ids, reference, tmp_path_factory):
+def ngram(request, tinylm_dir, tinylm_rotations, ids, reference, tmp_path_factory):
     """One speculative server's outputs (then stopped): (shape, name -> generate output, log text)."""
     h = _harness()
-    draft = ["--speculative-draft-model-path", str(model_dir)] if request.param == "standalone" else []
-    args = ["--model-path", str(model_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", rotations,
+    draft = ["--speculative-draft-model-path", str(tinylm_dir)] if request.param == "standalone" else []
+    args = ["--model-path", str(tinylm_dir), "--kv-cache-dtype", "oscar_int2", "--oscar-rotations", tinylm_rotations,
             "--oscar-sink-tokens", str(SINKS), "--oscar-recent-window", str(WINDOW),
             *SPECULATION[request.param], *draft, *COMMON]
     with h.Server(f"oscar-spec-{request.param}", args, str(tmp_path_factory.mktemp("logs"))) as server:
