@@ -8,8 +8,10 @@ fp8 scales and mins: 42 B per token and KV head at head_dim 64, through the kern
         --model-name SmolLM2-135M-Instruct \\
         --reference benchmarks/results/history/fidelity_smollm2_cpu_2k4k_2026-12-07.json
 
-(the results file's 2k rows: every candidate at 2048; its 4k rows: ``--ppl-len 4096 --only g8,kivi16-fp8,
-clip-layer,W512,g8-clip-layer``, the default at 4k taken from ``--reference``, the same windows).
+(the results file's 2k rows: every candidate at 2048 but ``tiny-layers-74``; its 4k rows: ``--ppl-len 4096 --only
+g8,kivi16-fp8,clip-layer,W512,g8-clip-layer,g4,debias,layers-42,layers-44,layers-46``, the default at 4k taken from
+``--reference``, the same windows; tinylm-A's file, ``study_candidates_tinylm-A.json``: ``--model .../tinylm-A
+--rot-prefix tiny_ --ppl-len 8192 --only default,tiny-layers-74 --work /tmp/fidelity_candidates_tiny``).
 
 Runs land in ``--work`` as ``RUN_LEN.json`` and are reused when their oscar-eval arguments match
 (so a later call can add a length or a candidate); the study is rebuilt from every run found
