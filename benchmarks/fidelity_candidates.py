@@ -64,7 +64,8 @@ FP8 = "float8_e4m3fn"
 
 # name: (rotations file stem, oscar-eval arguments, what it changes)
 CANDIDATES = {
-    "default": ("oscar", [], "today's default: S 16, W 128, keys INT2 g16, values g64, fp8 scales (kernels)"),
+    "default": ("oscar", [], "today's default: S 16, W 128, keys INT2 g{group_size}, values g{value_group_size}, "
+                             "fp8 scales (kernels)"),  # the groups: the default run's rotations file's
     "W256": ("oscar", ["--recent", "256"], "BF16 recent window W 256"),
     "W512": ("oscar", ["--recent", "512"], "BF16 recent window W 512"),
     "S64": ("oscar", ["--sink", "64"], "64 BF16 sinks"),
@@ -275,7 +276,9 @@ def study(a, shape: dict) -> dict:
     rows = {}
     for name, by_len in runs.items():
         st = next(iter(by_len.values()))["settings"]
-        row = {"changes": CANDIDATES[name][2], "int2_parts": st.get("int2_parts"), "sink": st["sink"],
+        rot = next(iter(st["rotations"].values()))
+        changes = CANDIDATES[name][2].format(**rot) if name == "default" else CANDIDATES[name][2]
+        row = {"changes": changes, "int2_parts": st.get("int2_parts"), "sink": st["sink"],
                "recent": st["recent"], **bytes_of(st, d),
                "ring_bytes_per_request": st["recent"] * per_position, "sink_bytes_per_sequence": st["sink"] * per_position,
                "rotations": os.path.basename(next(iter(st["rotations"].values()))["file"]), "ppl": {}}

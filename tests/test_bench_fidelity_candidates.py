@@ -68,6 +68,7 @@ def test_study_pairs_every_candidate_by_window(tmp_path):
     out = fc.study(a, {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64})
     rows = out["rows"]
     assert list(rows) == ["default", "W512", "fake", "kivi64-fp8"] and out["bf16"] == {"2048": 5.0}
+    assert rows["default"]["changes"].startswith("today's default: S 16, W 128, keys INT2 g16, values g64,")
     assert rows["default"]["ppl"]["2048"]["ratio"] == 1.02 and "nll_vs_default" not in rows["default"]["ppl"]["2048"]
     gap = targets.paired_gap([1.01, 1.52, 2.02], [1.02, 1.53, 2.04])
     assert rows["W512"]["ppl"]["2048"]["nll_vs_default"] == [round(gap[0], 5), round(gap[1], 5)]
