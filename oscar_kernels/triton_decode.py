@@ -436,15 +436,16 @@ class DecodeWorkspace:
         cfg = self.config
         ns = cfg.splits_for(batch, self.num_kv_heads, self.device, groups_span_head)
         split_merge = cfg.merge_grid_for(batch) == "split"
+        block = cfg.block_rotation(batch)
         hq, d = self.num_q_heads, self.head_dim
         return DecodeLaunch(
             batch=batch, splits=ns, min_chunk=cfg.min_chunk, tiles=cfg.stage1_tiles(batch, groups_span_head),
-            split_merge=split_merge, block_rotation=cfg.block_rotation(batch), merge_width=self.merge_width,
+            split_merge=split_merge, block_rotation=block, merge_width=self.merge_width,
             pdl=pdl_supported(self.device),
             q_rot=self.q_rot[:batch * hq * d].view(batch, hq, d),
             mid_o=self.mid_o[:batch * hq * (ns + 1) * d].view(batch, hq, ns + 1, d),
             mid_lse=self.mid_lse[:batch * hq * (ns + 1)].view(batch, hq, ns + 1),
-            o_rot=self.o_rot[:batch * hq * d].view(batch, hq, d) if split_merge or cfg.block_rotation(batch) else None)
+            o_rot=self.o_rot[:batch * hq * d].view(batch, hq, d) if split_merge or block else None)
 
 
 @dataclass(frozen=True)
@@ -592,7 +593,6 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
         _decode_merge_split[(b, hq, d // db)](mid_o, mid_lse, launch.o_rot, mid_lse if sinks is None else sinks,
                                                NSP=ns + 1, NSP2=launch.merge_width, D=d, DB=db,
                                                HAS_SINK=sinks is not None, PDL=pdl, num_warps=4, launch_pdl=pdl)
-        rotate(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, pdl_wait=pdl)
     else:
         merged = launch.o_rot if launch.block_rotation else out  # o' (float32), or o itself
         _decode_merge_row[(b, hq)](
@@ -601,7 +601,7 @@ def triton_decode(q: torch.Tensor, layer: HybridLayerCache, index: HybridCacheIn
             NSP=ns + 1, NSP2=launch.merge_width, GQ=gq, D=d, EB=min(32, d), SPB=MERGE_PARTIALS_PER_STEP,
             HAS_SINK=sinks is not None, PDL=pdl, UNROTATE=not launch.block_rotation, num_warps=4, launch_pdl=pdl,
         )
-        if launch.block_rotation:
-            rotate(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, pdl_wait=pdl)
+    if launch.o_rot is not None:  # the merge left o' rotated: o = o' R_V^T
+        rotate(launch.o_rot, rotation.v_rot.contiguous(), out, transpose=True, pdl_wait=pdl)
     return out
 
