@@ -37,7 +37,7 @@ profile() {
     deadline=520; [ "$cfg" = bf16_flashinfer ] && deadline=420
     $PY -m benchmarks.e2e --phases "$w" --configs "$cfg" --profile-steps 20 \
         --dt-num-prompts "$n" --max-running-requests "$n" --dt-window-s "${WINDOW_S:-240}" \
-        --deadline-s "$deadline" --dt-reference /nonexistent \
+        --deadline-s "$deadline" \
         --out "$R/e2e_decode_profile.json" --log-dir "$R/e2e_logs" \
         > "$R/logs/e2e_$cfg.log" 2>&1 || step "FAILED profile $cfg"
   done
