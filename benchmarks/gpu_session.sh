@@ -48,8 +48,9 @@ rest() {
     for suite in tests/test_server_hybrid_gpu.py $(ls tests/test_server_speculative_gpu.py 2>/dev/null) tests/test_kernels_gpu.py; do
       name="$(basename "$suite" .py)"; step "gpu tests $name"
       # one pytest call per suite: its error report is written when it ends, its servers' logs under --basetemp
+      local only=(); [ "$name" = test_server_hybrid_gpu ] && [ -n "${HYBRID_K:-}" ] && only=(-k "$HYBRID_K")
       $PY -m pytest -m gpu -v -rfE -p no:cacheprovider --basetemp "$R/pytest_$name" --junitxml "$R/gpu_$name.xml" \
-          "$suite" > "$R/logs/gpu_$name.log" 2>&1 || step "FAILED gpu tests $name"
+          "${only[@]}" "$suite" > "$R/logs/gpu_$name.log" 2>&1 || step "FAILED gpu tests $name"
     done
     step "gpu tests ended" ) &
   if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
@@ -69,10 +70,10 @@ rotations() {  # alone on the GPU (timed): row-block rotations against one-row p
     || step "FAILED kernels rotations"
 }
 
-session() {
+session() {  # the profile last: a cut session loses the timed part, not the tests
   [ -n "${SKIP_ROTATIONS:-}" ] || rotations
-  [ -n "${SKIP_PROFILE:-}" ] || profile
   [ -n "${SKIP_REST:-}" ] || rest
+  [ -n "${SKIP_PROFILE:-}" ] || profile
   step "done"
 }
 

@@ -23,8 +23,8 @@
 # leaves the simulator out of a full run (the servers and GPU tests only). CANDIDATES=1 first runs
 # benchmarks/fidelity_candidates.py on the GPU (with SIM_ONLY=1: only that). DEBIAS_SIM=1 runs the
 # simulator with the key debias on and off (SmolLM2 2k/4k/8k; tinylm-A 8k when `pack` had TINYLM_DIR)
-# instead of the tinylm-A servers. FRONTIER=1 runs the simulator at 8k on key groups of 4 and a 512-token
-# ring (key groups of 8 are in fidelity_smollm2.json) (ROT_DIR holds smol_oscar_g4); NO_SERVERS=1 leaves the SmolLM2 servers out.
+# instead of the tinylm-A servers. FRONTIER=1 runs the simulator at 8k on the per-layer key groups of
+# `layers-42` (ROT_DIR holds smol_oscar, smol_oscar_g8, smol_oscar_g32); NO_SERVERS=1 leaves the SmolLM2 servers out.
 # Results land in $RUN_DIR (default /tmp/oscar_run): server_smollm2.json, fidelity_smollm2.json,
 # the attribution and window runs, and the tinylm-A runs when TINYLM_DIR is given.
 set -uo pipefail
@@ -96,14 +96,13 @@ run_all() {
     wait; merge_sim; step "done"; return
   fi
   local ev=(-m calibration.fidelity.cli --model "$smol" --device cuda --batch 8)
-  if [ -n "${FRONTIER:-}" ]; then  # issue 46's bytes frontier: key groups of 8 and 4, a 512-token BF16 ring
-    step "frontier"
-    $PY "${ev[@]}" --batch 4 --method g4="$rot/smol_oscar_g4.safetensors" \
+  if [ -n "${FRONTIER:-}" ]; then  # issue 46: the per-layer key groups (layers-42) at 8k, same 42 B mean
+    step "frontier: layers-42"
+    $PY "${ev[@]}" --batch 4 --method oscar_layers42="$rot/smol_oscar.safetensors" \
+      --layer-rotations "$rot/smol_oscar_g8.safetensors:7,14,18,20" \
+      --layer-rotations "$rot/smol_oscar_g32.safetensors:0,1,6,10-13,25" \
       --ppl-len 8190 --ppl-windows 16 --passkey-trials 20 --lengths 8192 \
-      --out "$R/frontier_groups_smollm2.json" > "$R/logs/sim_frontier_groups.log" 2>&1 &
-    $PY "${ev[@]}" --batch 4 --recent 512 --method oscar_w512="$rot/smol_oscar.safetensors" \
-      --ppl-len 8190 --ppl-windows 16 --passkey-trials 20 --lengths 8192 \
-      --out "$R/frontier_w512_smollm2.json" > "$R/logs/sim_frontier_w512.log" 2>&1 &
+      --out "$R/frontier_layers42_smollm2.json" > "$R/logs/sim_frontier_layers42.log" 2>&1 &
   fi
   local srv=(-m benchmarks.server_fidelity --model "$smol" --ppl-len "$LENS" --ppl-windows 16 --lengths "$PK"
              --passkey-trials 20 --topk-dir "$R/topk" --log-dir "$R/logs"
