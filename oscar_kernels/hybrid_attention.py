@@ -180,7 +180,10 @@ class HybridAttention:
             from .triton_decode import DecodeWorkspace
             self.workspace = DecodeWorkspace(max_batch or cache.req_to_token.shape[0], num_q_heads,
                                              layer.num_kv_heads, layer.head_dim, device, decode_config)
-        self._groups_span_head = min(layer.key_group_size, layer.value_group_size) >= layer.head_dim
+        # tiles only (never numerics): the G = D tiles where every layer has one group per head
+        self._groups_span_head = all(min(lc.key_group_size, lc.value_group_size) >= lc.head_dim
+                                     for lc in cache.layers)
+        self._max_key_groups = max(lc.head_dim // lc.key_group_size for lc in cache.layers)  # keys' groups may differ per layer
         self._decode: _DecodeBatch | None = None
         self._extend: _ExtendBatch | None = None
         self._verify: _VerifyBatch | None = None
@@ -246,7 +249,7 @@ class HybridAttention:
             from .triton_extend import plan_extend_launch
             launch = plan_extend_launch(prefix, prefix_host, max_ext, t, self.num_q_heads, layer.num_kv_heads,
                                         layer.head_dim, self.prefix_read,
-                                        layer.head_dim // layer.key_group_size if self.key_debias else 0)
+                                        self._max_key_groups if self.key_debias else 0)
         k_rot = torch.empty(t, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=slots.device)
         self._extend = _ExtendBatch(
             rows=rows, prefix_lens=prefix, qo_indptr=torch.nn.functional.pad(torch.cumsum(ext, 0), (1, 0)),
@@ -416,7 +419,7 @@ class HybridAttention:
 
     def warm_up(self) -> float:
         """Run every default kernel path once on a private cache of this cache's layout (one
-        layer, WARM_UP_ROWS requests), so that Triton's and FlashInfer's just-in-time compiles
+        layer per distinct INT2 layout, WARM_UP_ROWS requests), so that Triton's and FlashInfer's just-in-time compiles
         happen now, not in a user's first request: a prefill, a second chunk that reads its
         cached prefix, a decode step of every request (the large-batch merge) and of one (the
         small-batch merge). The real cache is not touched. Returns the seconds it took."""
@@ -427,10 +430,13 @@ class HybridAttention:
         prefix = -(-(s + w + 64) // page) * page  # past the sinks and the ring: an INT2 history to read
         row_len = prefix + max(page, 64)
         dev = self.cache.req_to_token.device
+        first_of_groups = {}  # key group size -> the first layer with it (each compiles its own kernels)
+        for i, layer in enumerate(self.cache.layers):
+            first_of_groups.setdefault(layer.key_group_size, i)
         private = HybridCache(
-            [allocate_layer(n * row_len, lc.num_kv_heads, lc.head_dim, lc.key_group_size, s, w, n, n,
-                            lc.k_scales.dtype, dev, value_group_size=lc.value_group_size)],
-            self.cache.rotations[:1], allocate_index(n * row_len, page, n, n, dev),
+            [allocate_layer(n * row_len, lc.num_kv_heads, lc.head_dim, gk, s, w, n, n,
+                            lc.k_scales.dtype, dev, value_group_size=lc.value_group_size) for gk in first_of_groups],
+            [self.cache.rotations[i] for i in first_of_groups.values()], allocate_index(n * row_len, page, n, n, dev),
             torch.arange(n * row_len, dtype=torch.int32, device=dev).view(n, row_len))
         real = self.cache
         self.cache = private
@@ -445,11 +451,11 @@ class HybridAttention:
                            for heads in (self.num_q_heads, lc.num_kv_heads, lc.num_kv_heads))
                 if t == 1:
                     self.plan_decode(rows, torch.full((b,), n0 + 1, device=dev), pos, slots)
-                    return self.decode(0, q, k, v)
+                    return [self.decode(i, q, k, v) for i in range(len(private.layers))]
                 self.plan_extend(rows, torch.full((b,), n0, device=dev), torch.full((b,), t, device=dev), pos,
                                  slots, prefix_lens_host=[n0] * b, extend_lens_host=[t] * b,
                                  owners=torch.ones(b, dtype=torch.int64, device=dev))
-                return self.extend(0, q, k, v)
+                return [self.extend(i, q, k, v) for i in range(len(private.layers))]
 
             step(n, 0, prefix)
             step(n, prefix, 32)

@@ -272,8 +272,10 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
                                     d // layer.key_group_size if key_debias else 0)
     elif launch.q_rot.shape != (t, hq, d):
         raise ValueError(f"launch planned for q {tuple(launch.q_rot.shape)}, got {tuple(q.shape)}")
-    elif launch.bf16_prefix and key_debias and launch.var_prefix is None:
-        raise ValueError("key_debias needs a launch planned with key_groups (the prefix keys' scale^2 rows)")
+    elif launch.bf16_prefix and key_debias and (launch.var_prefix is None
+                                                or launch.var_prefix.shape[2] < d // layer.key_group_size):
+        raise ValueError("key_debias needs a launch planned with key_groups >= this layer's D / G_K "
+                         "(the prefix keys' scale^2 rows)")
     q_rot = rotate_tokens(q, rotation.k_rot.contiguous(), launch.q_rot)
     o_rot = launch.o_rot
     gq = hq // h
@@ -281,7 +283,8 @@ def triton_extend(q: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, lay
     tiles = launch.tiles
     if launch.bf16_prefix:
         pre_off = launch.prefix_offsets
-        var_pre = launch.var_prefix if key_debias else None
+        # this layer's groups (a launch is planned for the layer with the most: keys' groups may differ per layer)
+        var_pre = launch.var_prefix[:, :, :d // layer.key_group_size] if key_debias else None
         k_pre, v_pre = triton_materialize_prefix(layer, index, req_to_token, rows, prefix_lens, launch.prefix_lens_host,
                                                  k_out=launch.k_prefix, v_out=launch.v_prefix, offsets=pre_off,
                                                  var_out=var_pre)[:2]

@@ -23,7 +23,9 @@ What this pool holds, per local layer and token (uint8 bytes, the device cell's 
     [ k codes H*D/4 | v codes H*D/4 | k (scale, min) H*D/G_K*2*e | v (scale, min) H*D/G_V*2*e ]
 
 (head-major on the device, token-major here). Only the INT2 cells: the BF16 sinks and rings
-stay on the device. Layouts (one uint8 tensor ``kv_buffer``, pinned by SGLang's
+stay on the device. Where a rotations file sets the keys' groups per layer, B differs per
+layer: each layer's cell fills the first B_l bytes of a row of the widest layer's B (the rest
+is zero), so the host tier costs L x max B_l per token. Layouts (one uint8 tensor ``kv_buffer``, pinned by SGLang's
 ``ALLOC_MEMORY_FUNCS`` when the device pool is on an accelerator):
 
     layer_first        [L, size, B]          B = bytes of one token in one layer
@@ -122,8 +124,9 @@ class CellLayout:
         return self.segments[-1][2]
 
 
-def cell_layout(device_pool: OscarKVPool) -> CellLayout:
-    lc = device_pool.layers[0]
+def cell_layout(device_pool: OscarKVPool, layer: int = 0) -> CellLayout:
+    """The cell of one local layer (layers differ only where the keys' groups do)."""
+    lc = device_pool.layers[layer]
     e = lc.k_scales.element_size()
     return CellLayout(num_heads=lc.num_kv_heads, code_bytes=lc.k_packed.shape[-1],
                       k_scale_bytes=lc.k_scales.shape[2] * 2 * e,
@@ -153,7 +156,8 @@ def _runs(host: torch.Tensor, pos: torch.Tensor, page_size: int, split_pages: bo
 
 class OscarHostKVPool(HostKVCache):
     """Host copy of an OscarKVPool's INT2 cells (module doc). ``kv_buffer``: uint8, see the
-    layouts; ``cells``: the :class:`CellLayout`; ``size_per_token``: true bytes per token."""
+    layouts; ``layer_cells``: each local layer's :class:`CellLayout`; ``row_bytes``: the width
+    of a host row (the widest layer's cell); ``size_per_token``: host bytes per token."""
 
     device_pool: OscarKVPool
 
@@ -166,8 +170,9 @@ class OscarHostKVPool(HostKVCache):
             raise _refuse(f"--hicache-mem-layout {layout} (use layer_first or page_first_direct)")
         if getattr(device_pool, "layer_shard_enabled", False):
             raise _refuse("a layer-sharded device pool")
-        self.cells = cell_layout(device_pool)
         self.layer_num = device_pool.layer_num
+        self.layer_cells = [cell_layout(device_pool, l) for l in range(self.layer_num)]
+        self.row_bytes = max(c.bytes_per_layer for c in self.layer_cells)
         # pinning (cudaHostRegister) only means something for an accelerator's pool
         super().__init__(device_pool, host_to_device_ratio, host_size, page_size, layout,
                          pin_memory and str(device_pool.device) != "cpu", device, allocator_type,
@@ -183,13 +188,13 @@ class OscarHostKVPool(HostKVCache):
     # -- sizing and buffers (called by HostKVCache.__init__) ----------------------------
 
     def get_size_per_token(self) -> int:
-        return self.layer_num * self.cells.bytes_per_layer
+        return self.layer_num * self.row_bytes
 
     def get_ksize_per_token(self):
         raise _refuse("a storage backend that splits pages into K and V halves")
 
     def init_kv_buffer(self) -> torch.Tensor:
-        b = self.cells.bytes_per_layer
+        b = self.row_bytes
         if self.layout == "layer_first":
             dims = (self.layer_num, self.size, b)
         else:  # page_first_direct
@@ -252,12 +257,12 @@ class OscarHostKVPool(HostKVCache):
         """Device cells at ``device_indices`` -> host slots ``host_indices``, every layer."""
         self._check_io(io_backend)
         dev, runs, (host_pages, dev_pages) = self._plan(device_pool, host_indices, device_indices)
-        n, b = dev.numel(), self.cells.bytes_per_layer
+        n = dev.numel()
         self.record_sinks(device_pool, host_pages, dev_pages)
         for layer in range(self.layer_num):
             views = device_byte_views(device_pool, layer)
-            staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
-            for name, s, e in self.cells.segments:
+            staging = torch.zeros((n, self.row_bytes), dtype=torch.uint8, device=dev.device)
+            for name, s, e in self.layer_cells[layer].segments:
                 staging[:, s:e].copy_(views[name].index_select(0, dev).reshape(n, e - s))
             for h, p, k in runs:
                 self.host_rows(layer, h, k).copy_(staging[p:p + k], non_blocking=True)
@@ -269,15 +274,15 @@ class OscarHostKVPool(HostKVCache):
         (:meth:`restore_sinks`)."""
         self._check_io(io_backend)
         dev, runs, (host_pages, dev_pages) = self._plan(device_pool, host_indices, device_indices)
-        n, b = dev.numel(), self.cells.bytes_per_layer
+        n = dev.numel()
         if layer_id == 0:
             self.unmap_sinks(device_pool, dev)
             self.restore_sinks(device_pool, host_pages, dev_pages)
-        staging = torch.empty((n, b), dtype=torch.uint8, device=dev.device)
+        staging = torch.empty((n, self.row_bytes), dtype=torch.uint8, device=dev.device)
         for h, p, k in runs:
             staging[p:p + k].copy_(self.host_rows(layer_id, h, k), non_blocking=True)
         views = device_byte_views(device_pool, layer_id)
-        for name, s, e in self.cells.segments:
+        for name, s, e in self.layer_cells[layer_id].segments:
             view = views[name]
             view.index_copy_(0, dev, staging[:, s:e].reshape(n, *view.shape[1:]))
 
@@ -321,7 +326,7 @@ class OscarHostKVPool(HostKVCache):
     # -- flat pages (the 'file' storage backend) ------------------------------------------
 
     def _flat_page_shape(self):
-        return (self.layer_num, self.page_size, self.cells.bytes_per_layer)
+        return (self.layer_num, self.page_size, self.row_bytes)
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         """uint8 [L, P, B] (flattened if ``flat``) of the host page starting at slot ``index``:
@@ -360,13 +365,14 @@ class OscarHostKVPool(HostKVCache):
     def storage_namespace(self) -> str:
         """A name for what these bytes mean: cell geometry, scale dtype and a digest of the
         rotations (cells written with other rotations must not be read back)."""
-        lc, c = self.device_pool.layers[0], self.cells
+        lc, c = self.device_pool.layers[0], self.layer_cells[0]
         h = hashlib.sha256()
         for rot in self.device_pool.rotations:
             for f in rot.FIELDS:
                 h.update(getattr(rot, f).detach().to("cpu").contiguous().numpy().tobytes())
         dtype = str(lc.k_scales.dtype).replace("torch.", "")
-        return (f"oscar_int2-L{self.layer_num}H{c.num_heads}D{lc.head_dim}g{lc.key_group_size}"
+        groups = sorted({x.key_group_size for x in self.device_pool.layers})  # the digest tells which layer
+        return (f"oscar_int2-L{self.layer_num}H{c.num_heads}D{lc.head_dim}g{'-'.join(map(str, groups))}"
                 f"v{lc.value_group_size}-{dtype}-{h.hexdigest()[:16]}")
 
 

@@ -74,10 +74,15 @@ class OscarMemoryPlan:
     num_rows: int  # request rows = max running requests + 1 (row 0 is SGLang's padding row)
     num_sink_slots: int
     value_group_size: int | None = None  # the values' INT2 group size; None: group_size
+    key_group_sizes: tuple[int, ...] | None = None  # the keys' group size per layer; None: group_size
 
     def __post_init__(self):
         if self.value_group_size is None:
             object.__setattr__(self, "value_group_size", self.group_size)
+        groups = (self.group_size,) * self.num_layers if self.key_group_sizes is None else tuple(self.key_group_sizes)
+        if len(groups) != self.num_layers:
+            raise ValueError(f"oscar pool: {len(groups)} key group sizes for {self.num_layers} layers")
+        object.__setattr__(self, "key_group_sizes", groups)
         if self.sink_tokens > self.page_size:
             raise ValueError(f"oscar sink tokens S={self.sink_tokens} exceed the page size "
                              f"{self.page_size}: positions < S must lie on a sequence's first page "
@@ -88,11 +93,14 @@ class OscarMemoryPlan:
             raise ValueError(f"oscar pool needs >= 2 request rows and >= 1 sink slot, got "
                              f"{self.num_rows} rows and {self.num_sink_slots} sink slots")
 
+    def layer_layouts(self) -> list[KVLayout]:
+        """The INT2 layout of each cache layer (the keys' groups may differ per layer)."""
+        return [KVLayout(g, self.value_group_size, self.scale_dtype) for g in self.key_group_sizes]
+
     @property
     def bytes_per_token(self) -> int:
         """INT2 codes + scales of one token, all layers (SGLang's cell size for oscar)."""
-        layout = KVLayout(self.group_size, self.value_group_size, self.scale_dtype)
-        return self.num_layers * self.num_kv_heads * layout.bytes_per_token_per_head(self.head_dim)
+        return self.num_kv_heads * sum(x.bytes_per_token_per_head(self.head_dim) for x in self.layer_layouts())
 
     def _bf16_layer_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * BF16_BYTES

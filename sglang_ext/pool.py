@@ -91,7 +91,8 @@ def memory_plan(layout: RankLayout, meta: RotationsMeta, sink_tokens: int, recen
         num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
         group_size=meta.group_size, scale_dtype=meta.scale_dtype, sink_tokens=sink_tokens,
         recent_window=recent_window, page_size=layout.page_size, num_rows=num_rows,
-        num_sink_slots=sink_slots or default_sink_slots(num_rows), value_group_size=meta.value_group_size)
+        num_sink_slots=sink_slots or default_sink_slots(num_rows), value_group_size=meta.value_group_size,
+        key_group_sizes=tuple(x.key_group_size for x in meta.layer_layouts(layout.layer_ids)))
 
 
 def _refuse(what: str):
@@ -112,7 +113,7 @@ class OscarKVPool(MHATokenToKVPool):
                  num_sink_slots: Optional[int] = None, start_layer: Optional[int] = None,
                  end_layer: Optional[int] = None, enable_memory_saver: bool = False,
                  enable_alt_stream: bool = True, value_group_size: Optional[int] = None,
-                 layer_ids: Optional[Sequence[int]] = None):
+                 layer_ids: Optional[Sequence[int]] = None, key_group_sizes: Optional[Sequence[int]] = None):
         num_rows = req_to_token.shape[0]
         first = start_layer or 0
         self.layer_ids = tuple(range(first, first + layer_num)) if layer_ids is None else tuple(layer_ids)
@@ -124,7 +125,7 @@ class OscarKVPool(MHATokenToKVPool):
             group_size=group_size, scale_dtype=scale_dtype, sink_tokens=sink_tokens,
             recent_window=recent_window, page_size=page_size, num_rows=num_rows,
             num_sink_slots=num_sink_slots or default_sink_slots(num_rows),
-            value_group_size=value_group_size)
+            value_group_size=value_group_size, key_group_sizes=key_group_sizes)
         if len(rotations) != layer_num:
             raise ValueError(f"oscar pool: {len(rotations)} layer rotations for {layer_num} layers")
         for r in rotations:
@@ -157,11 +158,11 @@ class OscarKVPool(MHATokenToKVPool):
         num_slots = self.size + self.page_size
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
             self.layers = [
-                allocate_layer(num_slots, p.num_kv_heads, p.head_dim, p.group_size,
+                allocate_layer(num_slots, p.num_kv_heads, p.head_dim, gk,
                                p.sink_tokens, p.recent_window, p.num_sink_slots, p.num_rows,
                                torch_scale_dtype(p.scale_dtype), self.device,
                                value_group_size=p.value_group_size)
-                for _ in range(self.layer_num)]
+                for gk in p.key_group_sizes]
             self.index = allocate_index(num_slots, self.page_size, p.num_sink_slots, p.num_rows,
                                         self.device)
         # The rotations are weights, not cache: outside the memory-saver region.
@@ -389,7 +390,8 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         start_layer=None if hybrid else kvc.layer_info.start_layer,
         end_layer=None if hybrid else kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
-        value_group_size=meta.value_group_size, layer_ids=layout.layer_ids)
+        value_group_size=meta.value_group_size, layer_ids=layout.layer_ids,
+        key_group_sizes=[x.key_group_size for x in meta.layer_layouts(layout.layer_ids)])
 
 
 def build_hybrid_linear_pool_for_configurator(kvc, max_total_num_tokens: int,

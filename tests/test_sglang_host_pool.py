@@ -79,12 +79,12 @@ def test_bytes_per_token_are_the_device_int2_cells(layout, scale_dtype):
     e = 1 if scale_dtype.startswith("float8") else 2
     # keys G=32, values G=64, D=64: codes 16 + 16, scales (2 + 1) groups x (scale, min) x e
     assert host.size_per_token == per_slot == dev.plan.bytes_per_token == 3 * 2 * (32 + 3 * 2 * e)
-    assert host.cells == cell_layout(dev) and host.cells.bytes_per_layer == 2 * (32 + 6 * e)
+    assert host.layer_cells == [cell_layout(dev)] * 3 and host.row_bytes == 2 * (32 + 6 * e)
     # the host holds only the cells: one uint8 tensor of size x bytes per token, no BF16
     assert host.kv_buffer.dtype == torch.uint8
     assert host.kv_buffer.numel() == host.size * host.size_per_token
-    shape = ((3, host.size, host.cells.bytes_per_layer) if layout == "layer_first" else
-             (host.page_num, 3, 16, host.cells.bytes_per_layer))
+    shape = ((3, host.size, host.row_bytes) if layout == "layer_first" else
+             (host.page_num, 3, 16, host.row_bytes))
     assert tuple(host.kv_buffer.shape) == shape and host.kv_buffer.is_contiguous()
     tensors = [v for v in vars(host).values() if isinstance(v, torch.Tensor)]
     assert not any(t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in tensors)
@@ -105,8 +105,8 @@ def test_size_follows_hicache_ratio_and_size_like_bf16():
 
 # ---------------------------------------------------------------- transfers
 
-def round_trip(cls, page, layout, dev_pages_src, dev_pages_dst, seed=3):
-    dev = device_pool(size=max(8 * page, 256), page=page, seed=seed)
+def round_trip(cls, page, layout, dev_pages_src, dev_pages_dst, seed=3, **pool_kw):
+    dev = device_pool(size=max(8 * page, 256), page=page, seed=seed, **pool_kw)
     host = host_pool(dev, layout, ratio=2.0, cls=cls)
     src = page_slots(dev_pages_src, page)
     want = [cells(dev, layer, src) for layer in range(dev.layer_num)]
@@ -140,8 +140,23 @@ class _ScalesLost(OscarHostKVPool):
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend):
         super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
-        scales_at = self.cells.segments[2][1]
+        scales_at = self.layer_cells[0].segments[2][1]
         self.kv_buffer[..., scales_at:] = 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_layer_key_groups_round_trip_in_rows_of_the_widest_cell(layout):
+    """Keys in groups of 8, 32 and 16 on the three layers: each layer's cell fills the first bytes
+    of a host row as wide as the widest (layer 0's), and every byte comes back."""
+    dev, host, got, want = round_trip(OscarHostKVPool, 16, layout, [5, 1], [3, 7], key_group_sizes=(8, 32, 16))
+    assert [lc.key_group_size for lc in dev.layers] == [8, 32, 16]
+    widths = [c.bytes_per_layer for c in host.layer_cells]  # codes 2 x 2 x 16, scales (64/G_K + 2) x 2 x 2 heads
+    assert widths == [2 * 32 + 4 * (8 + 2), 2 * 32 + 4 * (2 + 2), 2 * 32 + 4 * (4 + 2)]
+    assert host.row_bytes == max(widths) and host.size_per_token == 3 * max(widths)
+    assert dev.plan.bytes_per_token == sum(widths)
+    for layer in range(dev.layer_num):
+        for seg in SEGMENTS:
+            assert torch.equal(got[layer][seg], want[layer][seg]), (layer, seg)
 
 
 def test_round_trip_check_catches_lost_scales():

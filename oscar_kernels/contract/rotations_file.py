@@ -12,7 +12,14 @@ Metadata (strings): format, version, architecture, model_name, num_layers, num_q
 num_kv_heads, head_dim, group_size (the keys' INT2 group), value_group_size (the values';
 absent in older files, which load with value_group_size = group_size), bits, scale_dtype
 (shared by K and V), recipe, recipe_detail (JSON), calib_data, calib_tokens, created,
-layers (JSON list).
+layers (JSON list), key_group_sizes (JSON list, version 4 only).
+
+Key groups per layer. ``key_group_sizes`` gives each covered layer its keys' group size (in
+``layers`` order), so a file can spend the keys' bytes unevenly: finer groups on the layers
+whose attention INT2 keys disturb most, coarser ones elsewhere (oscar-calibrate picks them
+at a mean budget). Each layer's rotation and clips were calibrated for its own groups. A
+file whose layers all take ``group_size`` omits the field; one that varies is version 4,
+which older readers refuse (they would serve every layer at ``group_size``).
 
 Covered layers. Only a model's full-attention layers get the INT2 cache (hybrid
 linear-attention models such as Qwen3-Next, sliding-window models such as gpt-oss and
@@ -52,9 +59,10 @@ from .layout import SCALE_DTYPES, KVLayout, group_size_problem
 from .model_shape import ModelShape, format_layers, kv_heads_for_rank
 
 FORMAT = "oscar-rotations"
-VERSION = "3"  # the newest: a file that covers some layers only (see the module doc)
+VERSION = "3"  # a file that covers some layers only (see the module doc)
 ALL_LAYERS_VERSION = "2"  # what a file covering every layer is written as
-SUPPORTED_VERSIONS = ("1", "2", VERSION)
+PER_LAYER_GROUPS_VERSION = "4"  # a file whose layers' key groups differ (key_group_sizes)
+SUPPORTED_VERSIONS = ("1", "2", VERSION, PER_LAYER_GROUPS_VERSION)
 _V1_TENSOR_KINDS = tuple(k for k in LayerRotation.FIELDS if k != "k_shift")
 RECIPES = ("oscar", "hadamard", "naive")
 ORTHOGONALITY_TOL = 1e-3
@@ -89,6 +97,8 @@ class RotationsMeta:
     value_group_size: int | None = None  # the values' INT2 group size; None: group_size
     # the model layers the file covers (ascending); None: every layer (range(num_layers))
     layer_ids: tuple[int, ...] | None = None
+    # the keys' group size of each covered layer (layer_ids order); None: group_size everywhere
+    key_group_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.value_group_size is None:
@@ -96,6 +106,14 @@ class RotationsMeta:
         if self.layer_ids is None:
             self.layer_ids = tuple(range(self.num_layers))
         self.layer_ids = tuple(self.layer_ids)
+        if self.key_group_sizes is None:
+            self.key_group_sizes = (self.group_size,) * len(self.layer_ids)
+        self.key_group_sizes = tuple(self.key_group_sizes)
+
+    @property
+    def per_layer_key_groups(self) -> bool:
+        """Whether the covered layers' key group sizes differ (a version-4 file)."""
+        return len(set(self.key_group_sizes)) > 1
 
     @property
     def covers_every_layer(self) -> bool:
@@ -103,7 +121,24 @@ class RotationsMeta:
 
     @property
     def layout(self) -> KVLayout:
+        """The layout of a file whose layers share one; per-layer key groups: :meth:`layer_layouts`."""
+        if self.per_layer_key_groups:
+            raise ValueError("the rotations file sets key groups per layer: use layer_layouts()")
         return KVLayout(self.group_size, self.value_group_size, self.scale_dtype)
+
+    def layer_layouts(self, model_layers=None) -> list[KVLayout]:
+        """The INT2 layout of each of ``model_layers`` (default: the covered layers, in order)."""
+        by_layer = dict(zip(self.layer_ids, self.key_group_sizes))
+        lack = [l for l in (model_layers or ()) if l not in by_layer]
+        if lack:
+            raise ValueError(f"the rotations file covers model layers {format_layers(self.layer_ids)}, "
+                             f"not {format_layers(lack)}")
+        return [KVLayout(by_layer[l], self.value_group_size, self.scale_dtype)
+                for l in (self.layer_ids if model_layers is None else model_layers)]
+
+    def mean_bytes_per_token_per_head(self) -> float:
+        """INT2 bytes per token and KV head (K and V), averaged over the covered layers."""
+        return sum(x.bytes_per_token_per_head(self.head_dim) for x in self.layer_layouts()) / len(self.layer_ids)
 
     @property
     def shape(self) -> ModelShape:
@@ -178,8 +213,9 @@ def save_rotations(path: str, rotations: Rotations) -> None:
     for l, lr in zip(meta.layer_ids, rotations.layers):  # the suffix is the model layer
         for kind in _TENSOR_KINDS:
             tensors[f"{kind}.{l}"] = getattr(lr, kind).detach().to(torch.float32).cpu().clone(memory_format=torch.contiguous_format)
+    version = ALL_LAYERS_VERSION if meta.covers_every_layer else VERSION
     md = {
-        "format": FORMAT, "version": ALL_LAYERS_VERSION if meta.covers_every_layer else VERSION,
+        "format": FORMAT, "version": PER_LAYER_GROUPS_VERSION if meta.per_layer_key_groups else version,
         "architecture": meta.architecture, "layers": json.dumps(list(meta.layer_ids)),
         "model_name": meta.model_name, "recipe": meta.recipe,
         "recipe_detail": json.dumps(meta.recipe_detail, sort_keys=True),
@@ -187,6 +223,8 @@ def save_rotations(path: str, rotations: Rotations) -> None:
         "created": meta.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     md.update({k: str(getattr(meta, k)) for k in (*_INT_FIELDS, *_OPTIONAL_INT_FIELDS)})
+    if meta.per_layer_key_groups:
+        md["key_group_sizes"] = json.dumps(list(meta.key_group_sizes))
     data = save(tensors, metadata=md)  # safetensors' save_file would create the file 0600
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -225,10 +263,31 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
     except json.JSONDecodeError:
         raise _fail(path, "metadata recipe_detail is not valid JSON") from None
     layer_ids = _parse_layers(path, md, ints["num_layers"])
-    return RotationsMeta(layer_ids=layer_ids, architecture=md["architecture"], model_name=md.get("model_name", ""),
+    key_groups = _parse_key_group_sizes(path, md, len(layer_ids) if layer_ids else ints["num_layers"])
+    return RotationsMeta(layer_ids=layer_ids, key_group_sizes=key_groups, architecture=md["architecture"], model_name=md.get("model_name", ""),
                          recipe=md["recipe"], recipe_detail=detail,
                          calib_data=md.get("calib_data", ""), scale_dtype=md["scale_dtype"],
                          created=md.get("created", ""), version=md["version"], **ints)
+
+
+def _parse_key_group_sizes(path: str, md: dict, num_covered: int) -> tuple[int, ...] | None:
+    """The ``key_group_sizes`` field of a version-4 file (None otherwise); a bad one in one line."""
+    if md["version"] != PER_LAYER_GROUPS_VERSION:
+        if "key_group_sizes" in md:
+            raise _fail(path, f"metadata key_group_sizes in a version {md['version']} file "
+                              f"(per-layer key groups are version {PER_LAYER_GROUPS_VERSION})")
+        return None
+    if "key_group_sizes" not in md:
+        raise _fail(path, f"version {PER_LAYER_GROUPS_VERSION} file without the metadata 'key_group_sizes' field")
+    try:
+        sizes = json.loads(md["key_group_sizes"])
+    except json.JSONDecodeError:
+        sizes = None
+    if not isinstance(sizes, list) or not all(type(g) is int for g in sizes):
+        raise _fail(path, f"metadata key_group_sizes={md['key_group_sizes']!r} is not a JSON list of integers")
+    if len(sizes) != num_covered:
+        raise _fail(path, f"metadata key_group_sizes names {len(sizes)} layers, the file covers {num_covered}")
+    return tuple(sizes)
 
 
 def _parse_layers(path: str, md: dict, num_layers: int) -> tuple[int, ...] | None:
@@ -284,6 +343,12 @@ def _validate(rot: Rotations, path: str) -> None:
         if why:
             raise _fail(path, f"{name} {g} {why}")
     _check_layer_ids(path, list(m.layer_ids), m.num_layers)
+    if len(m.key_group_sizes) != len(m.layer_ids):
+        raise _fail(path, f"key_group_sizes names {len(m.key_group_sizes)} layers, the file covers {len(m.layer_ids)}")
+    for l, g in zip(m.layer_ids, m.key_group_sizes):
+        why = group_size_problem(m.head_dim, g)
+        if why:
+            raise _fail(path, f"key group size {g} of layer {l} {why}")
     if len(rot.layers) != len(m.layer_ids):
         raise _fail(path, f"holds {len(rot.layers)} layers, metadata says {len(m.layer_ids)} "
                           f"(layers {format_layers(m.layer_ids)})")
