@@ -72,9 +72,9 @@ def test_a_layer_takes_its_rotations_and_groups_from_another_file(tiny, stream):
     want = run(HybridKVSim(b.layers, 8, 4, 16, 1, L, scale_dtype=FP8, value_group_size=128))
     other = run(HybridKVSim(a.layers, 32, 4, 16, 1, L, scale_dtype=FP8, value_group_size=128))
     assert torch.equal(got, want) and _gap_after_first_chunk(got, other) > 0.01
-    with pytest.raises(ValueError, match="debias"):
-        HybridKVSim(mixed_layers, [8] + [32] * (n - 1), 4, 16, 1, L, scale_dtype=FP8, value_group_size=128,
-                    key_debias=True)
+    debiased = lambda layers, g: run(HybridKVSim(layers, g, 4, 16, 1, L, scale_dtype=FP8, value_group_size=128,
+                                                 key_debias=True))
+    assert torch.equal(debiased(mixed_layers, [8] + [32] * (n - 1)), debiased(b.layers, 8))
 
 
 def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
@@ -110,3 +110,33 @@ def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
                        (["--bf16-layers", str(shape.num_layers)], "outside")):
         with pytest.raises(SystemExit, match=why):
             cli.main([*common, *extra])
+
+
+def test_oscar_eval_serves_a_files_own_key_groups_per_layer(tinylm_dir, tmp_path, monkeypatch):
+    """A version-4 file (key groups per layer) builds the kernels' cache with each layer's groups and
+    records them; the fake-quantisation ablations, which take one group size, refuse it."""
+    import dataclasses
+
+    from calibration.fidelity import cli
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    rot = _rot(shape, "hadamard", 32)
+    keys = [8 if i % 3 == 0 else 32 for i in range(shape.num_layers)]
+    path = tmp_path / "per_layer.safetensors"
+    save_rotations(str(path), dataclasses.replace(rot, meta=dataclasses.replace(rot.meta, key_group_sizes=keys)))
+    built = []
+
+    class HybridSpy(cli.HybridKVSim):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(cli, "HybridKVSim", HybridSpy)
+    out = tmp_path / "fid.json"
+    common = ["--model", str(tinylm_dir), "--method", f"p={path}", "--no-bf16", "--ppl-len", "128",
+              "--ppl-windows", "1", "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3",
+              "--sink", "4", "--recent", "16", "--device", "cpu", "--out", str(out)]
+    assert cli.main(common) == 0
+    assert built[-1].layer_groups == [(g, 128) for g in keys]
+    assert json.loads(out.read_text())["settings"]["rotations"]["p"]["layer_groups"] == [[g, 128] for g in keys]
+    with pytest.raises(SystemExit, match="sets key groups per layer"):
+        cli.main([*common, "--int2-parts", "kv-fake"])

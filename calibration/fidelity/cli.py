@@ -175,10 +175,11 @@ def _refuse(msg: str) -> Refusal:
 def _per_layer(rot, overrides: list) -> tuple[list, list[tuple[int, int]]]:
     """A method's rotations and (keys', values') groups of every layer: ``rot``'s, but for the
     layers of each (layers, other rotations) in ``overrides``, which take the other file's."""
-    layers, groups = list(rot.layers), [(rot.meta.group_size, rot.meta.value_group_size)] * len(rot.layers)
+    layers = list(rot.layers)
+    groups = [(gk, rot.meta.value_group_size) for gk in rot.meta.key_group_sizes]
     for ids, other in overrides:
         for i in ids:
-            layers[i], groups[i] = other.layers[i], (other.meta.group_size, other.meta.value_group_size)
+            layers[i], groups[i] = other.layers[i], (other.meta.key_group_sizes[i], other.meta.value_group_size)
     return layers, groups
 
 
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
         for name, path in a.method:  # before the model loads: a bad file fails at once
             rotations[name] = (path, load_rotations(path))
             _check_disjoint(name, rotations[name][1].meta.calib_data)
+            if rotations[name][1].meta.per_layer_key_groups and a.int2_parts != "kv":
+                raise _refuse(f"{path} sets key groups per layer: --int2-parts {a.int2_parts} (fake quantisation) "
+                              f"takes one group size; use --int2-parts kv")
         if not os.path.isfile(os.path.join(a.model, "config.json")):
             raise _refuse(f"{a.model}: not a model folder (no config.json)")
         model, tok = _load_model(a.model, a.device, a.dtype)
@@ -340,7 +344,7 @@ def main(argv=None) -> int:
                               "value_group_size": r.meta.value_group_size, "scale_dtype": r.meta.scale_dtype,
                               "created": r.meta.created,
                               **({"layer_groups": [list(g) for g in _per_layer(r, overrides)[1]]}
-                                 if overrides or a.bf16_layers else {})}
+                                 if overrides or a.bf16_layers or r.meta.per_layer_key_groups else {})}
                           for n, (p, r) in rotations.items()},
             **({"layer_rotations": [{"file": os.path.abspath(p), "layers": ids, "recipe_detail": o.meta.recipe_detail,
                                      "group_size": o.meta.group_size, "value_group_size": o.meta.value_group_size,

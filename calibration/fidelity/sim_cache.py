@@ -251,9 +251,8 @@ def per_layer_groups(num_layers: int, group_size, value_group_size=None) -> list
 class HybridKVSim(_KVSim):
     """The server's hybrid INT2 + BF16 sink/ring cache, through the server's HybridAttention.
     ``group_size``: the keys' INT2 group; ``value_group_size``: the values' (default: the keys');
-    either may be a list with one size per layer (HybridAttention sizes its Triton launches and
-    the debias from layer 0, so mixed sizes are refused with ``key_debias`` or where layer 0's
-    groups span the head and another's do not); ``key_debias``: HybridAttention's."""
+    either may be a list with one size per layer (as a version-4 rotations file serves them);
+    ``key_debias``: HybridAttention's."""
 
     name = "hybrid"
 
@@ -274,10 +273,6 @@ class HybridKVSim(_KVSim):
         num_slots = max_batch * self.row_len
         sdt = torch_scale_dtype(scale_dtype)
         groups = per_layer_groups(num_layers, group_size, value_group_size)
-        if len(set(groups)) > 1 and (key_debias or len({min(g) >= d for g in groups}) > 1):
-            raise ValueError("a group size per layer: HybridAttention plans its launches and the key debias from "
-                             "layer 0's groups, so the layers must agree on the debias (off) and on whether the "
-                             "groups span the head")
         layers = [allocate_layer(num_slots, h, d, gk, sink_tokens, recent_window,
                                  num_sink_slots=max_batch, num_rows=max_batch,
                                  scale_dtype=sdt, device=self.device, value_group_size=gv)
