@@ -45,7 +45,7 @@ profile() {
 
 rest() {
   ( local suite name
-    for suite in tests/test_server_hybrid_gpu.py $(ls tests/test_server_speculative_gpu.py 2>/dev/null) tests/test_kernels_gpu.py; do
+    for suite in tests/test_per_layer_key_groups_attention.py tests/test_server_speculative_gpu.py tests/test_kernels_gpu.py tests/test_server_hybrid_gpu.py; do
       name="$(basename "$suite" .py)"; step "gpu tests $name"
       # one pytest call per suite: its error report is written when it ends, its servers' logs under --basetemp
       local only=(); [ "$name" = test_server_hybrid_gpu ] && [ -n "${HYBRID_K:-}" ] && only=(-k "$HYBRID_K")
