@@ -118,11 +118,20 @@ def profile_available_bytes_hook(result, kvc, *args, **kwargs):
         raise _reserve_does_not_fit(result, plan)
     gib = 1 << 30
     logger.info("oscar_int2 pool plan: budget %.2f GiB, reserve %.2f GiB (rings %.2f, sinks %.2f,"
-                " rotations %.3f), %d B/token (INT2 groups: keys %d, values %d; %s scales)%s -> %d tokens",
+                " rotations %.3f), %d B/token (INT2 groups: keys %s, values %d; %s scales)%s -> %d tokens",
                 result / gib, plan.fixed_bytes / gib, plan.ring_bytes / gib, plan.sink_store_bytes / gib,
-                plan.rotation_bytes / gib, plan.bytes_per_token, plan.group_size, plan.value_group_size,
+                plan.rotation_bytes / gib, plan.bytes_per_token, key_groups_text(plan.key_group_sizes),
+                plan.value_group_size,
                 plan.scale_dtype, f" + {draft} B/token of the draft model's BF16 KV" if draft else "", tokens)
     return tokens * (plan.bytes_per_token + draft)  # DefaultPoolConfigurator's cell: default_pool_sizing_hook
+
+
+def key_groups_text(groups) -> str:
+    """'16', or per layer 'per layer: 8 x4, 16 x18, 32 x8' (cache layers' key group sizes)."""
+    sizes = sorted(set(groups))
+    if len(sizes) == 1:
+        return str(sizes[0])
+    return "per layer: " + ", ".join(f"{g} x{list(groups).count(g)}" for g in sizes)
 
 
 def _reserve_does_not_fit(result, plan) -> ValueError:

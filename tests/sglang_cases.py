@@ -27,10 +27,11 @@ def hadamard_rotations(shape: ModelShape, group_size: int, model_name: str = "te
 
 
 def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
-                              scale_dtype: str = "float16", value_group_size: int | None = None) -> str:
+                              scale_dtype: str = "float16", value_group_size: int | None = None,
+                              key_group_sizes=None) -> str:
     """A valid rotations file whose every (layer, KV head) has its own random orthogonal
     matrices, so a wrong head slice is visible (values in groups of ``value_group_size``,
-    default ``group_size``)."""
+    default ``group_size``; ``key_group_sizes``: the keys' groups per covered layer, a version-4 file)."""
     shape = ModelShape.from_hf_config(config)
     g = torch.Generator().manual_seed(seed)
 
@@ -44,6 +45,8 @@ def write_distinct_heads_file(path, config, group_size: int = 32, seed: int = 0,
               for _ in shape.attention_layers]
     layout = KVLayout(group_size, group_size if value_group_size is None else value_group_size, scale_dtype)
     meta = make_meta(shape, "test", layout, "oscar")
+    if key_group_sizes is not None:
+        meta.key_group_sizes = tuple(key_group_sizes)
     save_rotations(str(path), Rotations(meta, layers))
     return str(path)
 

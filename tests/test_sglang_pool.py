@@ -187,6 +187,24 @@ def test_attention_over_the_pool_stores_like_the_reference():
     assert not pool.layers[0].k_packed.any()  # other layers untouched
     assert int(pool.index.ring_owner[row]) == 7 and int(pool.index.ring_end[row]) == 20
 
+def test_pool_with_key_groups_per_layer_from_a_version_4_file(tmp_path):
+    """Each cache layer is allocated at its model layer's key groups; the cell size is their sum."""
+    path = write_distinct_heads_file(tmp_path / "rot.safetensors", HYBRID_QWEN3_NEXT, group_size=16,
+                                     value_group_size=64, scale_dtype="float8_e4m3fn", key_group_sizes=(8, 32))
+    layout = RankLayout(start_layer=0, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, tp_rank=0,
+                        tp_size=1, layer_ids=(3, 7))
+    layers, meta = load_rank_rotations(path, HYBRID_QWEN3_NEXT, layout)
+    plan = memory_plan(layout, meta, 4, 8, 5, None)
+    assert plan.key_group_sizes == (8, 32)
+    # per KV head: codes 2 x 16, (scale, min) fp8 of 64/G_K key groups and one value group
+    assert plan.bytes_per_token == 2 * ((32 + (8 + 1) * 2) + (32 + (2 + 1) * 2))
+    pool = small_pool(layers=2, group=16, value_group_size=64, key_group_sizes=plan.key_group_sizes, layer_ids=(3, 7))
+    assert [(lc.key_group_size, lc.value_group_size) for lc in pool.layers] == [(8, 64), (32, 64)]
+    assert pool.plan.bytes_per_token == plan.bytes_per_token
+    assert sum(pool.get_kv_size_bytes()) == pool.plan.pool_bytes(256)
+    with pytest.raises(ValueError, match="3 key group sizes for 2 layers"):
+        small_pool(layers=2, key_group_sizes=(8, 16, 32))
+
 
 # ---------------------------------------------------------------- rotations vs the model
 
