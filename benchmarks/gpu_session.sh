@@ -17,7 +17,9 @@
 # PROFILE_PROMPTS requests of 8k in / 4k out (default: what fills oscar_int2's pool at
 # --mem-fraction-static 0.85: 160 on an H100, 384 on an H200 as in e2e_decode_throughput_*.json);
 # WINDOW_S bounds each configuration's window. SKIP_PROFILE=1 /
-# SKIP_REST=1 leave a part out.
+# SKIP_REST=1 leave a part out. WAIT_PARTS=SECONDS: the SmolLM2 parts come in later calls
+# (`gpu_session_real_model.sh add N`, then `touch /tmp/oscar_blob/COMPLETE`); tinylm-A (.device/models)
+# too, before the speculative suite.
 set -uo pipefail
 R="${RUN_DIR:-/tmp/oscar_session}"
 PY="${PYTHON:-python3}"
@@ -43,16 +45,24 @@ profile() {
   done
 }
 
+waitfor() {  # waitfor PATH SECONDS: a later call's transfer (the parts, tinylm-A) may still be on its way
+  local t=0; while [ ! -e "$1" ] && [ "$t" -lt "$2" ]; do sleep 5; t=$((t + 5)); done
+  [ -e "$1" ] || step "no $1 after $2 s"
+}
+
 rest() {
   ( local suite name
-    for suite in tests/test_per_layer_key_groups_attention.py tests/test_server_speculative_gpu.py tests/test_kernels_gpu.py tests/test_server_hybrid_gpu.py; do
-      name="$(basename "$suite" .py)"; step "gpu tests $name"
+    for suite in tests/test_per_layer_key_groups_attention.py tests/test_kernels_gpu.py tests/test_server_speculative_gpu.py tests/test_server_hybrid_gpu.py; do
+      name="$(basename "$suite" .py)"
+      [ "$name" = test_server_speculative_gpu ] && waitfor .device/models/tinylm-A/config.json 300
+      step "gpu tests $name"
       # one pytest call per suite: its error report is written when it ends, its servers' logs under --basetemp
       local only=(); [ "$name" = test_server_hybrid_gpu ] && [ -n "${HYBRID_K:-}" ] && only=(-k "$HYBRID_K")
       $PY -m pytest -m gpu -v -rfE -p no:cacheprovider --basetemp "$R/pytest_$name" --junitxml "$R/gpu_$name.xml" \
           "${only[@]}" "$suite" > "$R/logs/gpu_$name.log" 2>&1 || step "FAILED gpu tests $name"
     done
     step "gpu tests ended" ) &
+  [ -n "${WAIT_PARTS:-}" ] && waitfor /tmp/oscar_blob/COMPLETE "${WAIT_PARTS}"
   if ls /tmp/oscar_blob/part.* > /dev/null 2>&1; then
     mkdir -p /tmp/oscar_unpack && cat /tmp/oscar_blob/part.* | tar -xf - -C /tmp/oscar_unpack \
       && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/oscar_unpack/wheels/*.whl \
