@@ -89,16 +89,19 @@ def none_yet(command: str, where: str) -> str:
 # ------------------------------------------------------------------------- sections
 
 
-def per_results_file(pattern: str, command: str, where: str, keep=None):
+def per_results_file(pattern: str, command: str, where: str, keep=None, footer=None):
     """Turn ``render_one(path, data) -> [markdown parts]`` into a section renderer over every
-    results file matching ``pattern`` (and ``keep``), or the "no results yet" line."""
+    results file matching ``pattern`` (and ``keep``), or the "no results yet" line; ``footer(datas)``:
+    one closing paragraph for the whole section (definitions shared by every file)."""
     def wrap(render_one):
         @functools.wraps(render_one)
         def render(results_dir: str) -> str:
             files = [f for f in _files(results_dir, pattern) if keep is None or keep(f)]
             if not files:
                 return none_yet(command, where)
-            return "\n\n".join(part for path in files for part in render_one(path, _load(path)))
+            datas = [_load(f) for f in files]
+            parts = [part for path, data in zip(files, datas) for part in render_one(path, data)]
+            return "\n\n".join(parts + ([footer(datas)] if footer else []))
         return render
     return wrap
 
@@ -180,10 +183,26 @@ def _x(v) -> str:
     return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
 
 
+def _steady_decode_definitions(datas: list[dict]) -> str:
+    """What the steady-decode tables' columns mean (once per section)."""
+    fractions = sorted({d.get("settings", {}).get("dt_full_fraction") for d in datas} - {None})
+    return (
+        "Requests sent = as many as fit in oscar_int2's pool, the same count and `--max-running-requests` for every "
+        "configuration (`--cuda-graph-max-bs-decode` the same). Steady decode tok/s: the median of the scheduler's "
+        "'Decode batch' log intervals (each `--decode-log-interval` decode steps) that held decode steps only "
+        "(no prefill, no retraction, the same #running-req at both ends), at full concurrency (#running-req >= "
+        f"{' / '.join(fmt(f, 2) for f in fractions) or '-'} x the largest); in flight = their median #running-req; ms per decode "
+        "step = #running-req / rate. E2e output tok/s: the decode-token counter of /metrics "
+        "(`sglang:realtime_tokens_total{mode=\"decode\"}`) from the first request to the end of each "
+        "configuration's window, and over the first seconds that every configuration's window covers (the ratio is "
+        "of those); a bounded window closed before every request was done (the client was stopped there), so the "
+        "prefill at its start weighs more than in a run to completion.")
+
+
 @per_results_file("e2e_decode_throughput_*.json",
                   "python3 -m benchmarks.e2e --phases steady_32k --configs oscar_int2",
                   "one GPU, one configuration and workload per call, oscar_int2 first; then steady_8k, "
-                  "and the other configurations")
+                  "and the other configurations", footer=_steady_decode_definitions)
 def render_e2e_decode_throughput(path: str, data: dict) -> list[str]:
     parts = []
     configs = data.get("configs", {})
@@ -238,17 +257,6 @@ def render_e2e_decode_throughput(path: str, data: dict) -> list[str]:
                 for k, v in target.items() if isinstance(v, dict)]
     if verdicts:
         parts.append(f"Target (issue 29): {target.get('what', '')}: " + ", ".join(verdicts) + ".")
-    parts.append(
-        "Requests sent = as many as fit in oscar_int2's pool, the same count and `--max-running-requests` for every "
-        "configuration (`--cuda-graph-max-bs-decode` the same). Steady decode tok/s: the median of the scheduler's "
-        "'Decode batch' log intervals (each `--decode-log-interval` decode steps) that held decode steps only "
-        "(no prefill, no retraction, the same #running-req at both ends), at full concurrency (#running-req >= "
-        f"{fmt(st.get('dt_full_fraction'), 2)} x the largest); in flight = their median #running-req; ms per decode "
-        "step = #running-req / rate. E2e output tok/s: the decode-token counter of /metrics "
-        "(`sglang:realtime_tokens_total{mode=\"decode\"}`) from the first request to the end of each "
-        "configuration's window, and over the first seconds that every configuration's window covers (the ratio is "
-        "of those); a bounded window closed before every request was done (the client was stopped there), so the "
-        "prefill at its start weighs more than in a run to completion.")
     return parts
 
 
@@ -843,13 +851,14 @@ def render_fidelity_sweep(path: str, data: dict) -> list[str]:
 # oscar-calibrate's defaults as RESULTS.md states them next to files made with older ones
 # (calibration/calibrate.py, oscar_kernels/contract/layout.py; tests/test_release_readme.py compares)
 CALIBRATE_DEFAULTS = {"variant": "U-H-P", "clip": "none", "key_group": "head_dim / 4", "value_group": "min(128, head_dim)",
-                      "scale_dtype": "float8_e4m3fn"}
+                      "scale_dtype": "float8_e4m3fn", "key_groups": "per-layer"}
 
 
 def calibrate_defaults_text() -> str:
     d = CALIBRATE_DEFAULTS
     clip = "no clip" if d["clip"] == "none" else f"clip {d['clip']}"
-    return (f"{d['variant']}, {clip}, key group {d['key_group']} (32 at head_dim 128), "
+    per_layer = ", per layer G/2, G or 2G at G's mean bytes" if d["key_groups"] == "per-layer" else ""
+    return (f"{d['variant']}, {clip}, key group G = {d['key_group']} (32 at head_dim 128){per_layer}, "
             f"value group {d['value_group']}, {d['scale_dtype']} scales")
 
 
