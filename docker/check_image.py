@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_kernels.contract.rotations_file import load_rotations
     meta = load_rotations(rotations).meta
     print(f"image check: {os.path.basename(rotations)} loads: {meta.num_layers} layers, "
-          f"{meta.num_kv_heads} KV heads, head_dim {meta.head_dim}, key group {meta.group_size}, "
-          f"value group {meta.value_group_size}", flush=True)
+          f"{meta.num_kv_heads} KV heads, head_dim {meta.head_dim}, key groups "
+          f"{'/'.join(map(str, sorted(set(meta.key_group_sizes))))}, value group {meta.value_group_size}", flush=True)
 
     import sglang
     import torch
