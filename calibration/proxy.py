@@ -6,8 +6,9 @@ space (q' = q R_K, k' = k R_K, v' = v R_V; R per KV head, shared by its query he
 
     L   = q' k'^T / sqrt(D)             exact logits (causal entries i >= j)
     L^  = q' Q(k')^T / sqrt(D)          Q = oscar_kernels.int2.fake_quantise with the file's
-                                        clip, group size (keys: group_size, values:
-                                        value_group_size) and scale dtype
+                                        clip, group size (keys: the layer's own,
+                                        key_group_sizes[layer], values: value_group_size)
+                                        and scale dtype
     O   = softmax(L) v'                 exact per-head attention output
     O^  = softmax(L^) Q(v')             with both K and V quantised
 
@@ -37,11 +38,20 @@ METRICS = ("logit_rel", "attn_kl", "out_rel")
 
 
 class ProxyErrors:
-    """Capture callback accumulating the proxy metrics of several rotations at once."""
+    """Capture callback accumulating the proxy metrics of several rotations at once.
 
-    def __init__(self, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0, query_stride: int = 1):
+    ``metrics``: the ones to compute (default all); ``("attn_kl",)`` skips the values and the
+    logit norms (what the key-groups choice of oscar-calibrate needs). Files whose layer has the
+    same key rotation share that layer's exact side (rotated q, k, exact softmax)."""
+
+    def __init__(self, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0, query_stride: int = 1,
+                 metrics=METRICS):
         if query_stride < 1:
             raise ValueError("query_stride must be >= 1")
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown or not metrics:
+            raise ValueError(f"unknown proxy metrics {unknown} (choose from {', '.join(METRICS)})")
+        self.metrics = tuple(m for m in METRICS if m in metrics)
         self.rotations = rotations
         self.sink, self.recent = sink, recent
         self.query_stride = query_stride
@@ -74,61 +84,71 @@ class ProxyErrors:
         exact = None
         if self.sink or self.recent:
             exact = (j[None, :] < self.sink) | (j[None, :] > rows[:, None] - self.recent)
+        scale = 1 / math.sqrt(d)
+        want_logits, want_out = "logit_rel" in self.metrics, "out_rel" in self.metrics
+        seen = None  # (R_K, its exact side) of the previous file
         for name, rot in self.rotations.items():
             lr = rot.layers[layer].to(q.device)
             r_k, r_v = lr.k_rot, lr.v_rot  # [Hkv, D, D]
-            qr = torch.einsum("bhtd,hde->bhte", q, r_k.repeat_interleave(rep, 0))
-            kr = torch.einsum("bhtd,hde->bhte", k, r_k)
-            vr = torch.einsum("bhtd,hde->bhte", v, r_v)
+            if seen is None or not torch.equal(seen[0], r_k):
+                qr = torch.einsum("bhtd,hde->bhte", q, r_k.repeat_interleave(rep, 0))
+                kr = torch.einsum("bhtd,hde->bhte", k, r_k)
+                logits = (qr @ kr.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+                logp = torch.log_softmax(logits.masked_fill(~causal, -math.inf), -1)
+                l2 = float(logits.masked_fill(~causal, 0).double().pow(2).sum()) if want_logits else 0.0
+                seen = (r_k, (qr, kr, logits, logp, logp.exp(), l2))
+            qr, kr, logits, logp, p, l2 = seen[1]
             shift = lr.k_shift[None, :, None, :]  # stored keys are k' - shift; logits compare unshifted
-            kq = (self._fq(kr - shift, lr.k_clip_min, lr.k_clip_max, rot.meta, rot.meta.group_size)
+            kq = (self._fq(kr - shift, lr.k_clip_min, lr.k_clip_max, rot.meta, rot.meta.key_group_sizes[layer])
                   + shift).repeat_interleave(rep, 1)
-            vq = self._fq(vr, lr.v_clip_min, lr.v_clip_max, rot.meta,
-                          rot.meta.value_group_size).repeat_interleave(rep, 1)
-            kr, vr = kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1)
-            scale = 1 / math.sqrt(d)
-            logits = (qr @ kr.transpose(-1, -2)) * scale
             logits_q = (qr @ kq.transpose(-1, -2)) * scale
             if exact is not None:
                 logits_q = torch.where(exact, logits, logits_q)
             s = self.sums[name][layer]
-            s["dl2"] += float((logits_q - logits).masked_fill(~causal, 0).double().pow(2).sum())
-            s["l2"] += float(logits.masked_fill(~causal, 0).double().pow(2).sum())
-            logp = torch.log_softmax(logits.masked_fill(~causal, -math.inf), -1)
+            if want_logits:
+                s["dl2"] += float((logits_q - logits).masked_fill(~causal, 0).double().pow(2).sum())
+                s["l2"] += l2
             logp_q = torch.log_softmax(logits_q.masked_fill(~causal, -math.inf), -1)
-            p, p_q = logp.exp(), logp_q.exp()
             s["kl"] += float((p * (logp - logp_q)).masked_fill(~causal, 0).double().sum())
             s["nq"] += b * hq * rows.numel()
-            out = p @ vr
-            out_q = p_q @ vq if exact is None else (p_q * exact) @ vr + (p_q * ~exact) @ vq
-            s["do2"] += float((out_q - out).double().pow(2).sum())
-            s["o2"] += float(out.double().pow(2).sum())
+            if want_out:
+                p_q = logp_q.exp()
+                vr = torch.einsum("bhtd,hde->bhte", v, r_v)
+                vq = self._fq(vr, lr.v_clip_min, lr.v_clip_max, rot.meta,
+                              rot.meta.value_group_size).repeat_interleave(rep, 1)
+                vr = vr.repeat_interleave(rep, 1)
+                out = p @ vr
+                out_q = p_q @ vq if exact is None else (p_q * exact) @ vr + (p_q * ~exact) @ vq
+                s["do2"] += float((out_q - out).double().pow(2).sum())
+                s["o2"] += float(out.double().pow(2).sum())
 
     def results(self) -> dict:
         """{name: {"layers": [{metric: value}] (one per covered layer, in ``layer_ids`` order),
-    "mean": {metric: mean over layers}}}."""
+    "mean": {metric: mean over layers}}}, for the metrics computed."""
         out = {}
         for name, per_layer in self.sums.items():
             rows = []
             for s in per_layer:
                 if s["nq"] == 0:
                     raise ValueError("the proxy saw no tokens")
-                rows.append({"logit_rel": math.sqrt(s["dl2"] / s["l2"]), "attn_kl": s["kl"] / s["nq"],
-                             "out_rel": math.sqrt(s["do2"] / s["o2"])})
+                row = {"logit_rel": math.sqrt(s["dl2"] / s["l2"]) if "logit_rel" in self.metrics else None,
+                       "attn_kl": s["kl"] / s["nq"],
+                       "out_rel": math.sqrt(s["do2"] / s["o2"]) if "out_rel" in self.metrics else None}
+                rows.append({m: row[m] for m in self.metrics})
             out[name] = {"layers": rows,
-                         "mean": {m: sum(r[m] for r in rows) / len(rows) for m in METRICS}}
+                         "mean": {m: sum(r[m] for r in rows) / len(rows) for m in self.metrics}}
         return out
 
 
 @torch.no_grad()
 def run_proxy(model, windows, rotations: dict[str, Rotations], sink: int = 0, recent: int = 0,
-              device: str = "cpu", progress: bool = True, query_stride: int = 8) -> dict:
+              device: str = "cpu", progress: bool = True, query_stride: int = 8, metrics=METRICS) -> dict:
     """Proxy metrics of each rotations file on the given token windows ([T] int64 each)."""
     from tqdm import tqdm
 
     from .capture import capture_attention
 
-    acc = ProxyErrors(rotations, sink=sink, recent=recent, query_stride=query_stride)
+    acc = ProxyErrors(rotations, sink=sink, recent=recent, query_stride=query_stride, metrics=metrics)
     decoder = getattr(model, model.base_model_prefix, model)
     with capture_attention(model, acc, layers=acc.layer_ids):
         for w in tqdm(list(windows), desc="proxy", unit="window", disable=not progress):

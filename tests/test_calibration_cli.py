@@ -219,7 +219,7 @@ def test_cli_value_group_size(tmp_path, tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(cal, "search_clip", spy)
     out = str(tmp_path / "kv.safetensors")
     args = ["--model", tiny_dir, "--tokens", "256", "--seq-len", "64", "--clip", "channel", "--clip-sample", "64",
-            "--group-size", "8", "--scale-dtype", "float8_e4m3fn", "--quiet"]
+            "--group-size", "8", "--scale-dtype", "float8_e4m3fn", "--key-groups", "uniform", "--quiet"]
     assert main([*args, "--out", out, "--value-group-size", "32"]) == 0
     m = load_rotations(out, expect=model_shape(tiny_dir)).meta
     assert (m.group_size, m.value_group_size, m.scale_dtype) == (8, 32, "float8_e4m3fn")

@@ -130,6 +130,7 @@ def test_report_states_the_calibration_defaults_of_the_code():
     assert KVLayout.resolve(128) == KVLayout(32, 128, DEFAULT_SCALE_DTYPE)
     assert KVLayout.resolve(64) == KVLayout(16, 64, DEFAULT_SCALE_DTYPE)
     assert (d["key_group"], d["value_group"]) == ("head_dim / 4", "min(128, head_dim)")
+    assert d["key_groups"] == calibrate.DEFAULT_KEY_GROUPS
 
 
 def _e2e_fixture(tmp_path: Path) -> Path:
