@@ -54,6 +54,26 @@ def test_layer_split_is_bf16_or_int2_at_its_ends_and_between_them_in_the_middle(
         LayerSplitKVSim(hyb(), bf16(), [n])
 
 
+def test_head_split_is_bf16_or_int2_at_its_ends_and_between_them_in_the_middle(tiny, stream):
+    """No BF16 KV head: the INT2 simulator's logits; every KV head BF16: the BF16 cache's; one head
+    BF16: strictly between."""
+    _, sim_model, _, shape = tiny
+    ids = torch.from_numpy(stream[:L][None])
+    rot = _rot(shape, "naive", 32)
+    n, h = shape.num_layers, shape.num_kv_heads
+    bf16 = lambda: Bf16KVSim(n, h, shape.head_dim, 1, L)
+    hyb = lambda: HybridKVSim(rot.layers, 32, 4, 16, 1, L, scale_dtype=FP8, value_group_size=128)
+    run = lambda sim: _prefill_then_decode(sim_model, sim, ids)
+    ref, int2 = run(bf16()), run(hyb())
+    assert torch.equal(run(LayerSplitKVSim(hyb(), bf16(), bf16_kv_heads=[])), int2)
+    assert torch.equal(run(LayerSplitKVSim(hyb(), bf16(), bf16_kv_heads=range(h))), ref)
+    full = _gap_after_first_chunk(int2, ref)
+    one = _gap_after_first_chunk(run(LayerSplitKVSim(hyb(), bf16(), bf16_kv_heads=[0])), ref)
+    assert 0.05 * full < one < full
+    with pytest.raises(ValueError, match="KV heads"):
+        LayerSplitKVSim(hyb(), bf16(), bf16_kv_heads=[h])
+
+
 def test_a_layer_takes_its_rotations_and_groups_from_another_file(tiny, stream):
     """Layer 0 at key groups 8 (the g8 file's rotation) and the rest at 32: with every other layer
     in BF16, its logits are exactly the uniform g8 cache's, and not the uniform g32 cache's."""
@@ -97,17 +117,19 @@ def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
     common = ["--model", str(tinylm_dir), "--method", f"h={base}", "--no-bf16", "--ppl-len", "128",
               "--ppl-windows", "1", "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3",
               "--sink", "4", "--recent", "16", "--device", "cpu", "--out", str(out)]
-    assert cli.main([*common, "--layer-rotations", f"{g8}:1,3-4", "--bf16-layers", "7"]) == 0
+    assert cli.main([*common, "--layer-rotations", f"{g8}:1,3-4", "--bf16-layers", "7", "--bf16-kv-heads", "1"]) == 0
     groups = [(8, 64) if i in (1, 3, 4) else (32, 128) for i in range(shape.num_layers)]
     assert built[-1].layer_groups == groups
     s = json.loads(out.read_text())["settings"]
     assert s["rotations"]["h"]["layer_groups"] == [list(g) for g in groups] and s["bf16_layers"] == [7]
+    assert s["bf16_kv_heads"] == [1]
     assert s["layer_rotations"][0]["layers"] == [1, 3, 4] and s["layer_rotations"][0]["group_size"] == 8
     assert s["group_size"] == 32  # the method's own file
     for extra, why in ((["--layer-rotations", f"{g8}:1", "--int2-parts", "kv-fake"], "int2-parts kv"),
                        (["--layer-rotations", f"{g8}:1", "--layer-rotations", f"{g8}:1,2"], "given twice"),
                        (["--layer-rotations", f"{g8}:{shape.num_layers}"], "outside"),
-                       (["--bf16-layers", str(shape.num_layers)], "outside")):
+                       (["--bf16-layers", str(shape.num_layers)], "outside"),
+                       (["--bf16-kv-heads", str(shape.num_kv_heads)], "outside")):
         with pytest.raises(SystemExit, match=why):
             cli.main([*common, *extra])
 

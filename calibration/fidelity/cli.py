@@ -23,7 +23,8 @@ min per rotated channel over each page of P positions (simulator only; no kernel
 Per layer: ``--layer-rotations FILE:LAYERS`` gives those layers the rotations, key and value
 groups of another rotations file of the same model (one calibrated for those groups), so a
 layout can spend its bytes unevenly over the layers (kernels' numerics, reference path);
-``--bf16-layers LAYERS`` keeps those layers' K/V in BF16, to charge the INT2 loss to layers.
+``--bf16-layers LAYERS`` keeps those layers' K/V in BF16, to charge the INT2 loss to layers;
+``--bf16-kv-heads HEADS`` keeps those KV heads' K/V in BF16 in every layer, to charge it to heads.
 """
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "from FILE (same model and scale dtype) in every method (repeatable, disjoint layers)")
     ap.add_argument("--bf16-layers", type=layer_list, default=[], metavar="LAYERS",
                     help="these layers keep K/V in BF16 in every method (attribution of the INT2 loss to layers)")
+    ap.add_argument("--bf16-kv-heads", type=layer_list, default=[], metavar="HEADS",
+                    help="these KV heads (e.g. 0,2) keep K/V in BF16 in every INT2 layer of every method "
+                         "(attribution of the INT2 loss to KV heads)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
     return ap
 
@@ -190,7 +194,8 @@ def _build_sim(rot, a, shape, max_len: int, overrides: list = ()):
     if rot is None:
         return bf16()
     sim = _build_int2_sim(rot, a, max_len, overrides)
-    return LayerSplitKVSim(sim, bf16(), a.bf16_layers) if a.bf16_layers else sim
+    split = a.bf16_layers or a.bf16_kv_heads
+    return LayerSplitKVSim(sim, bf16(), a.bf16_layers, a.bf16_kv_heads) if split else sim
 
 
 def _build_int2_sim(rot, a, max_len: int, overrides: list):
@@ -282,6 +287,9 @@ def main(argv=None) -> int:
         bad = [i for i in a.bf16_layers if i >= shape.num_layers]
         if bad:
             raise _refuse(f"--bf16-layers {bad}: outside the model's {shape.num_layers} layers")
+        bad = [h for h in a.bf16_kv_heads if h >= shape.num_kv_heads]
+        if bad:
+            raise _refuse(f"--bf16-kv-heads {bad}: outside the model's {shape.num_kv_heads} KV heads")
     except RotationsFileError as e:
         raise _refuse(str(e)) from None
 
@@ -344,7 +352,8 @@ def main(argv=None) -> int:
                               "value_group_size": r.meta.value_group_size, "scale_dtype": r.meta.scale_dtype,
                               "created": r.meta.created,
                               **({"layer_groups": [list(g) for g in _per_layer(r, overrides)[1]]}
-                                 if overrides or a.bf16_layers or r.meta.per_layer_key_groups else {})}
+                                 if overrides or a.bf16_layers or a.bf16_kv_heads or r.meta.per_layer_key_groups
+                                 else {})}
                           for n, (p, r) in rotations.items()},
             **({"layer_rotations": [{"file": os.path.abspath(p), "layers": ids, "recipe_detail": o.meta.recipe_detail,
                                      "group_size": o.meta.group_size, "value_group_size": o.meta.value_group_size,
@@ -352,6 +361,7 @@ def main(argv=None) -> int:
                                     for (p, _), (ids, o) in zip(a.layer_rotations, overrides)]}
                if overrides else {}),
             **({"bf16_layers": a.bf16_layers} if a.bf16_layers else {}),
+            **({"bf16_kv_heads": a.bf16_kv_heads} if a.bf16_kv_heads else {}),
             "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
         },
         "methods": {},

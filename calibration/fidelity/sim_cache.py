@@ -344,16 +344,24 @@ class LayerSplitKVSim(_KVSim):
     """Attribution: the layers in ``bf16_layers`` attend through ``bf16`` (a Bf16KVSim), every
     other layer through ``int2`` (an INT2 simulator); both hold every layer and advance together.
     With no BF16 layer it is ``int2``; with all of them, ``bf16``: the INT2 loss of a model can
-    so be split over its layers (and the layers' shares compared with their sum)."""
+    so be split over its layers (and the layers' shares compared with their sum). ``bf16_kv_heads``
+    splits it over KV heads instead: in every INT2 layer, the query heads of those KV heads take
+    ``bf16``'s output (both caches attend; the KV heads' caches are independent, so this is the
+    cache with those heads in BF16)."""
 
-    def __init__(self, int2: _KVSim, bf16: Bf16KVSim, bf16_layers):
+    def __init__(self, int2: _KVSim, bf16: Bf16KVSim, bf16_layers=(), bf16_kv_heads=()):
         if (int2.num_layers, int2.max_batch, int2.max_len) != (bf16.num_layers, bf16.max_batch, bf16.max_len):
             raise ValueError("the INT2 and BF16 simulators must have the same layers, batch and length")
         bad = sorted(set(bf16_layers) - set(range(int2.num_layers)))
         if bad:
             raise ValueError(f"BF16 layers {bad} outside the model's {int2.num_layers}")
+        heads = bf16.k[0].shape[2]
+        bad = sorted(set(bf16_kv_heads) - set(range(heads)))
+        if bad:
+            raise ValueError(f"BF16 KV heads {bad} outside the model's {heads}")
         super().__init__(int2.num_layers, int2.max_batch, int2.max_len, int2.device)
         self.int2, self.bf16, self.bf16_layers = int2, bf16, frozenset(bf16_layers)
+        self.bf16_kv_heads, self.num_kv_heads = sorted(set(bf16_kv_heads)), heads
 
     def begin(self, batch: int) -> None:
         super().begin(batch)
@@ -366,5 +374,12 @@ class LayerSplitKVSim(_KVSim):
         self.bf16.advance(tokens)
 
     def attend(self, layer_idx, q, k, v, scaling):
-        sim = self.bf16 if layer_idx in self.bf16_layers else self.int2
-        return sim.attend(layer_idx, q, k, v, scaling)
+        if layer_idx in self.bf16_layers:
+            return self.bf16.attend(layer_idx, q, k, v, scaling)
+        o = self.int2.attend(layer_idx, q, k, v, scaling)
+        if not self.bf16_kv_heads:
+            return o
+        exact = self.bf16.attend(layer_idx, q, k, v, scaling)  # [B, T, Hq, D]; query head j reads KV head j // rep
+        rep = q.shape[1] // self.num_kv_heads
+        heads = torch.tensor([j for h in self.bf16_kv_heads for j in range(h * rep, (h + 1) * rep)], device=o.device)
+        return o.index_copy(2, heads, exact.index_select(2, heads))
