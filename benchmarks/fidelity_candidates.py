@@ -32,6 +32,7 @@ there into ``--out``. Candidates (``CANDIDATES``):
   ``--clip head`` (``*_oscar_cliphead``), ``g8-clip-layer`` with ``--group-size 8`` (``*_oscar_g8_cliplayer``);
 - ``tok131k``: the default recipe on 131,072 calibration tokens (``--tokens 131072``, ``*_oscar_tok131k``);
 - ``bf16-L<a>-<b>``: attribution, layers a..b keep K/V in BF16 (``oscar-eval --bf16-layers``), the rest the default;
+- ``bf16-H<h>``: attribution, KV head h keeps K/V in BF16 in every layer (``oscar-eval --bf16-kv-heads``);
 - ``layers-42`` / ``-44`` / ``-46``: key groups per layer (``oscar-eval --layer-rotations``: those layers take the
   rotations of ``*_oscar_g8`` or ``*_oscar_g32``, ``oscar-calibrate --group-size 32 --value-group-size 64``),
   chosen by ``benchmarks.layer_layout`` on the calibration text's per-layer attention KL
@@ -104,6 +105,9 @@ CANDIDATES = {
 CANDIDATES.update({f"bf16-L{lo}-{lo + 4}": ("oscar", ["--bf16-layers", f"{lo}-{lo + 4}"],
                                             f"attribution: layers {lo}-{lo + 4} keep K/V in BF16")
                    for lo in range(0, 30, 5)})
+# ... and per KV head: one KV head keeps its K/V in BF16 in every layer (SmolLM2's 3 KV heads)
+CANDIDATES.update({f"bf16-H{h}": ("oscar", ["--bf16-kv-heads", str(h)],
+                                  f"attribution: KV head {h} keeps K/V in BF16 in every layer") for h in range(3)})
 # key groups per layer (benchmarks.layer_layout over layer_proxy_smollm2.json: the attention KL of each
 # layer at key groups 32 / 16 / 8 / 4 on the calibration text, S 16, W 128), values g64 everywhere
 _LAYOUTS = {42: ([7, 14, 18, 20], [0, 1, 6, 10, 11, 12, 13, 25]),

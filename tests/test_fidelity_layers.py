@@ -97,14 +97,8 @@ def test_a_layer_takes_its_rotations_and_groups_from_another_file(tiny, stream):
     assert torch.equal(debiased(mixed_layers, [8] + [32] * (n - 1)), debiased(b.layers, 8))
 
 
-def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
-    """--layer-rotations builds the kernels' cache with the other file's groups at its layers and
-    records them; --bf16-layers wraps every method's cache; bad uses are refused."""
-    from calibration.fidelity import cli
-    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
-    base, g8 = tmp_path / "base.safetensors", tmp_path / "g8.safetensors"
-    save_rotations(str(base), _rot(shape, "hadamard", 32))
-    save_rotations(str(g8), _rot(shape, "hadamard", 8, vg=64))
+def _spy_on_built_caches(cli, monkeypatch) -> list:
+    """The HybridKVSim instances oscar-eval builds, in order."""
     built = []
 
     class HybridSpy(cli.HybridKVSim):
@@ -113,10 +107,27 @@ def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
             built.append(self)
 
     monkeypatch.setattr(cli, "HybridKVSim", HybridSpy)
+    return built
+
+
+def _small_eval(model_dir, method: str, out) -> list[str]:
+    """oscar-eval arguments of one tiny perplexity window, no BF16 run."""
+    return ["--model", str(model_dir), "--method", method, "--no-bf16", "--ppl-len", "128", "--ppl-windows", "1",
+            "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3", "--sink", "4", "--recent", "16",
+            "--device", "cpu", "--out", str(out)]
+
+
+def test_oscar_eval_layer_options(tinylm_dir, tmp_path, monkeypatch):
+    """--layer-rotations builds the kernels' cache with the other file's groups at its layers and
+    records them; --bf16-layers wraps every method's cache; bad uses are refused."""
+    from calibration.fidelity import cli
+    shape = ModelShape.from_hf_config(json.loads((tinylm_dir / "config.json").read_text()))
+    base, g8 = tmp_path / "base.safetensors", tmp_path / "g8.safetensors"
+    save_rotations(str(base), _rot(shape, "hadamard", 32))
+    save_rotations(str(g8), _rot(shape, "hadamard", 8, vg=64))
+    built = _spy_on_built_caches(cli, monkeypatch)
     out = tmp_path / "fid.json"
-    common = ["--model", str(tinylm_dir), "--method", f"h={base}", "--no-bf16", "--ppl-len", "128",
-              "--ppl-windows", "1", "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3",
-              "--sink", "4", "--recent", "16", "--device", "cpu", "--out", str(out)]
+    common = _small_eval(tinylm_dir, f"h={base}", out)
     assert cli.main([*common, "--layer-rotations", f"{g8}:1,3-4", "--bf16-layers", "7", "--bf16-kv-heads", "1"]) == 0
     groups = [(8, 64) if i in (1, 3, 4) else (32, 128) for i in range(shape.num_layers)]
     assert built[-1].layer_groups == groups
@@ -145,18 +156,9 @@ def test_oscar_eval_serves_a_files_own_key_groups_per_layer(tinylm_dir, tmp_path
     keys = [8 if i % 3 == 0 else 32 for i in range(shape.num_layers)]
     path = tmp_path / "per_layer.safetensors"
     save_rotations(str(path), dataclasses.replace(rot, meta=dataclasses.replace(rot.meta, key_group_sizes=keys)))
-    built = []
-
-    class HybridSpy(cli.HybridKVSim):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            built.append(self)
-
-    monkeypatch.setattr(cli, "HybridKVSim", HybridSpy)
+    built = _spy_on_built_caches(cli, monkeypatch)
     out = tmp_path / "fid.json"
-    common = ["--model", str(tinylm_dir), "--method", f"p={path}", "--no-bf16", "--ppl-len", "128",
-              "--ppl-windows", "1", "--chunk", "64", "--passkey-trials", "0", "--corpus-mb", "0.3",
-              "--sink", "4", "--recent", "16", "--device", "cpu", "--out", str(out)]
+    common = _small_eval(tinylm_dir, f"p={path}", out)
     assert cli.main(common) == 0
     assert built[-1].layer_groups == [(g, 128) for g in keys]
     assert json.loads(out.read_text())["settings"]["rotations"]["p"]["layer_groups"] == [[g, 128] for g in keys]
