@@ -24,14 +24,18 @@ acceptance off that move, moves the INT2 cells and commits the BF16 sinks and ri
 verify. The verify plan allocates, so verify runs without CUDA graphs (the refusals turn the
 decode graph, which SGLang captures as the verify under speculation, off).
 
-STANDALONE (a draft model; SGLang's EAGLE-family V2 worker) verifies the same way, a chain
-(--speculative-eagle-topk 1: the refusals serve no draft-model trees), but SGLang accepts a chain
-with no ``move_kv_cache``: the one call it makes on the target's pool after every EAGLE-family
-verify is ``clear_unaccepted_c128_draft_states(req_pool_indices, seq_lens, accept_lens,
-num_draft_tokens)`` (eagle_worker_common.run_eagle_verify, after eagle_sample; only DeepSeek-V4's
-pool defines it upstream), so the pool defines it and :meth:`commit_chain` commits the first
-``accept_lens[b]`` drafts there. The draft model's own KV is SGLang's ordinary BF16 pool behind an
-ordinary backend (plugin.build_token_to_kv_pool_hook, refusals' draft attention backend).
+SGLang's EAGLE-family V2 worker -- STANDALONE (a draft model), EAGLE and EAGLE3 (drafts fed the
+target's hidden states) and NEXTN (the target's MTP layers, resolved to EAGLE): one verify path for
+all four, refusals' module doc -- verifies the same way, a chain (--speculative-eagle-topk 1: the
+refusals serve no draft-model trees), but SGLang accepts a chain with no ``move_kv_cache``: the
+one call it makes on the target's pool after every EAGLE-family verify is
+``clear_unaccepted_c128_draft_states(req_pool_indices, seq_lens, accept_lens, num_draft_tokens)``
+(eagle_worker_common.run_eagle_verify, after eagle_sample; only DeepSeek-V4's pool defines it
+upstream), so the pool defines it and :meth:`commit_chain` commits the first ``accept_lens[b]``
+drafts there. The draft's own KV is SGLang's ordinary BF16 pool behind an
+ordinary backend (plugin.build_token_to_kv_pool_hook, refusals' draft attention backend); the
+hidden states EAGLE's target forwards capture for the draft (CaptureHiddenMode.FULL, EAGLE3's aux
+layers) are the model's layer outputs, taken outside this backend.
 """
 from __future__ import annotations
 
@@ -157,7 +161,7 @@ class OscarAttnBackend(AttentionBackend):
         built), with the oscar settings of its server arguments."""
         sa, mc = model_runner.server_args, model_runner.model_config
         settings = oscar_settings(sa)
-        spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM, STANDALONE (refusals)
+        spec = getattr(sa, "speculative_algorithm", None) is not None  # NGRAM, the EAGLE family (refusals)
         # the most drafts a verify may hold (more than --speculative-num-draft-tokens under
         # --speculative-adaptive: ServerArgs.max_speculative_num_draft_tokens)
         drafts = max(int(getattr(sa, name, None) or 0) for name in
@@ -242,7 +246,7 @@ class OscarAttnBackend(AttentionBackend):
             self._plan_verify(forward_batch)
             return
         raise NotImplementedError(f"oscar backend: forward mode {mode.name} is not supported "
-                                  "(of speculative decoding, oscar_int2 serves the NGRAM and STANDALONE verify)")
+                                  "(of speculative decoding, oscar_int2 serves the NGRAM and EAGLE-family verify)")
 
     def _plan_verify(self, fb) -> None:
         """Reads ``req_pool_indices, seq_lens, positions, out_cache_loc`` and ``spec_info``'s
@@ -297,7 +301,7 @@ class OscarAttnBackend(AttentionBackend):
         rings at prefix + accepted. Once per verify; device ops, no host sync."""
         if self._pending_verify is None:
             raise NotImplementedError("an EAGLE-family acceptance is supported with --kv-cache-dtype oscar_int2 "
-                                      "only right after a STANDALONE chain verify (one commit per verify)")
+                                      "only right after an EAGLE-family chain verify (one commit per verify)")
         slots, b, t, chain = self._pending_verify
         if not chain or int(num_draft_tokens) != t:
             raise NotImplementedError(f"oscar_int2 commits an EAGLE-family acceptance of a chain verify only "

@@ -133,7 +133,7 @@ class OscarMemoryPlan:
     def max_total_tokens(self, budget_bytes: int, extra_bytes_per_token: int = 0) -> int:
         """The largest page-aligned token count whose pool fits in ``budget_bytes``, beside
         ``extra_bytes_per_token`` of other per-token KV sized to the same count (a draft
-        model's BF16 pool under STANDALONE speculation: plugin.draft_kv_bytes_per_token)."""
+        model's BF16 pool under EAGLE-family speculation: plugin.draft_kv_bytes_per_token)."""
         p = self.page_size
         per_page = p * (self.bytes_per_token + extra_bytes_per_token) + INDEX_BYTES
         pages = (budget_bytes - self.fixed_bytes) // per_page

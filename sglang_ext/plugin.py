@@ -14,7 +14,8 @@ attention backend (also among SGLang's deterministic backends) and the ``--warmu
 ``oscar_prefix_read`` (:mod:`sglang_ext.warmup`, which the oscar_int2 defaults add), and
 installs :func:`hooks` through :mod:`sglang_ext.sglang_bridge` (SGLang's HookRegistry): the KV
 dtype and its INT2 bytes per token; the KV budget less the fixed reserve (rings, sink store,
-rotations, sink index; with a STANDALONE draft model, its BF16 KV beside the INT2 cells) and at
+rotations, sink index; with an EAGLE-family draft -- STANDALONE, EAGLE, EAGLE3, NEXTN -- its BF16 KV
+beside the INT2 cells) and at
 most the reserved request rows; the :class:`OscarKVPool` (the target's only: a draft model's
 runner gets SGLang's ordinary pool; for a
 Gated DeltaNet hybrid, inside SGLang's hybrid linear pool, over the full-attention layers; for a
@@ -61,7 +62,8 @@ def configure_kv_cache_dtype_hook(original, *args, **kwargs):
     if kwargs.get("server_args_kv_cache_dtype") != OSCAR_KV_DTYPE:
         return original(*args, **kwargs)
     if kwargs.get("is_draft_worker"):
-        # a STANDALONE draft model keeps its own KV in SGLang's ordinary pool, in the model's
+        # an EAGLE-family draft (STANDALONE, EAGLE, EAGLE3, NEXTN: every draft runner is a
+        # TpModelWorker(is_draft_worker=True)) keeps its own KV in SGLang's ordinary pool, in the model's
         # dtype (what --kv-cache-dtype auto gives it): build_token_to_kv_pool_hook's doc says why
         resolved, dtype = original(*args, **{**kwargs, "server_args_kv_cache_dtype": "auto"})
         return resolved or "auto", dtype
@@ -79,19 +81,52 @@ def is_draft(kvc) -> bool:
     return bool(getattr(kvc, "is_draft_worker", False))
 
 
+_DRAFT_GEOMETRY: dict = {}
+
+
+def draft_kv_geometry(kvc):
+    """(KV heads on this attention-TP rank, K head_dim, V head_dim) of the draft model whose
+    runner SGLang builds beside this target (--speculative-draft-model-path, read as SGLang reads
+    it: ModelConfig.from_server_args(is_draft_model=True), which names a NEXTN draft's MTP
+    architecture), or None when there is no draft path or its config cannot be read (the target's
+    geometry is then charged, SGLang's own assumption). Once per process and draft."""
+    sa = kvc.server_args
+    path = getattr(sa, "speculative_draft_model_path", None)
+    if path is None:
+        return None
+    tp = kvc.ps.attn_tp_size
+    key = (str(path), getattr(sa, "speculative_draft_model_revision", None), tp)
+    if key not in _DRAFT_GEOMETRY:
+        try:
+            from .sglang_bridge import ModelConfig
+
+            mc = ModelConfig.from_server_args(sa, model_path=key[0], model_revision=key[1], is_draft_model=True)
+            _DRAFT_GEOMETRY[key] = (int(mc.get_num_kv_heads(tp)), int(mc.head_dim),
+                                    int(getattr(mc, "v_head_dim", None) or mc.head_dim))
+        except Exception as e:  # SGLang's own draft runner reports a config it cannot read
+            logger.warning("oscar: cannot read the draft model's KV geometry from %s (%s: %s); charging "
+                           "its KV at the target's", path, type(e).__name__, e)
+            _DRAFT_GEOMETRY[key] = None
+    return _DRAFT_GEOMETRY[key]
+
+
 def draft_kv_bytes_per_token(kvc, plan) -> int:
-    """Bytes per token of the target's STANDALONE/EAGLE draft model's own KV pool, which SGLang
-    sizes to the target's token count (kv_cache_configurator: the draft runner reuses the
-    target's MemoryPoolConfig): the draft's layers (spec_aux_config.eagle_draft_num_layers) at
-    BF16 with the target's per-layer K/V geometry, SGLang's own assumption when it scales the
-    target's cell size for the draft (DefaultPoolConfigurator.__init__). 0 without a draft model."""
+    """Bytes per token of the target's EAGLE-family draft's own KV pool (STANDALONE, EAGLE,
+    EAGLE3, NEXTN: SpeculativeAlgorithm.is_eagle() or is_standalone(), as SGLang's pool
+    configurator tests it), which SGLang sizes to the target's token count (kv_cache_configurator:
+    the draft runner reuses the target's MemoryPoolConfig): the draft's layers
+    (spec_aux_config.eagle_draft_num_layers; num_nextn_predict_layers for an MTP draft) at BF16
+    with the draft's own K/V geometry (:func:`draft_kv_geometry`; the target's when unknown,
+    SGLang's assumption when it scales the target's cell size for the draft,
+    DefaultPoolConfigurator.__init__). 0 without a draft model."""
     algo = getattr(kvc, "spec_algorithm", None)
     if is_draft(kvc) or algo is None or not (algo.is_eagle() or algo.is_standalone()):
         return 0
-    from .memory import bf16_bytes_per_token
+    from .memory import BF16_BYTES
 
-    layers = getattr(getattr(kvc, "spec_aux_config", None), "eagle_draft_num_layers", None)
-    return bf16_bytes_per_token(int(layers or 0), plan.num_kv_heads, plan.head_dim)
+    layers = int(getattr(getattr(kvc, "spec_aux_config", None), "eagle_draft_num_layers", None) or 0)
+    heads, k_dim, v_dim = draft_kv_geometry(kvc) or (plan.num_kv_heads, plan.head_dim, plan.head_dim)
+    return layers * heads * (k_dim + v_dim) * BF16_BYTES
 
 
 def compute_cell_size_hook(original, configurator, kvc, num_layers):
@@ -185,8 +220,8 @@ def swa_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
 
 
 def default_pool_sizing_hook(result, configurator, kvc, *args, **kwargs):
-    """DefaultPoolConfigurator.__init__, after: the cell is the INT2 bytes per token plus, with a
-    STANDALONE/EAGLE draft model, its BF16 KV (:func:`draft_kv_bytes_per_token`), not SGLang's
+    """DefaultPoolConfigurator.__init__, after: the cell is the INT2 bytes per token plus, with an
+    EAGLE-family draft model, its BF16 KV (:func:`draft_kv_bytes_per_token`), not SGLang's
     INT2 cell x (1 + draft layers / target layers), which would charge the draft's BF16 layers at
     INT2 bytes (and overrun the budget by the difference)."""
     if not is_oscar(kvc.server_args) or is_draft(kvc) or kvc.is_hybrid_swa:
@@ -208,7 +243,7 @@ def resolve_max_num_reqs_hook(result, kvc, *args, **kwargs):
 
 
 def build_token_to_kv_pool_hook(original, kvc, *args, **kwargs):
-    """The oscar pool for the target model; a speculative draft model's runner (STANDALONE)
+    """The oscar pool for the target model; a speculative draft's runner (the EAGLE family)
     gets SGLang's ordinary pool in the model's dtype (configure_kv_cache_dtype_hook), which its
     ordinary attention backend (--speculative-draft-attention-backend, refusals) reads: the draft
     is small, its KV is written at speculative positions by every draft step (no ring/sink

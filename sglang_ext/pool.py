@@ -15,10 +15,12 @@ their final slots with ``move_kv_cache`` (spec_utils.move_accept_tokens_to_targe
 for chains and trees alike); that call is where the pool learns the acceptance, so it goes
 to the attention backend that planned the verify (``verify_commit``, set by
 OscarAttnBackend), which moves the INT2 cells and commits the BF16 sinks and ring. Without
-a planned verify a move is refused. STANDALONE (SGLang's EAGLE-family worker) moves nothing after
-a chain verify; its one pool call after every verify, ``clear_unaccepted_c128_draft_states``
-(a DeepSeek-V4 pool method upstream), carries the acceptance to the backend instead
-(``verify_commit_chain``). The draft model's own KV is SGLang's ordinary BF16 pool, not this one.
+a planned verify a move is refused. SGLang's EAGLE-family worker (STANDALONE, EAGLE, EAGLE3,
+NEXTN: one verify path, refusals' module doc) moves nothing after a chain verify; its one pool
+call after every verify, ``clear_unaccepted_c128_draft_states`` (a DeepSeek-V4 pool method
+upstream), carries the acceptance to the backend instead (``verify_commit_chain``). The draft's
+own KV is SGLang's ordinary BF16 pool, not this one: the draft prefill and the draft extend
+after each verify run on the draft runner, over its own pool.
 """
 from __future__ import annotations
 
@@ -242,8 +244,8 @@ class OscarKVPool(MHATokenToKVPool):
         self.verify_commit(tgt_loc, src_loc)
 
     def clear_unaccepted_c128_draft_states(self, req_pool_indices, seq_lens, accept_lens, num_draft_tokens):
-        """SGLang 0.5.17's one pool call after every EAGLE-family verify (STANDALONE here:
-        eagle_worker_common.run_eagle_verify, right after eagle_sample, before any KV move; named
+        """SGLang 0.5.17's one pool call after every EAGLE-family verify (STANDALONE, EAGLE,
+        EAGLE3, NEXTN alike: eagle_worker_common.run_eagle_verify, right after eagle_sample, before any KV move; named
         for DeepSeek-V4's compressed states, which this pool has none of). req_pool_indices,
         seq_lens int [B] (the prefix before the verify), accept_lens int [B] (accepted drafts,
         draft 0 included), num_draft_tokens the verify's T. A chain's accepted drafts already

@@ -8,6 +8,55 @@ README's table of refused features says why each one breaks).
 :func:`check_oscar_server_args` runs on the resolved ServerArgs (after ``__post_init__``
 and again in ``check_server_args``). Both only read/write ServerArgs attributes, so they
 are testable on CPU with a ServerArgs built without ``__post_init__``.
+
+Speculative decoding (issue 49): NGRAM, and SGLang's EAGLE-family worker with chain drafts
+(--speculative-eagle-topk 1) for STANDALONE, EAGLE, EAGLE3 and NEXTN. What SGLang 0.5.17 does
+for EAGLE / EAGLE3 / NEXTN beside STANDALONE, on the paths that touch the target's pool and
+backend (files under sglang/srt/):
+
+- NEXTN is an alias: arg_groups/speculative_hook.py:52 resolves it (and EAGLE) to EAGLE in
+  ``__post_init__`` (to FROZEN_KV_MTP for a Gemma-4 assistant draft, refused here); for the MTP
+  architectures (GLM-4.x MoE, DeepSeek-V3, Bailing, ...) it sets --speculative-draft-model-path
+  to the target's own folder (:562-577), which configs/model_config.py:577-691 loads as the
+  target's MTP layer(s) (Glm4MoeForCausalLMNextN, ..., Qwen3NextForCausalLMMTP). Steps, topk and
+  draft tokens default to (3, 1, 4), but to a tree (5, 4, 8) for Llama and Grok targets (:795-825):
+  :func:`apply_oscar_defaults` picks the chain when none of the three is given.
+- Worker: spec_info.py:256-302 builds EAGLEWorkerV2 for EAGLE/EAGLE3 (V2 always, overlap or
+  not; MultiLayerEagleWorkerV2 under --enable-multi-layer-eagle, which overrides.py:682/1385 turn
+  on for MiMo-V2 and Step-3.5), StandaloneWorkerV2 (a subclass: standalone_worker_v2.py:138) for
+  STANDALONE. Both verify through the one ``run_eagle_verify`` (eagle_worker_v2.py:1495,
+  eagle_worker_common.py:461): the same TARGET_VERIFY forward (eagle_utils.py:490, planned in
+  the forward when no graph runs), the same ``clear_unaccepted_c128_draft_states`` pool call after
+  eagle_sample (eagle_worker_common.py:590) and, for topk > 1 only, a KV move of the tree's
+  accepted path after that call (:630): the protocol the oscar backend serves for STANDALONE
+  (backend.OscarAttnBackend.commit_chain) serves EAGLE's chains unchanged.
+- What differs is the draft and the hidden states: the target's prefill and verify capture
+  hidden states (CaptureHiddenMode.FULL, eagle_worker_v2.py:1111, eagle_utils.py:545; NULL for
+  STANDALONE), and for EAGLE3 the aux hidden states of the layers its draft names
+  (model_executor/model_runner_components/spec_aux_hidden_state.py:81, the model's
+  set_eagle3_layers_to_capture): both are taken from the decoder layers' outputs by the model and
+  the logits processor, outside the attention backend, so the oscar backend neither sees nor
+  changes them (the hidden states are those of the INT2 cache's attention, like the tokens).
+  EAGLE/NEXTN drafts share the target's embedding and LM head (eagle_worker_v2.py:272-310:
+  weights, no KV); a NextN layer is a decoder layer of its own (layer_id 0 of the draft,
+  models/glm4_moe_nextn.py:69).
+- The draft runner is a TpModelWorker(is_draft_worker=True) in both workers, so the plugin's
+  hooks give it SGLang's ordinary pool in the model's dtype (plugin.configure_kv_cache_dtype_hook,
+  build_token_to_kv_pool_hook), sized to the target's token count and charged to the target's
+  budget at BF16 (plugin.draft_kv_bytes_per_token: SpeculativeAlgorithm.is_eagle() covers EAGLE
+  and EAGLE3; the layers are spec_aux_config.eagle_draft_num_layers, num_nextn_predict_layers for
+  an MTP draft, spec_aux_hidden_state.py:71; the K/V geometry the draft's own config's, which an
+  EAGLE3 draft need not share with the target, plugin.draft_kv_geometry). Its attention backends
+  come from --speculative-draft-attention-backend (speculative/draft_utils.py:43, as for STANDALONE). The
+  draft prefill and the draft extend after each verify (DRAFT_EXTEND_V2,
+  eagle_worker_common.py:176) run on the draft runner over the verify's slots in the draft's own
+  pool: the target's pool is not touched.
+- Refused: trees (topk > 1, as for STANDALONE), --speculative-adaptive (EAGLEWorkerV2 builds one
+  target attention backend per step count, eagle_worker_v2.py:1321, each of which would stage
+  its own verify while the pool commits through one), --enable-multi-layer-eagle (a draft worker
+  with one runner per MTP layer, not checked here; its MiMo-V2 / Step-3.5 targets are
+  sliding-window hybrids, configs/model_config.py:1993-2003, whose speculation is refused) and
+  speculation on hybrid models (a Qwen3-Next / Qwen3.5 MTP draft included).
 """
 from __future__ import annotations
 
@@ -37,21 +86,26 @@ DECODE_GRAPH_BACKENDS = ("full", "disabled")
 # allocates (the verify's virtual decode batch): decode graphs are off with NGRAM.
 SPECULATIVE_DECODE_GRAPH_BACKENDS = ("disabled",)
 
-# --speculative-algorithm values served with oscar_int2 (issue 49): NGRAM (no draft model; its
-# verify is HybridAttention.plan_verify / verify, its acceptance the pool's move_kv_cache) and
-# STANDALONE (a draft model of its own, chain drafts: the same verify, its acceptance the pool's
-# clear_unaccepted_c128_draft_states, the one pool call of SGLang's EAGLE-family worker after a
-# chain verify). The draft model keeps its KV in SGLang's ordinary pool in the model's dtype
-# behind an ordinary backend (DRAFT_ATTENTION_BACKEND unless --speculative-draft-attention-backend
-# names another): it is small, and INT2 would need rotations calibrated for it.
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-DRAFT_MODEL_ALGORITHM = "STANDALONE"
+# --speculative-algorithm values served with oscar_int2 (issue 49; module doc): NGRAM (no draft
+# model; its verify is HybridAttention.plan_verify / verify, its acceptance the pool's move_kv_cache)
+# and SGLang's EAGLE-family worker with chain drafts (DRAFT_MODEL_ALGORITHMS: a draft model of its
+# own, EAGLE/EAGLE3 drafts fed the target's hidden states, NEXTN the target's MTP layers, which
+# SGLang resolves to EAGLE): the same verify, the acceptance the pool's
+# clear_unaccepted_c128_draft_states, the one pool call of that worker after a chain verify. The
+# draft keeps its KV in SGLang's ordinary pool in the model's dtype behind an ordinary backend
+# (DRAFT_ATTENTION_BACKEND unless --speculative-draft-attention-backend names another): it is
+# small, and INT2 would need rotations calibrated for it.
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+SPECULATIVE_ALGORITHMS = ("NGRAM",) + DRAFT_MODEL_ALGORITHMS
+# SGLang's own defaults for a chain (arg_groups/speculative_hook.py:_auto_choose_speculative_params):
+# --speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens
+CHAIN_DEFAULTS = (3, 1, 4)
 # Triton: built wherever the oscar kernels run (no flashinfer needed); flashinfer or fa3 may be named.
 DRAFT_ATTENTION_BACKEND = "triton"
 _OTHER_ALGORITHM_WHY = (
-    "oscar_int2 serves NGRAM and STANDALONE (chain drafts of a separate draft model); the EAGLE/EAGLE3/"
-    "NEXTN drafts (the target's hidden states, MTP layers) and the other draft workers are not wired "
-    "to the 2-bit verify and commit or checked against it yet")
+    "oscar_int2 serves NGRAM and the EAGLE-family chain drafts (STANDALONE, EAGLE, EAGLE3, NEXTN); the "
+    "other draft workers (DFLASH, DSPARK, FROZEN_KV_MTP) are not wired to the 2-bit verify and commit or "
+    "checked against it yet")
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -120,14 +174,28 @@ def apply_oscar_defaults(server_args) -> None:
         server_args.disable_decode_cuda_graph = True
         logger.info("oscar: --speculative-algorithm %s runs its verify without CUDA graphs "
                     "(HybridAttention.plan_verify allocates)", speculative_algorithm(server_args))
-    if speculative_algorithm(server_args) == DRAFT_MODEL_ALGORITHM and \
-            getattr(server_args, "speculative_draft_attention_backend", None) is None:
-        server_args.speculative_draft_attention_backend = DRAFT_ATTENTION_BACKEND
-        logger.info("oscar: the %s draft model keeps its KV in SGLang's ordinary pool, read by "
-                    "--speculative-draft-attention-backend %s", DRAFT_MODEL_ALGORITHM, DRAFT_ATTENTION_BACKEND)
+    if speculative_algorithm(server_args) in DRAFT_MODEL_ALGORITHMS:
+        _apply_draft_defaults(server_args)
     warmups = [w for w in (server_args.warmups or "").split(",") if w]
     if WARMUP_NAME not in warmups and not server_args.skip_server_warmup:  # sglang_ext.warmup
         server_args.warmups = ",".join(warmups + [WARMUP_NAME])
+
+
+def _apply_draft_defaults(sa) -> None:
+    """An EAGLE-family algorithm: the draft on DRAFT_ATTENTION_BACKEND unless named, and chain
+    drafts (CHAIN_DEFAULTS) when no step, width or draft count is given (SGLang would pick a tree
+    for Llama and Grok targets, which the refusals then refuse)."""
+    algo = speculative_algorithm(sa)
+    if getattr(sa, "speculative_draft_attention_backend", None) is None:
+        sa.speculative_draft_attention_backend = DRAFT_ATTENTION_BACKEND
+        logger.info("oscar: the %s draft keeps its KV in SGLang's ordinary pool, read by "
+                    "--speculative-draft-attention-backend %s", algo, DRAFT_ATTENTION_BACKEND)
+    fields = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    if not getattr(sa, "speculative_adaptive", False) and all(getattr(sa, f, None) is None for f in fields):
+        for f, v in zip(fields, CHAIN_DEFAULTS):
+            setattr(sa, f, v)
+        logger.info("oscar: --speculative-algorithm %s drafts chains (--speculative-num-steps %d "
+                    "--speculative-eagle-topk %d --speculative-num-draft-tokens %d)", algo, *CHAIN_DEFAULTS)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -151,19 +219,20 @@ def speculative_algorithm(sa) -> str | None:
 
 
 def _check_speculative(sa) -> None:
-    """NGRAM and STANDALONE are served (SPECULATIVE_ALGORITHMS); every other algorithm is refused
-    in one line (_OTHER_ALGORITHM_WHY), and so is a draft-model path without STANDALONE. Under
-    STANDALONE: chain drafts only (SGLang moves a tree's accepted path through the target's pool
-    after the acceptance call that commits a chain, and refuses trees on a paged backend other
-    than flashinfer/fa3/triton; SGLang resolves the width after __post_init__, so it is checked
-    whenever set) and a draft attention backend that reads SGLang's ordinary pool (not oscar)."""
+    """NGRAM and the EAGLE-family algorithms are served (SPECULATIVE_ALGORITHMS); every other
+    algorithm is refused in one line (_OTHER_ALGORITHM_WHY), and so is a draft-model path without
+    an EAGLE-family algorithm. Under the EAGLE family (module doc): chain drafts only (SGLang
+    moves a tree's accepted path through the target's pool after the acceptance call that commits
+    a chain; SGLang resolves the width after __post_init__, so it is checked whenever set), a
+    draft attention backend that reads SGLang's ordinary pool (not oscar), no adaptive steps and
+    no multi-layer EAGLE worker."""
     algo = speculative_algorithm(sa)
     if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
         raise _refuse(f"--speculative-algorithm {algo}", _OTHER_ALGORITHM_WHY)
-    if getattr(sa, "speculative_draft_model_path", None) is not None and algo != DRAFT_MODEL_ALGORITHM:
+    if getattr(sa, "speculative_draft_model_path", None) is not None and algo not in DRAFT_MODEL_ALGORITHMS:
         raise _refuse(f"--speculative-draft-model-path with --speculative-algorithm {algo}",
-                      f"a draft model is served with --speculative-algorithm {DRAFT_MODEL_ALGORITHM}")
-    if algo != DRAFT_MODEL_ALGORITHM:
+                      f"a draft model is served with --speculative-algorithm {', '.join(DRAFT_MODEL_ALGORITHMS)}")
+    if algo not in DRAFT_MODEL_ALGORITHMS:
         return
     topk = getattr(sa, "speculative_eagle_topk", None)
     if topk is not None and topk > 1:
@@ -174,6 +243,14 @@ def _check_speculative(sa) -> None:
         raise _refuse(f"--speculative-draft-attention-backend {OSCAR_ATTENTION_BACKEND}",
                       "the draft model's KV is SGLang's ordinary pool, read by an ordinary backend "
                       f"(default {DRAFT_ATTENTION_BACKEND}; flashinfer or fa3 also work)")
+    if getattr(sa, "speculative_adaptive", False) and algo != "STANDALONE":  # SGLang drops it for STANDALONE
+        raise _refuse(f"--speculative-adaptive with {algo}",
+                      "SGLang 0.5.17 builds one target attention backend per step count, each of which "
+                      "would stage its own verify while the pool commits through one")
+    if getattr(sa, "enable_multi_layer_eagle", False):
+        raise _refuse(f"--enable-multi-layer-eagle with {algo}",
+                      "the multi-layer EAGLE worker (one draft runner per MTP layer) is not checked with "
+                      "the 2-bit verify and commit")
 
 
 def _check_hicache(sa) -> None:

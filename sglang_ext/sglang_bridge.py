@@ -56,6 +56,8 @@ try:
     # model checks (refusals.py)
     from sglang.srt.configs.hybrid_arch import hybrid_gdn_config, mambaish_config
     from sglang.srt.configs.model_config import AttentionArch
+    # a speculative draft's config, as SGLang reads it (plugin.draft_kv_geometry)
+    from sglang.srt.configs.model_config import ModelConfig
     # server arguments and the launch path (server_args_hooks.py, plugin.py, launcher.py)
     from sglang.launch_server import run_server
     from sglang.srt.server_args import (ATTENTION_BACKEND_CHOICES,
@@ -77,7 +79,7 @@ __all__ = [
     "AddReqResult", "ALLOC_MEMORY_FUNCS", "ATTENTION_BACKEND_CHOICES", "ATTENTION_BACKENDS", "AttentionArch",
     "AttentionBackend", "AttentionType", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES",
     "ForwardMode", "GENERAL_PLUGINS_GROUP", "GenerateReqInput", "GPU_MEMORY_TYPE_KV_CACHE", "HOOK_TARGETS", "Hook",
-    "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "SWAKVPool", "SWA_LAYER_BACKEND", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
+    "HookType", "HostKVCache", "HybridLinearKVPool", "MHATokenToKVPool", "ModelConfig", "SWAKVPool", "SWA_LAYER_BACKEND", "SGLANG_VERSION", "ServerArgs", "SglangBridgeError",
     "add_attention_backend_choices", "add_deterministic_attention_backend_choices",
     "add_server_args_fields", "apply_hooks", "get_token_to_kv_pool", "install_hooks",
     "hybrid_gdn_config", "is_blackwell", "kill_process_tree", "load_plugins", "mambaish_config", "prepare_server_args", "RadixAttention",

@@ -178,7 +178,7 @@ REFUSED = [
     ({"enable_page_major_kv_layout": True}, "--enable-page-major-kv-layout"),
     ({"enable_unified_memory": True}, "--enable-unified-memory"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
-    ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm"),
+    ({"speculative_algorithm": "DFLASH"}, "--speculative-algorithm"),
     ({"dcp_size": 2}, "--dcp-size"),
     ({"enable_prefill_cp": True}, "--enable-prefill-cp"),
     ({"attn_cp_size": 2}, "--attn-cp-size"),
@@ -363,12 +363,17 @@ def test_plugin_path_yaml_config(real_model_dir, tiny_rot, tmp_path):
     (["--oscar-sink-tokens", "100", "--page-size", "64"], "--oscar-sink-tokens 100 exceeds --page-size 64: "
      "--kv-cache-dtype oscar_int2 keeps the sinks on a sequence's first page (use --page-size 128, or "
      "--oscar-sink-tokens 64 or fewer)"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE is not supported"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm DFLASH is not supported"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "{model}", "--speculative-num-steps",
+      "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
+     "--speculative-eagle-topk 2 with EAGLE3 is not supported"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-adaptive"], "--speculative-adaptive with NEXTN is not supported"),
     (["--speculative-algorithm", "NGRAM", "--cuda-graph-backend-decode", "full"],
      "--cuda-graph-backend-decode full is not supported with --kv-cache-dtype oscar_int2: use disabled "
      "(--cuda-graph-backend-decode or --cuda-graph-config) under --speculative-algorithm"),
 ])
 def test_refusals_through_post_init(extra, match, real_model_dir, tiny_rot):
+    extra = [a.replace("{model}", str(real_model_dir)) for a in extra]
     with pytest.raises(OscarConfigError) as ei:
         _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *extra)
     assert match in one_line(ei)
@@ -405,6 +410,27 @@ def test_standalone_resolves_to_a_chain_with_an_ordinary_draft_backend(real_mode
         _prepare(real_model_dir, *spec, "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
                  "--speculative-num-draft-tokens", "4")
     assert one_line(ei).startswith("--speculative-eagle-topk 2 with STANDALONE is not supported")
+
+
+@pytest.mark.parametrize("algo, resolved", [("EAGLE", "EAGLE"), ("EAGLE3", "EAGLE3"), ("NEXTN", "EAGLE")])
+def test_eagle_family_resolves_like_standalone(algo, resolved, real_model_dir, tiny_rot):
+    """EAGLE / EAGLE3 / NEXTN (SGLang resolves NEXTN to EAGLE) resolve under oscar_int2 as
+    STANDALONE does: a chain of (3, 1, 4) -- SGLang itself would pick a tree of (5, 4, 8) for this
+    Llama target, as the run without oscar_int2 shows --, the target on oscar, the draft on Triton,
+    decode graphs off."""
+    spec = ["--speculative-algorithm", algo, "--speculative-draft-model-path", str(real_model_dir)]
+    sa = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *spec)
+    assert sa.speculative_algorithm == resolved
+    assert (sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens) == (3, 1, 4)
+    assert (sa.attention_backend, sa.speculative_draft_attention_backend) == ("oscar", "triton")
+    assert sa.cuda_graph_config.decode.backend == "disabled"
+    sa.check_server_args()
+    plain = _prepare(real_model_dir, *spec)
+    assert (plain.speculative_num_steps, plain.speculative_eagle_topk, plain.speculative_num_draft_tokens) == (5, 4, 8)
+    given = _prepare(real_model_dir, "--kv-cache-dtype", OSCAR_KV_DTYPE, "--oscar-rotations", tiny_rot, *spec,
+                     "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
+                     "--speculative-num-draft-tokens", "6")
+    assert (given.speculative_num_steps, given.speculative_eagle_topk, given.speculative_num_draft_tokens) == (5, 1, 6)
 
 
 def test_ngram_tree_refusal_stays_for_other_kv_caches(real_model_dir):

@@ -76,10 +76,11 @@ class Server:
                 new = min(chunk, r["n"] - start)
                 self.sim.extend([dict(rid=r["rid"], row=r["row"], content=r["rid"], prefix=start, new=new)])
 
-    def verify(self, reqs, parents, topk=None):
+    def verify(self, reqs, parents, topk=None, make_spec=None):
         """reqs: dicts rid, row, n (cached length); parents [B][T]; ``topk``: the spec_info's
-        (EagleVerifyInput.topk; NGRAM's has none). Drafts' K/V content (rid, round n, draft i).
-        Returns per-layer outputs [B*T, HQ*D] and the batch."""
+        (EagleVerifyInput.topk; NGRAM's has none); ``make_spec(t, custom_mask, positions, topk)``:
+        the spec_info itself (e.g. SGLang's EagleVerifyInput), else a namespace of those fields.
+        Drafts' K/V content (rid, round n, draft i). Returns per-layer outputs [B*T, HQ*D] and the batch."""
         sim, t = self.sim, self.t
         rows, seq, slots, pos, masks = [], [], [], [], []
         for r, par in zip(reqs, parents):
@@ -88,8 +89,11 @@ class Server:
             slots.append(sim.pool.req_to_token[r["row"], r["n"]:r["n"] + t].long())
             pos.append(torch.tensor([r["n"] + d for d in _depths(par)]))
             masks.append(full_mask(par, r["n"]))
-        spec = SimpleNamespace(draft_token_num=t, custom_mask=torch.cat(masks), positions=torch.cat(pos),
-                               **({} if topk is None else {"topk": topk}))
+        if make_spec is not None:
+            spec = make_spec(t, torch.cat(masks), torch.cat(pos), topk)
+        else:
+            spec = SimpleNamespace(draft_token_num=t, custom_mask=torch.cat(masks), positions=torch.cat(pos),
+                                   **({} if topk is None else {"topk": topk}))
         fb = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
                              req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq),
                              out_cache_loc=torch.cat(slots), positions=torch.cat(pos), spec_info=spec, rids=None)
@@ -370,10 +374,11 @@ def test_ngram_on_a_hybrid_model_is_refused_in_one_line(sliding, arch, layers):
 
 
 @pytest.mark.parametrize("field, value, flag, why", [
-    ("speculative_algorithm", "eagle", "--speculative-algorithm EAGLE", "serves NGRAM and STANDALONE"),
-    ("speculative_algorithm", "EAGLE3", "--speculative-algorithm EAGLE3", "serves NGRAM and STANDALONE"),
+    ("speculative_algorithm", "dflash", "--speculative-algorithm DFLASH", "serves NGRAM and the EAGLE-family"),
+    ("speculative_algorithm", "FROZEN_KV_MTP", "--speculative-algorithm FROZEN_KV_MTP",
+     "serves NGRAM and the EAGLE-family"),
     ("speculative_draft_model_path", "/models/draft", "--speculative-draft-model-path with --speculative-algorithm "
-     "None", "with --speculative-algorithm STANDALONE")])
+     "None", "with --speculative-algorithm STANDALONE, EAGLE, EAGLE3, NEXTN")])
 def test_other_draft_model_speculation_is_refused_in_one_line(field, value, flag, why):
     from sglang_ext import refusals
     from sglang_ext.settings import OscarConfigError

@@ -42,10 +42,11 @@ def accept_chain(server, fb, reqs, counts):
             server.sim.source[(r["row"], r["n"] + k)] = (r["rid"], r["n"], k)
 
 
-def chain_round(spec, plain, reqs, counts):
+def chain_round(spec, plain, reqs, counts, make_spec=None):
     """One chain verify + acceptance of counts[b] drafts on ``spec``, the same drafts decoded on
-    ``plain``: equal outputs of the accepted drafts and an equal cache. Returns the new lengths."""
-    outs, fb = spec.verify(reqs, [_chain(spec.t)] * len(reqs), topk=1)
+    ``plain``: equal outputs of the accepted drafts and an equal cache. Returns the new lengths.
+    ``make_spec``: Server.verify's (the verify's spec_info, e.g. SGLang's EagleVerifyInput)."""
+    outs, fb = spec.verify(reqs, [_chain(spec.t)] * len(reqs), topk=1, make_spec=make_spec)
     for r in reqs:
         ensure_pages(plain.sim, r["row"], r["n"] + spec.t)
     accept_chain(spec, fb, reqs, counts)
@@ -86,12 +87,12 @@ def test_one_commit_per_verify():
     spec, _ = servers(T, REQS)
     pool = spec.sim.pool
     rows, lens = torch.tensor([3, 1]), torch.tensor([45, 30])
-    with pytest.raises(NotImplementedError, match="right after a STANDALONE chain verify") as e:
+    with pytest.raises(NotImplementedError, match="right after an EAGLE-family chain verify") as e:
         pool.clear_unaccepted_c128_draft_states(rows, lens, torch.tensor([2, 2], dtype=torch.int32), T)
     assert "\n" not in str(e.value)
     _, fb = spec.verify(REQS, [_chain(T)] * 2, topk=1)
     accept_chain(spec, fb, REQS, [2, 1])
-    with pytest.raises(NotImplementedError, match="right after a STANDALONE chain verify"):
+    with pytest.raises(NotImplementedError, match="right after an EAGLE-family chain verify"):
         accept_chain(spec, fb, REQS, [2, 1])
     with pytest.raises(NotImplementedError, match="right after a speculative verify"):
         pool.move_kv_cache(torch.tensor([16]), torch.tensor([16]))
