@@ -52,7 +52,7 @@ waitfor() {  # waitfor PATH SECONDS: a later call's transfer (the parts, tinylm-
 
 rest() {
   ( local suite name
-    for suite in tests/test_per_layer_key_groups_attention.py tests/test_kernels_gpu.py tests/test_server_speculative_gpu.py tests/test_server_hybrid_gpu.py; do
+    for suite in tests/test_per_layer_key_groups_attention.py tests/test_kernels_gpu.py tests/test_server_speculative_gpu.py tests/test_server_eagle_gpu.py tests/test_server_hybrid_gpu.py; do
       name="$(basename "$suite" .py)"
       [ "$name" = test_server_speculative_gpu ] && waitfor .device/models/tinylm-A/config.json 300
       step "gpu tests $name"
