@@ -196,10 +196,20 @@ def run_one(a, name: str, length: int) -> str:
     return f"{name} {length}: {_load(path)['settings']['wall_s']} s"
 
 
-def bytes_of(settings: dict, head_dim: int) -> dict:
+def bytes_of(settings: dict, head_dim: int, num_kv_heads: int | None = None) -> dict:
     """Bytes per token and KV head of a run's layout, keys and values apart: its INT2 layout, or the
     mean over the layers where they differ (``layer_groups`` of --layer-rotations; BF16 layers of
-    --bf16-layers at 2 x head_dim bytes each for K and V)."""
+    --bf16-layers at 2 x head_dim bytes each for K and V); with --bf16-kv-heads, the mean over the
+    ``num_kv_heads`` heads, those at 2 x head_dim bytes each for K and V."""
+    heads = settings.get("bf16_kv_heads") or ()
+    if heads:
+        if not num_kv_heads:
+            raise ValueError("BF16 KV heads: need the model's KV head count")
+        int2 = bytes_of({k: v for k, v in settings.items() if k != "bf16_kv_heads"}, head_dim)
+        share = len(heads) / num_kv_heads
+        out = {k: (1 - share) * int2[k] + share * 2 * head_dim for k in ("key_bytes", "value_bytes")}
+        return {**int2, **out, "bytes_per_token_head": out["key_bytes"] + out["value_bytes"],
+                "bf16_kv_heads": list(heads)}
     rot = next(iter(settings["rotations"].values()))
     groups, bf16 = rot.get("layer_groups"), set(settings.get("bf16_layers", ()))
     if groups or bf16:
@@ -283,7 +293,7 @@ def study(a, shape: dict) -> dict:
         rot = next(iter(st["rotations"].values()))
         changes = CANDIDATES[name][2].format(**rot) if name == "default" else CANDIDATES[name][2]
         row = {"changes": changes, "int2_parts": st.get("int2_parts"), "sink": st["sink"],
-               "recent": st["recent"], **bytes_of(st, d),
+               "recent": st["recent"], **bytes_of(st, d, heads),
                "ring_bytes_per_request": st["recent"] * per_position, "sink_bytes_per_sequence": st["sink"] * per_position,
                "rotations": os.path.basename(next(iter(st["rotations"].values()))["file"]), "ppl": {}}
         for n, data in sorted(by_len.items(), key=lambda kv: int(kv[0])):

@@ -150,6 +150,11 @@ def test_bytes_of_a_layout_per_layer_is_the_mean_over_its_layers():
     bf16 = fc.bytes_of({"rotations": {"oscar": {**_rot("oscar"), "layer_groups": [[16, 64]] * 30}},
                         "bf16_layers": [0, 1, 2, 3, 4]}, 64)
     assert bf16["bytes_per_token_head"] == pytest.approx((5 * 256 + 25 * 42) / 30) and bf16["layers"]["BF16"] == [0, 1, 2, 3, 4]
+    head = fc.bytes_of({"rotations": {"oscar": {**_rot("oscar"), "layer_groups": [[16, 64]] * 30}},
+                        "bf16_kv_heads": [2]}, 64, num_kv_heads=3)
+    assert head["bytes_per_token_head"] == pytest.approx((2 * 42 + 256) / 3) and head["bf16_kv_heads"] == [2]
+    with pytest.raises(ValueError, match="KV head count"):
+        fc.bytes_of({"rotations": {"oscar": _rot("oscar")}, "bf16_kv_heads": [2]}, 64)
     with pytest.raises(ValueError, match="layer_groups"):
         fc.bytes_of({"rotations": {"oscar": _rot("oscar")}, "bf16_layers": [0]}, 64)
 
