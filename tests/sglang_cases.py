@@ -82,3 +82,58 @@ def prefill_in_chunks(sim, check, row: int, rid: str, prompt: int, chunk: int) -
         new = min(chunk, prompt - start)
         outs = sim.extend([dict(rid=rid, row=row, content=rid, prefix=start, new=new)])
         check(sim, outs, row, rid, start, list(range(start, start + new)), rid, 0)
+
+
+def stdlib_token_ids(model_dir, need: int) -> list[int]:
+    """The first ``need`` token ids of the standard library's test sources (shuffled, seed 0) under
+    ``model_dir``'s tokenizer: prompt text for the GPU server tests of random-weight models."""
+    from transformers import AutoTokenizer
+
+    from calibration.text_sources import read_texts, shuffled, stdlib_test_files
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out: list[int] = []
+    for text in read_texts(shuffled(stdlib_test_files(), 0)):
+        out.extend(tok(text, add_special_tokens=False)["input_ids"])
+        if len(out) >= need:
+            return out[:need]
+    raise AssertionError(f"only {len(out)} tokens of text")
+
+
+def calibrate_on_gpu(model_dir, out) -> str:
+    """oscar-calibrate's defaults on CUDA (16,384 tokens in windows of 1,024) into ``out``, as the
+    architecture rows' GPU server tests use it; its last lines on failure."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "calibration.cli", "--model", str(model_dir), "--out", str(out),
+                           "--device", "cuda", "--tokens", "16384", "--seq-len", "1024", "--quiet"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-3:]
+    return str(out)
+
+
+def generate(server, input_ids, new: int, top: int = 0) -> dict:
+    """Greedy /generate of ``new`` tokens (ignore_eos), with the ``top`` most likely tokens per
+    position when ``top``; checked to have produced ``new`` tokens."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
+                                                        "ignore_eos": True}}
+    if top:
+        body.update(return_logprob=True, top_logprobs_num=top)
+    out = server.post("/generate", body)
+    assert isinstance(out, dict) and len(out["output_ids"]) == new, str(out)[:500]
+    return out
+
+
+def gpu_model_dir(arch: str, tmp_path_factory) -> str:
+    """A random-weight model folder of architecture row ``arch`` (calibration.architectures) for a
+    GPU server test; skipped without CUDA."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from calibration import architectures
+
+    return architectures.build_model_dir(arch, str(tmp_path_factory.mktemp("model") / arch))

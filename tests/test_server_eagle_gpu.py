@@ -34,12 +34,12 @@ lengths (meta_info spec_accept_length, the server's average) are printed, not as
 """
 import json
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from sglang_cases import gpu_model_dir, stdlib_token_ids, calibrate_on_gpu, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -73,14 +73,7 @@ def row(request):
 
 @pytest.fixture(scope="module")
 def model_dir(row, tmp_path_factory):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from calibration import architectures
-
-    arch = ROWS[row][0]
-    out = architectures.build_model_dir(arch, str(tmp_path_factory.mktemp("model") / arch))
+    out = gpu_model_dir(ROWS[row][0], tmp_path_factory)
     if row == "nextn":  # the config of a model with one MTP layer (SGLang loads it as the NEXTN draft)
         path = Path(out) / "config.json"
         cfg = json.loads(path.read_text())
@@ -109,38 +102,16 @@ def draft_dir(row, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ids(model_dir):
-    from transformers import AutoTokenizer
-
-    from calibration.text_sources import read_texts, shuffled, stdlib_test_files
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    need = max(o + n for o, n, _ in SINGLE + CONCURRENT)
-    out: list[int] = []
-    for text in read_texts(shuffled(stdlib_test_files(), 0)):
-        out.extend(tok(text, add_special_tokens=False)["input_ids"])
-        if len(out) >= need:
-            return out[:need]
-    pytest.fail(f"only {len(out)} tokens of text")
+    return stdlib_token_ids(model_dir, max(o + n for o, n, _ in SINGLE + CONCURRENT))
 
 
 @pytest.fixture(scope="module")
 def rotations(row, model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("rot") / f"{row}.oscar.safetensors")
-    done = subprocess.run([sys.executable, "-m", "calibration.cli", "--model", model_dir, "--out", out,
-                           "--device", "cuda", "--tokens", "16384", "--seq-len", "1024", "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr.strip().splitlines()[-3:]
-    return out
+    return calibrate_on_gpu(model_dir, tmp_path_factory.mktemp("rot") / f"{row}.oscar.safetensors")
 
 
 def _generate(server, input_ids, new, top=False):
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
-                                                        "ignore_eos": True}}
-    if top:
-        body.update(return_logprob=True, top_logprobs_num=TOP)
-    out = server.post("/generate", body)
-    assert isinstance(out, dict) and len(out["output_ids"]) == new, str(out)[:500]
-    return out
+    return generate(server, input_ids, new, TOP if top else 0)
 
 
 def _run_all(server, ids, top):

@@ -25,12 +25,12 @@ Checks per row (as benchmarks/architectures_serving.py does, plus the radix hit)
   mamba radix cache's snapshot, or the SWA pool's cells of the prefix) gives the cold prefill's tokens.
 """
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from sglang_cases import gpu_model_dir, stdlib_token_ids, calibrate_on_gpu, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -60,47 +60,21 @@ def row(request):
 
 @pytest.fixture(scope="module")
 def model_dir(row, tmp_path_factory):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from calibration import architectures
-
-    return architectures.build_model_dir(row, str(tmp_path_factory.mktemp("model") / row))
+    return gpu_model_dir(row, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def ids(model_dir):
-    from transformers import AutoTokenizer
-
-    from calibration.text_sources import read_texts, shuffled, stdlib_test_files
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    need = max(o + n for o, n in CONCURRENT) + LONG_PROMPT
-    out: list[int] = []
-    for text in read_texts(shuffled(stdlib_test_files(), 0)):
-        out.extend(tok(text, add_special_tokens=False)["input_ids"])
-        if len(out) >= need:
-            return out[:need]
-    pytest.fail(f"only {len(out)} tokens of text")
+    return stdlib_token_ids(model_dir, max(o + n for o, n in CONCURRENT) + LONG_PROMPT)
 
 
 @pytest.fixture(scope="module")
 def rotations(row, model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("rot") / f"{row}.oscar.safetensors")
-    done = subprocess.run([sys.executable, "-m", "calibration.cli", "--model", model_dir, "--out", out,
-                           "--device", "cuda", "--tokens", "16384", "--seq-len", "1024", "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr.strip().splitlines()[-3:]
-    return out
+    return calibrate_on_gpu(model_dir, tmp_path_factory.mktemp("rot") / f"{row}.oscar.safetensors")
 
 
 def _generate(server, ids, max_new_tokens, top=False):
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
-                                                  "ignore_eos": True}}
-    if top:
-        body.update(return_logprob=True, top_logprobs_num=5)
-    return server.post("/generate", body)
+    return generate(server, ids, max_new_tokens, 5 if top else 0)
 
 
 def _greedy(server, ids):

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_cases import generate
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "server_speculative_ngram.json"
@@ -101,13 +103,7 @@ def _requests(ids):
 
 
 def _generate(server, input_ids, new, top=False):
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
-                                                        "ignore_eos": True}}
-    if top:
-        body.update(return_logprob=True, top_logprobs_num=TOP)
-    out = server.post("/generate", body)
-    assert isinstance(out, dict) and len(out["output_ids"]) == new, str(out)[:500]
-    return out
+    return generate(server, input_ids, new, TOP if top else 0)
 
 
 def _with_tops(out):
