@@ -71,7 +71,10 @@ def _config(a, **kw) -> CalibrationConfig:
 
 
 def group_summary(meta) -> str:
-    """'group G' or, when keys and values differ, 'key group G_K, value group G_V'."""
+    """'group G' or, when keys and values differ, 'key group G_K, value group G_V' ('key groups
+    per layer (around G_K)' where the file sets them per layer)."""
+    if meta.per_layer_key_groups:
+        return f"key groups per layer (around {meta.group_size}), value group {meta.value_group_size}"
     if meta.value_group_size == meta.group_size:
         return f"group {meta.group_size}"
     return f"key group {meta.group_size}, value group {meta.value_group_size}"
