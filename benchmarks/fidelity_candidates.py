@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.server_harness import ROOT, save_json
 from benchmarks.targets import bf16_bytes_per_position, window_gap as _gap
-from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, KVLayout
+from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, group_bytes
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "study_candidates_smollm2.json")  # not fidelity_*.json: report.render_fidelity takes those
 DEFAULT_WORK = "/tmp/fidelity_candidates"
@@ -228,15 +228,13 @@ def bytes_of(settings: dict, head_dim: int, num_kv_heads: int | None = None) -> 
                 "value_layout": "per layer, as the keys", "layers": where}
     dt = rot["scale_dtype"]
     vg = settings.get("value_groups") or {"group_size": rot["value_group_size"], "scale_dtype": dt}
-    codes = head_dim // 4
-    values = codes + (head_dim // vg["group_size"]) * 2 * SCALE_DTYPE_BYTES[vg["scale_dtype"]]
+    values = group_bytes(head_dim, vg["group_size"], vg["scale_dtype"])
     page = settings.get("key_channel_page")
     if page:
-        keys = codes + 2 * head_dim * SCALE_DTYPE_BYTES[page["scale_dtype"]] / page["page"]
+        keys = head_dim // 4 + 2 * head_dim * SCALE_DTYPE_BYTES[page["scale_dtype"]] / page["page"]
         key_layout = f"per channel over {page['page']}-position pages, {page['scale_dtype']} scale and min"
     else:
-        total = KVLayout(rot["group_size"], rot["value_group_size"], dt).bytes_per_token_per_head(head_dim)
-        keys = total - codes - (head_dim // rot["value_group_size"]) * 2 * SCALE_DTYPE_BYTES[dt]
+        keys = group_bytes(head_dim, rot["group_size"], dt)
         key_layout = f"per token, groups of {rot['group_size']} channels, {dt} scale and min"
     return {"bytes_per_token_head": keys + values, "key_bytes": keys, "value_bytes": values,
             "key_layout": key_layout, "value_layout": f"per token, groups of {vg['group_size']} channels, "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from oscar_kernels.contract.layout import SCALE_DTYPE_BYTES, KVLayout, group_size_problem
+from oscar_kernels.contract.layout import KVLayout, group_bytes, group_size_problem
 
 # The BF16 sinks and recent window a server keeps by default (sglang_ext.settings'
 # DEFAULT_SINK_TOKENS / DEFAULT_RECENT_WINDOW; calibration does not import sglang_ext, a test
@@ -36,13 +36,9 @@ SERVING_SINK_TOKENS = 16
 SERVING_RECENT_WINDOW = 128
 
 MODES = ("per-layer", "uniform")
+key_bytes = group_bytes  # c(g): the keys' INT2 bytes per token and KV head at groups of g
 DEFAULT_MODE = "per-layer"
 METRIC = "attn_kl"
-
-
-def key_bytes(head_dim: int, group_size: int, scale_dtype: str) -> int:
-    """INT2 key bytes per token and KV head: codes + a scale and a min per group."""
-    return head_dim // 4 + (head_dim // group_size) * 2 * SCALE_DTYPE_BYTES[scale_dtype]
 
 
 def candidate_groups(head_dim: int, group_size: int) -> list[int]:

@@ -261,8 +261,10 @@ class OscarHostKVPool(HostKVCache):
         self.record_sinks(device_pool, host_pages, dev_pages)
         for layer in range(self.layer_num):
             views = device_byte_views(device_pool, layer)
-            staging = torch.zeros((n, self.row_bytes), dtype=torch.uint8, device=dev.device)
-            for name, s, e in self.layer_cells[layer].segments:
+            cells = self.layer_cells[layer]
+            staging = torch.empty((n, self.row_bytes), dtype=torch.uint8, device=dev.device)
+            staging[:, cells.bytes_per_layer:].zero_()  # a narrower layer's padding (empty otherwise)
+            for name, s, e in cells.segments:
                 staging[:, s:e].copy_(views[name].index_select(0, dev).reshape(n, e - s))
             for h, p, k in runs:
                 self.host_rows(layer, h, k).copy_(staging[p:p + k], non_blocking=True)

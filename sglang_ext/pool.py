@@ -94,7 +94,7 @@ def memory_plan(layout: RankLayout, meta: RotationsMeta, sink_tokens: int, recen
         group_size=meta.group_size, scale_dtype=meta.scale_dtype, sink_tokens=sink_tokens,
         recent_window=recent_window, page_size=layout.page_size, num_rows=num_rows,
         num_sink_slots=sink_slots or default_sink_slots(num_rows), value_group_size=meta.value_group_size,
-        key_group_sizes=tuple(x.key_group_size for x in meta.layer_layouts(layout.layer_ids)))
+        key_group_sizes=meta.key_groups_of(layout.layer_ids))
 
 
 def _refuse(what: str):
@@ -393,7 +393,7 @@ def build_pool_for_configurator(kvc, max_total_num_tokens: int, req_to_token_poo
         end_layer=None if hybrid else kvc.layer_info.end_layer,
         enable_memory_saver=bool(getattr(kvc.server_args, "enable_memory_saver", False)),
         value_group_size=meta.value_group_size, layer_ids=layout.layer_ids,
-        key_group_sizes=[x.key_group_size for x in meta.layer_layouts(layout.layer_ids)])
+        key_group_sizes=meta.key_groups_of(layout.layer_ids))
 
 
 def build_hybrid_linear_pool_for_configurator(kvc, max_total_num_tokens: int,

@@ -3,11 +3,14 @@ runs through HybridAttention with one plan per batch shared by every layer: each
 outputs and buffers equal those of the same layer served alone. Reference path, and the Triton
 kernels under the interpreter (OSCAR_FORCE_TRITON=1), with the keys' debias on (its prefix
 rows are planned for the layer with the most groups and sliced per layer); on a GPU (-m gpu)
-the compiled kernels, bit for bit."""
+the compiled kernels. Bit for bit on the reference path and on the GPU; the interpreter's tl.dot
+rounds in the CPU's BLAS order, so there the outputs and buffers are compared within the
+kernel tests' tolerances (a layer read at another layer's groups is off by far more)."""
 import copy
 
 import pytest
 import torch
+from kernel_helpers import assert_attention_close, assert_layers_close
 
 from oscar_kernels import testing as kc
 from oscar_kernels.hybrid_attention import HybridAttention
@@ -50,7 +53,7 @@ def _session(sc, layer_ids, layers, rotations, key_debias, prefix_read):
     return outs
 
 
-def _layers_equal_alone(sc, triton, prefix_read):
+def _layers_equal_alone(sc, triton, prefix_read, bitwise=True):
     g = torch.Generator().manual_seed(7)
     rotations = [kc.random_rotation(H, D, g).to(sc.device) for _ in GROUPS]
     layers = _layers(sc)
@@ -60,16 +63,23 @@ def _layers_equal_alone(sc, triton, prefix_read):
         alone_layer = _layers(sc)[i]
         alone = _session(sc, [i], [alone_layer], [rotations[i]], debias, prefix_read)
         for step, (a, b) in enumerate(zip(together, alone)):
-            assert torch.equal(a[i], b[0]), (GROUPS[i], step)
-        for name in layers[i].__dataclass_fields__:
-            assert torch.equal(getattr(layers[i], name), getattr(alone_layer, name)), (GROUPS[i], name)
+            if bitwise:
+                assert torch.equal(a[i], b[0]), (GROUPS[i], step)
+            else:
+                assert_attention_close(a[i], b[0].float())
+        if bitwise:
+            for name in layers[i].__dataclass_fields__:
+                assert torch.equal(getattr(layers[i], name), getattr(alone_layer, name)), (GROUPS[i], name)
+        else:
+            assert_layers_close(layers[i], alone_layer)
     assert [lc.key_group_size for lc in layers] == list(GROUPS)
 
 
 @pytest.mark.parametrize("triton,prefix_read", [(False, "int2"), (True, "int2"), (True, "bf16")])
 def test_layers_of_different_key_groups_share_one_plan(monkeypatch, triton, prefix_read):
     monkeypatch.setenv("OSCAR_FORCE_TRITON", "1" if triton else "0")
-    _layers_equal_alone(kc.build([64, 64], H=H, D=D, G=16, S=4, W=8, page=8, seed=5, fill=False), triton, prefix_read)
+    _layers_equal_alone(kc.build([64, 64], H=H, D=D, G=16, S=4, W=8, page=8, seed=5, fill=False), triton, prefix_read,
+                        bitwise=not triton)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,11 @@ def packed_dim(head_dim: int) -> int:
     return head_dim // CODES_PER_BYTE
 
 
+def group_bytes(head_dim: int, group_size: int, scale_dtype: str) -> int:
+    """INT2 bytes per token and head of one of K or V: its codes and a (scale, min) per group."""
+    return packed_dim(head_dim) + (head_dim // group_size) * 2 * SCALE_DTYPE_BYTES[scale_dtype]
+
+
 def _whole_planes(head_dim: int) -> tuple[int, ...]:
     """D/4, D/2, D for a head_dim that is a multiple of 4 but not a power of two (96), else ():
     groups of whole D/4-wide planes of int2's plane-major packing."""
@@ -116,5 +121,5 @@ class KVLayout:
     def bytes_per_token_per_head(self, head_dim: int) -> int:
         """INT2 bytes one token costs per KV head for K and V together (codes + scale + min)."""
         self.check(head_dim)
-        groups = head_dim // self.key_group_size + head_dim // self.value_group_size
-        return 2 * packed_dim(head_dim) + groups * 2 * SCALE_DTYPE_BYTES[self.scale_dtype]
+        return (group_bytes(head_dim, self.key_group_size, self.scale_dtype)
+                + group_bytes(head_dim, self.value_group_size, self.scale_dtype))

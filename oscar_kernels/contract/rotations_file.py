@@ -126,15 +126,19 @@ class RotationsMeta:
             raise ValueError("the rotations file sets key groups per layer: use layer_layouts()")
         return KVLayout(self.group_size, self.value_group_size, self.scale_dtype)
 
-    def layer_layouts(self, model_layers=None) -> list[KVLayout]:
-        """The INT2 layout of each of ``model_layers`` (default: the covered layers, in order)."""
+    def key_groups_of(self, model_layers) -> tuple[int, ...]:
+        """The keys' group size of each of ``model_layers`` (model layer indices, any order)."""
         by_layer = dict(zip(self.layer_ids, self.key_group_sizes))
-        lack = [l for l in (model_layers or ()) if l not in by_layer]
+        lack = [l for l in model_layers if l not in by_layer]
         if lack:
             raise ValueError(f"the rotations file covers model layers {format_layers(self.layer_ids)}, "
                              f"not {format_layers(lack)}")
-        return [KVLayout(by_layer[l], self.value_group_size, self.scale_dtype)
-                for l in (self.layer_ids if model_layers is None else model_layers)]
+        return tuple(by_layer[l] for l in model_layers)
+
+    def layer_layouts(self, model_layers=None) -> list[KVLayout]:
+        """The INT2 layout of each of ``model_layers`` (default: the covered layers, in order)."""
+        groups = self.key_group_sizes if model_layers is None else self.key_groups_of(model_layers)
+        return [KVLayout(g, self.value_group_size, self.scale_dtype) for g in groups]
 
     def mean_bytes_per_token_per_head(self) -> float:
         """INT2 bytes per token and KV head (K and V), averaged over the covered layers."""
@@ -263,15 +267,26 @@ def _parse_meta(path: str, md: dict | None) -> RotationsMeta:
     except json.JSONDecodeError:
         raise _fail(path, "metadata recipe_detail is not valid JSON") from None
     layer_ids = _parse_layers(path, md, ints["num_layers"])
-    key_groups = _parse_key_group_sizes(path, md, len(layer_ids) if layer_ids else ints["num_layers"])
-    return RotationsMeta(layer_ids=layer_ids, key_group_sizes=key_groups, architecture=md["architecture"], model_name=md.get("model_name", ""),
+    return RotationsMeta(layer_ids=layer_ids, key_group_sizes=_parse_key_group_sizes(path, md), architecture=md["architecture"], model_name=md.get("model_name", ""),
                          recipe=md["recipe"], recipe_detail=detail,
                          calib_data=md.get("calib_data", ""), scale_dtype=md["scale_dtype"],
                          created=md.get("created", ""), version=md["version"], **ints)
 
 
-def _parse_key_group_sizes(path: str, md: dict, num_covered: int) -> tuple[int, ...] | None:
-    """The ``key_group_sizes`` field of a version-4 file (None otherwise); a bad one in one line."""
+def _json_int_list(path: str, md: dict, field: str, what: str) -> list[int]:
+    """Metadata ``field`` as a JSON list of ints; anything else is refused in one line."""
+    try:
+        values = json.loads(md[field])
+    except json.JSONDecodeError:
+        values = None
+    if not isinstance(values, list) or not all(type(x) is int for x in values):
+        raise _fail(path, f"metadata {field}={md[field]!r} is not a JSON list of {what}")
+    return values
+
+
+def _parse_key_group_sizes(path: str, md: dict) -> tuple[int, ...] | None:
+    """The ``key_group_sizes`` field of a version-4 file (None otherwise; its length and sizes
+    are checked with the tensors, :func:`_validate`); a bad one is refused in one line."""
     if md["version"] != PER_LAYER_GROUPS_VERSION:
         if "key_group_sizes" in md:
             raise _fail(path, f"metadata key_group_sizes in a version {md['version']} file "
@@ -279,15 +294,7 @@ def _parse_key_group_sizes(path: str, md: dict, num_covered: int) -> tuple[int, 
         return None
     if "key_group_sizes" not in md:
         raise _fail(path, f"version {PER_LAYER_GROUPS_VERSION} file without the metadata 'key_group_sizes' field")
-    try:
-        sizes = json.loads(md["key_group_sizes"])
-    except json.JSONDecodeError:
-        sizes = None
-    if not isinstance(sizes, list) or not all(type(g) is int for g in sizes):
-        raise _fail(path, f"metadata key_group_sizes={md['key_group_sizes']!r} is not a JSON list of integers")
-    if len(sizes) != num_covered:
-        raise _fail(path, f"metadata key_group_sizes names {len(sizes)} layers, the file covers {num_covered}")
-    return tuple(sizes)
+    return tuple(_json_int_list(path, md, "key_group_sizes", "integers"))
 
 
 def _parse_layers(path: str, md: dict, num_layers: int) -> tuple[int, ...] | None:
@@ -296,12 +303,7 @@ def _parse_layers(path: str, md: dict, num_layers: int) -> tuple[int, ...] | Non
         if md["version"] not in ("1", ALL_LAYERS_VERSION):
             raise _fail(path, f"version {md['version']} file without the metadata 'layers' field")
         return None
-    try:
-        layers = json.loads(md["layers"])
-    except json.JSONDecodeError:
-        layers = None
-    if not isinstance(layers, list) or not all(type(l) is int for l in layers):
-        raise _fail(path, f"metadata layers={md['layers']!r} is not a JSON list of layer numbers")
+    layers = _json_int_list(path, md, "layers", "layer numbers")
     _check_layer_ids(path, layers, num_layers)
     if md["version"] == ALL_LAYERS_VERSION and layers != list(range(num_layers)):
         raise _fail(path, f"version {ALL_LAYERS_VERSION} file covering only layers {format_layers(layers)} "
